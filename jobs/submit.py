@@ -1,0 +1,120 @@
+"""Launch an rftpipe run: ``python -m jobs.submit [--cluster auto|local|slurm] [--config PATH]
+[--run-dir DIR] [key=value ...]``.
+
+Creating or resuming is decided by the run directory: if it holds a config.yaml, the run
+resumes after its fingerprint check. No torch import here, so this is instant on a login node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rftpipe.config.loader import diff_keys, dump_yaml, fingerprint, load_config, to_dict
+from rftpipe.config.schema import RESUME_SAFE_KEYS, RunConfig
+from rftpipe.errors import UserError
+from rftpipe.store import atomic_write_bytes, atomic_write_json, read_json
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "grpo_smollm2_addition.yaml"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.submit",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--cluster",
+        choices=["auto", "local", "slurm"],
+        default="auto",
+        help="auto: Slurm if `scontrol ping` answers, else run here and block",
+    )
+    p.add_argument(
+        "--config", type=Path, default=None, help=f"YAML config (default: {DEFAULT_CONFIG.name})"
+    )
+    p.add_argument(
+        "--run-dir", type=Path, default=None, help="run directory; an existing one resumes"
+    )
+    p.add_argument(
+        "--repair", action="store_true", help="roll back past corrupt older files on resume"
+    )
+    p.add_argument(
+        "--allow-fingerprint-mismatch",
+        action="store_true",
+        help="resume although config, model or data fingerprints changed",
+    )
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    return p.parse_args(argv)
+
+
+def resolve_config(args: argparse.Namespace, run_dir: Path) -> RunConfig:
+    """New run: config file + overrides. Resume: the run's config + overrides, fingerprint-checked."""
+    saved = run_dir / "config.yaml"
+    if not saved.exists():
+        return load_config(RunConfig, args.config or DEFAULT_CONFIG, args.overrides)
+    old = load_config(RunConfig, saved)
+    new = load_config(RunConfig, args.config or saved, args.overrides)
+    changed = diff_keys(to_dict(old), to_dict(new), exclude=RESUME_SAFE_KEYS)
+    if changed and not args.allow_fingerprint_mismatch:
+        raise UserError(
+            f"resume: {run_dir} was started with a different config ({', '.join(changed)} changed); "
+            "pass --allow-fingerprint-mismatch to resume anyway"
+        )
+    return new
+
+
+def write_run_config(cfg: RunConfig, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(run_dir / "config.yaml", dump_yaml(cfg).encode())
+    info_path = run_dir / "launch.json"
+    info = read_json(info_path) if info_path.exists() else {"created": time.time()}
+    info["config_fingerprint"] = fingerprint(cfg, exclude=RESUME_SAFE_KEYS)
+    atomic_write_json(info_path, info)
+
+
+def slurm_available() -> bool:
+    if shutil.which("scontrol") is None:
+        return False
+    try:
+        out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "UP" in out.stdout
+
+
+def run_local(run_dir: Path, args: argparse.Namespace) -> int:
+    """Run the worker in this process's child and block until it ends."""
+    cmd = [sys.executable, "-m", "rftpipe.worker", str(run_dir)]
+    cmd += ["--repair"] if args.repair else []
+    cmd += ["--allow-fingerprint-mismatch"] if args.allow_fingerprint_mismatch else []
+    return subprocess.run(cmd, env={**os.environ, "WORLD_SIZE": "1"}).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    run_dir = (args.run_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")).resolve()
+    try:
+        cfg = resolve_config(args, run_dir)
+        cluster = args.cluster
+        if cluster == "auto":
+            cluster = "slurm" if slurm_available() else "local"
+        if cluster == "slurm":
+            raise UserError(
+                "--cluster slurm: the Slurm launcher is not built yet; use --cluster local"
+            )
+        write_run_config(cfg, run_dir)
+    except UserError as exc:
+        print(f"rftpipe: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"run directory: {run_dir}", flush=True)
+    return run_local(run_dir, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

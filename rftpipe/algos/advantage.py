@@ -1,0 +1,287 @@
+"""Advantage estimators for outcome-reward RL fine-tuning (GRPO family, RLOO, REINFORCE++).
+
+Every estimator maps an :class:`AdvantageInputs` batch to per-token advantages of shape
+``(B, T)`` in float64 that are exactly zero on padding. Estimators are looked up by name in
+:data:`ADVANTAGE_ESTIMATORS`; :func:`compute_advantages` is the single entry point.
+
+Group statistics (GRPO, Dr. GRPO, RLOO, the REINFORCE++ baseline) are always computed within
+one rank, because the data loader never splits a prompt's group across ranks. Only the global
+token whitening of REINFORCE++ needs cross-rank sums, which go through ``reduce_sum``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+# The names live in the torch-free `names` module so the config schema can import them.
+from rftpipe.algos.names import AdvantageName
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimator",
+    "AdvantageInputs",
+    "AdvantageName",
+    "Reducer",
+    "compute_advantages",
+    "identity",
+]
+
+Reducer = Callable[[Tensor], Tensor]
+"""Sums a tensor across data-parallel ranks (an all-reduce); the identity on a single rank."""
+
+
+def identity(x: Tensor) -> Tensor:
+    """Single-rank :data:`Reducer`: there is nothing to sum over."""
+    return x
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdvantageInputs:
+    """One rank's batch of scored rollouts.
+
+    Attributes:
+        rewards: ``(B,)`` outcome reward per sample; contains no KL term.
+        group_index: ``(B,)`` int64; samples of the same prompt share an index. Groups need
+            not be contiguous and indices need not be dense.
+        response_mask: ``(B, T)`` bool; True on valid response tokens. Each row's valid
+            tokens are expected to be contiguous (right padding), because discounting counts
+            positions.
+        token_kl_penalty: ``(B, T)`` per-token KL penalty already multiplied by its
+            coefficient (KL-in-reward), or None when KL is not put in the reward.
+    """
+
+    rewards: Tensor
+    group_index: Tensor
+    response_mask: Tensor
+    token_kl_penalty: Tensor | None = None
+
+
+class AdvantageEstimator(Protocol):
+    """Signature shared by all entries of :data:`ADVANTAGE_ESTIMATORS`."""
+
+    def __call__(
+        self, inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+    ) -> Tensor: ...
+
+
+def _validate(inputs: AdvantageInputs) -> None:
+    mask = inputs.response_mask
+    if mask.dim() != 2 or mask.dtype != torch.bool:
+        raise ValueError(
+            f"response_mask must be a (B, T) bool tensor, got {mask.dtype} {mask.shape}"
+        )
+    batch = mask.shape[0]
+    if inputs.rewards.shape != (batch,):
+        raise ValueError(f"rewards must have shape ({batch},), got {tuple(inputs.rewards.shape)}")
+    if inputs.group_index.shape != (batch,):
+        raise ValueError(
+            f"group_index must have shape ({batch},), got {tuple(inputs.group_index.shape)}"
+        )
+    kl = inputs.token_kl_penalty
+    if kl is not None and kl.shape != mask.shape:
+        raise ValueError(f"token_kl_penalty must have shape {tuple(mask.shape)}, got {kl.shape}")
+
+
+def _masked_kl(inputs: AdvantageInputs) -> Tensor:
+    """``(B, T)`` float64 KL penalty, zero on padding (padding may hold garbage values)."""
+    mask = inputs.response_mask
+    if inputs.token_kl_penalty is None:
+        return torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+    return torch.where(mask, inputs.token_kl_penalty.to(torch.float64), 0.0)
+
+
+def _sequence_scores(inputs: AdvantageInputs) -> Tensor:
+    """``(B,)`` float64 score per sample: outcome reward minus the summed token KL penalty."""
+    return inputs.rewards.to(torch.float64) - _masked_kl(inputs).sum(dim=-1)
+
+
+def _group_onehot(group_index: Tensor) -> Tensor:
+    """``(G, B)`` float64 membership matrix of the G distinct groups.
+
+    A one-hot matmul is used rather than ``index_add_`` because CUDA scatter-adds use atomics
+    and are therefore not bit-reproducible; B is at most a few thousand, so G x B is small.
+    """
+    unique, inverse = torch.unique(group_index, return_inverse=True)
+    groups = torch.arange(unique.numel(), device=group_index.device)
+    return (groups[:, None] == inverse[None, :]).to(torch.float64)
+
+
+def _group_stats(values: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample statistics of each sample's own group.
+
+    Args:
+        values: ``(B,)`` float64.
+        group_index: ``(B,)`` int64.
+
+    Returns:
+        ``(count, mean, std)``, each ``(B,)`` float64. ``std`` is the unbiased (N-1) sample
+        standard deviation and is 0 for groups of size 1.
+    """
+    onehot = _group_onehot(group_index)
+    counts = onehot.sum(dim=-1)
+    means = (onehot @ values) / counts
+    sample_count = counts @ onehot
+    sample_mean = means @ onehot
+    # Two-pass variance: sum of squared deviations avoids E[x^2]-E[x]^2 cancellation.
+    sq_dev = onehot @ (values - sample_mean).square()
+    var = sq_dev / (counts - 1).clamp(min=1)
+    sample_std = var.sqrt() @ onehot
+    return sample_count, sample_mean, sample_std
+
+
+def _broadcast(per_sample: Tensor, mask: Tensor) -> Tensor:
+    """``(B,)`` -> ``(B, T)``: the sample's value on its valid tokens, 0 on padding."""
+    return torch.where(mask, per_sample[:, None], 0.0)
+
+
+def grpo_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """GRPO: group-standardised sequence score, broadcast to all tokens. ``(B, T)``."""
+    scores = _sequence_scores(inputs)
+    count, mean, std = _group_stats(scores, inputs.group_index)
+    adv = (scores - mean) / (std + eps)
+    # A lone sample has no baseline to compare against, so it carries no signal.
+    adv = torch.where(count > 1, adv, 0.0)
+    return _broadcast(adv, inputs.response_mask)
+
+
+def dr_grpo_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """Dr. GRPO: group-centred sequence score without std scaling. ``(B, T)``."""
+    scores = _sequence_scores(inputs)
+    _, mean, _ = _group_stats(scores, inputs.group_index)
+    return _broadcast(scores - mean, inputs.response_mask)
+
+
+def rloo_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """RLOO: score minus the mean of the other samples of the group. ``(B, T)``."""
+    scores = _sequence_scores(inputs)
+    count, mean, _ = _group_stats(scores, inputs.group_index)
+    # s_i - mean(others) == n/(n-1) * (s_i - mean(all)); clamp keeps n=1 finite before masking.
+    adv = (scores - mean) * count / (count - 1).clamp(min=1)
+    adv = torch.where(count > 1, adv, 0.0)
+    return _broadcast(adv, inputs.response_mask)
+
+
+def _discounted_returns(token_rewards: Tensor, gamma: float) -> Tensor:
+    """``(B, T)`` -> ``(B, T)``: ``G_t = sum_{k >= t} gamma^(k-t) r_k`` along T."""
+    if gamma == 1.0:
+        return token_rewards.flip(-1).cumsum(-1).flip(-1)
+    # A closed form via gamma^-t overflows float64 for long responses, so scan backwards.
+    returns = torch.empty_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+    return returns
+
+
+def _whiten_tokens(values: Tensor, mask: Tensor, *, eps: float, reduce_sum: Reducer) -> Tensor:
+    """Standardise ``values`` ``(B, T)`` over the valid tokens of the global batch.
+
+    Sums rather than means are all-reduced so the result is exact for any split of tokens
+    across ranks. Every rank must call this, even with no valid tokens, because
+    ``reduce_sum`` is a collective.
+    """
+    masked = torch.where(mask, values, 0.0)
+    count = mask.sum().to(torch.float64)
+    stats = reduce_sum(torch.stack([masked.sum(), masked.square().sum(), count]))
+    total, total_sq, n = stats.unbind()
+    n = n.clamp(min=1)
+    mean = total / n
+    std = (total_sq / n - mean.square()).clamp(min=0).sqrt()
+    return torch.where(mask, (values - mean) / (std + eps), 0.0)
+
+
+def _last_token(mask: Tensor) -> Tensor:
+    """``(B, T)`` bool, True only at each row's last valid token (nowhere for empty rows)."""
+    if mask.shape[1] == 0:
+        # amax over an empty dimension raises, and there is no token to mark anyway.
+        return mask.clone()
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask, positions, -1).amax(dim=-1, keepdim=True)
+    return positions == last
+
+
+def _reinforce_pp_from_outcome(
+    outcome: Tensor, inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """REINFORCE++ core: token rewards -> discounted returns -> global whitening. ``(B, T)``.
+
+    Args:
+        outcome: ``(B,)`` float64 outcome reward, placed on each row's last valid token.
+    """
+    mask = inputs.response_mask
+    token_rewards = -_masked_kl(inputs) + torch.where(_last_token(mask), outcome[:, None], 0.0)
+    returns = _discounted_returns(token_rewards, gamma)
+    return _whiten_tokens(returns, mask, eps=eps, reduce_sum=reduce_sum)
+
+
+def reinforce_pp_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """REINFORCE++: KL-shaped token returns, whitened over the global batch. ``(B, T)``."""
+    outcome = inputs.rewards.to(torch.float64)
+    return _reinforce_pp_from_outcome(outcome, inputs, eps=eps, gamma=gamma, reduce_sum=reduce_sum)
+
+
+def reinforce_pp_baseline_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """REINFORCE++ with the group-mean outcome reward subtracted first. ``(B, T)``."""
+    rewards = inputs.rewards.to(torch.float64)
+    _, mean, _ = _group_stats(rewards, inputs.group_index)
+    return _reinforce_pp_from_outcome(
+        rewards - mean, inputs, eps=eps, gamma=gamma, reduce_sum=reduce_sum
+    )
+
+
+ADVANTAGE_ESTIMATORS: dict[AdvantageName, AdvantageEstimator] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+}
+
+
+def compute_advantages(
+    name: AdvantageName,
+    inputs: AdvantageInputs,
+    *,
+    eps: float = 1e-6,
+    gamma: float = 1.0,
+    reduce_sum: Reducer = identity,
+) -> Tensor:
+    """Compute per-token advantages with the estimator registered under ``name``.
+
+    Args:
+        name: key of :data:`ADVANTAGE_ESTIMATORS`.
+        inputs: this rank's batch; ``response_mask`` is ``(B, T)``.
+        eps: added to standard deviations before dividing.
+        gamma: discount for the REINFORCE++ token returns (ignored by sequence-level ones).
+        reduce_sum: cross-rank sum used only by the REINFORCE++ global whitening.
+
+    Returns:
+        ``(B, T)`` float64 advantages, exactly 0 where ``response_mask`` is False.
+    """
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; known: {list(ADVANTAGE_ESTIMATORS)}"
+        )
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
+    if eps < 0.0:
+        raise ValueError(f"eps must be non-negative, got {eps}")
+    _validate(inputs)
+    estimator = ADVANTAGE_ESTIMATORS[name]
+    return estimator(inputs, eps=eps, gamma=gamma, reduce_sum=reduce_sum)

@@ -1,0 +1,373 @@
+"""The typed config tree of a run.
+
+Every component owns one small frozen dataclass; the root ``RunConfig`` nests them.
+Cross-field checks live in ``__post_init__`` and run once at load time
+(``rftpipe.config.loader.load_config``). Nothing here imports torch, so the launch
+layer stays instant on a login node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rftpipe.algos.names import (
+    AdvantageName,
+    AggregationName,
+    KLControllerName,
+    KLEstimatorName,
+    PolicyLossName,
+)
+
+SCHEMA_VERSION = 1
+
+#: Dotted keys that may change on resume without invalidating the run: they affect how
+#: long the run goes and how it reports, never what a committed row contains.
+RESUME_SAFE_KEYS: tuple[str, ...] = (
+    "total_steps",
+    "logging",
+    "checkpoint.interval",
+    "checkpoint.keep_last",
+    "launch",
+    "eval",
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    path: str = "builtin:smollm2-135m-instruct"
+    """Policy weights: a local HF directory, or `builtin:smollm2-135m-instruct` / `builtin:tiny`."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype for training and rollout."""
+
+    reference: bool = True
+    """Keep a frozen reference copy of the initial policy (only loaded when a KL term is on)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReasoningGymConfig:
+    name: str = "basic_arithmetic"
+    """reasoning-gym dataset name; its own `score_answer` is the accuracy verifier."""
+
+    size: int = 1000
+    """Number of generated prompts in the dataset (one epoch)."""
+
+    seed: int = 1
+    """Generator seed of the dataset."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for `reasoning_gym.create_dataset`."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FileDataConfig:
+    path: str = ""
+    """A local .parquet, .jsonl or .json-lines file with one prompt per row."""
+
+    prompt_column: str = "prompt"
+    """Column holding the user message."""
+
+    answer_column: str | None = "answer"
+    """Column holding the reference answer (None: no verifier-based reward)."""
+
+    id_column: str | None = None
+    """Column with a stable integer prompt id (None: the row index)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    source: Literal["reasoning_gym", "file"] = "reasoning_gym"
+    """Where prompts come from."""
+
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    """Settings of the reasoning-gym source."""
+
+    file: FileDataConfig = field(default_factory=FileDataConfig)
+    """Settings of the file source."""
+
+    system_prompt: str | None = None
+    """System message prepended through the tokenizer's chat template."""
+
+    max_prompt_tokens: int = 256
+    """Longest prompt (after the chat template) in tokens."""
+
+    overlong: Literal["filter", "truncate", "error"] = "error"
+    """What to do with a longer prompt: drop it, keep its last tokens, or refuse the dataset."""
+
+    prompts_per_step: int = 4
+    """Prompts (groups) per step, summed over all ranks."""
+
+    shuffle: bool = True
+    """Shuffle each epoch with a permutation derived from (seed, epoch)."""
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.source == "file" and not self.file.path:
+            raise ValueError("source is 'file' but file.path is empty")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    engine: Literal["hf"] = "hf"
+    """Rollout engine (vLLM and SGLang plug in behind the same interface)."""
+
+    n: int = 8
+    """Samples per prompt (the group size)."""
+
+    max_new_tokens: int = 16
+    """Longest response in tokens."""
+
+    min_new_tokens: int = 0
+    """Shortest response (EOS is masked until then); benchmarks set it to max_new_tokens."""
+
+    temperature: float = 1.0
+    """Sampling temperature; recorded logprobs are of logits/temperature."""
+
+    top_k: int = 0
+    """Top-k filter (0: off). Logprobs are recorded before filtering."""
+
+    top_p: float = 1.0
+    """Nucleus filter (1.0: off). Logprobs are recorded before filtering."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens}"
+            )
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RewardConfig:
+    functions: tuple[str, ...] = ("accuracy", "format")
+    """Reward components: built-in names or `module:function` import paths. Each is a column."""
+
+    weights: tuple[float, ...] = ()
+    """Weight of each component in `reward` (empty: all 1.0)."""
+
+    extractor: Literal["full", "last_number", "answer_tag"] = "full"
+    """How `accuracy` extracts the answer from a response before the dataset's scorer sees it."""
+
+    def __post_init__(self) -> None:
+        if not self.functions:
+            raise ValueError("functions must name at least one reward")
+        if self.weights and len(self.weights) != len(self.functions):
+            raise ValueError(
+                f"weights has {len(self.weights)} entries but functions has {len(self.functions)}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdvantageConfig:
+    estimator: AdvantageName = "grpo"
+    """Advantage estimator (registry key)."""
+
+    eps: float = 1e-6
+    """Added to standard deviations before dividing."""
+
+    gamma: float = 1.0
+    """Discount for token-level returns (REINFORCE++)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KLConfig:
+    mode: Literal["none", "loss", "reward"] = "none"
+    """Where the KL to the reference enters: nowhere, as a loss term, or as a per-token reward penalty."""
+
+    estimator: KLEstimatorName = "k3"
+    """KL estimator (k1, k2 or k3)."""
+
+    coef: float = 0.0
+    """Initial KL coefficient beta."""
+
+    controller: KLControllerName = "fixed"
+    """Fixed coefficient, or adaptive towards `target`."""
+
+    target: float = 0.1
+    """Target KL of the adaptive controller."""
+
+    horizon: int = 10000
+    """Horizon (in samples) of the adaptive controller."""
+
+    def __post_init__(self) -> None:
+        if self.coef < 0:
+            raise ValueError(f"coef must be >= 0, got {self.coef}")
+        if self.mode != "none" and self.coef == 0 and self.controller == "fixed":
+            raise ValueError(f"mode is '{self.mode}' but coef is 0 with a fixed controller")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    backend: Literal["single"] = "single"
+    """Training engine (FSDP2 and DeepSpeed plug in behind the same interface)."""
+
+    lr: float = 2e-5
+    """Peak learning rate of AdamW."""
+
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    betas: tuple[float, ...] = (0.9, 0.999)
+    """AdamW betas."""
+
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up, over `total_steps` optimizer steps of the run."""
+
+    warmup_steps: int = 0
+    """Linear warm-up in optimizer steps."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: off)."""
+
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+
+    mini_batches: int = 1
+    """Optimizer steps per epoch; the rollout batch is split into this many mini-batches."""
+
+    micro_batch_size: int = 8
+    """Samples per forward/backward; gradients accumulate over a mini-batch."""
+
+    policy_loss: PolicyLossName = "ppo_clip"
+    """Policy loss (registry key)."""
+
+    clip_low: float = 0.2
+    """Lower clip range: ratio >= 1 - clip_low."""
+
+    clip_high: float = 0.2
+    """Upper clip range: ratio <= 1 + clip_high (raise it for clip-higher)."""
+
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss for negative advantages (None: off)."""
+
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+
+    loss_agg: AggregationName = "token-mean"
+    """How per-token losses become one scalar."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {list(self.betas)}")
+        if self.ppo_epochs < 1 or self.mini_batches < 1 or self.micro_batch_size < 1:
+            raise ValueError("ppo_epochs, mini_batches and micro_batch_size must all be >= 1")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError("clip_low must be in [0, 1) and clip_high >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    interval: int = 5
+    """Checkpoint every this many steps (train steps in between are replayed on resume)."""
+
+    keep_last: int = 2
+    """Committed checkpoints kept; older ones are deleted only after a newer one commits."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            raise ValueError(f"interval must be >= 1, got {self.interval}")
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalConfig:
+    size: int = 0
+    """Held-out prompts scored greedily before the first and after the last step (0: off)."""
+
+    seed: int = 1234
+    """Dataset seed of the held-out prompts (a different seed from the training data)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoggingConfig:
+    wandb: Literal["auto", "offline", "online", "off"] = "auto"
+    """auto: online if WANDB_API_KEY is set, else offline."""
+
+    wandb_project: str = "rftpipe"
+    """wandb project name."""
+
+    progress: bool = True
+    """Show a progress bar per step on rank 0."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level of the library logger."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchConfig:
+    threads: int = 0
+    """torch intra-op threads per rank (0: all cores divided by ranks on the node)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    seed: int = 0
+    """Run seed; every sampling seed derives from (seed, step, stage, prompt id)."""
+
+    total_steps: int = 30
+    """Steps in the run (may be raised on resume)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy and reference model."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt source and sampler."""
+
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout stage."""
+
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Score stage."""
+
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """Advantage stage."""
+
+    kl: KLConfig = field(default_factory=KLConfig)
+    """KL to the reference policy."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Train stage."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and retention."""
+
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out greedy evaluation."""
+
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Progress, metrics and trackers."""
+
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Per-process runtime settings."""
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
+        samples = self.data.prompts_per_step * self.rollout.n
+        if samples % self.train.mini_batches:
+            raise ValueError(
+                f"train.mini_batches={self.train.mini_batches} does not divide the "
+                f"{samples} samples of a step (data.prompts_per_step x rollout.n)"
+            )

@@ -1,0 +1,195 @@
+"""Prompt sources and the deterministic, world-size-independent sampler.
+
+The sampler's whole state is one integer, ``consumed``: prompts taken so far over the
+run. Epoch ``e`` is a permutation derived from (seed, e); step batches are consecutive
+windows of the endless sequence of epochs, so a batch may straddle an epoch boundary and
+every prompt is still used exactly once per epoch. Ranks take contiguous slices of the
+global window, so changing the number of ranks changes who rolls out a prompt, never
+which prompts a step uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rftpipe.config.schema import DataConfig, EvalConfig
+from rftpipe.errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prompt:
+    """One prompt, already templated and tokenized."""
+
+    prompt_id: int
+    text: str
+    """The user message."""
+    token_ids: tuple[int, ...]
+    """Chat-templated prompt tokens, generation prompt included."""
+    answer: str | None
+    metadata: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RawRow:
+    prompt_id: int
+    text: str
+    answer: str | None
+    metadata: dict[str, Any]
+
+
+def _reasoning_gym_rows(cfg: DataConfig, size: int, seed: int) -> tuple[list[RawRow], Any]:
+    import reasoning_gym
+
+    rg = cfg.reasoning_gym
+    try:
+        ds = reasoning_gym.create_dataset(rg.name, size=size, seed=seed, **rg.kwargs)
+    except Exception as exc:  # the generator validates its own kwargs
+        raise UserError(f"data.reasoning_gym: {rg.name!r} rejected its settings: {exc}") from exc
+    rows = [
+        RawRow(prompt_id=i, text=e["question"], answer=str(e["answer"]), metadata=e["metadata"])
+        for i, e in enumerate(ds)
+    ]
+    return rows, ds
+
+
+def _file_rows(cfg: DataConfig) -> list[RawRow]:
+    import pyarrow.json as pj
+    import pyarrow.parquet as pq
+
+    f = cfg.file
+    path = Path(f.path).expanduser()
+    if not path.exists():
+        raise UserError(f"data.file.path: '{f.path}' does not exist")
+    try:
+        table = pq.read_table(path) if path.suffix == ".parquet" else pj.read_json(path)
+    except Exception as exc:
+        raise UserError(f"data.file.path: cannot read '{f.path}': {exc}") from exc
+    for key, col in (
+        ("prompt_column", f.prompt_column),
+        ("answer_column", f.answer_column),
+        ("id_column", f.id_column),
+    ):
+        if col is not None and col not in table.column_names:
+            raise UserError(
+                f"data.file.{key}: column '{col}' not in '{f.path}' (has {table.column_names})"
+            )
+    prompts = table.column(f.prompt_column).to_pylist()
+    answers = (
+        table.column(f.answer_column).to_pylist() if f.answer_column else [None] * len(prompts)
+    )
+    ids = table.column(f.id_column).to_pylist() if f.id_column else list(range(len(prompts)))
+    rows = []
+    for i, (pid, text, ans) in enumerate(zip(ids, prompts, answers, strict=True)):
+        if not isinstance(text, str) or not text:
+            raise UserError(f"data.file: row {i} has an empty or non-string '{f.prompt_column}'")
+        if not isinstance(pid, int):
+            raise UserError(f"data.file: row {i} has a non-integer id in '{f.id_column}'")
+        rows.append(
+            RawRow(prompt_id=pid, text=text, answer=None if ans is None else str(ans), metadata={})
+        )
+    if len({r.prompt_id for r in rows}) != len(rows):
+        raise UserError(f"data.file.id_column: ids in '{f.id_column}' are not unique")
+    return rows
+
+
+class PromptSet:
+    """The prompts of one epoch, templated and length-checked, plus the dataset's scorer."""
+
+    def __init__(self, rows: list[RawRow], tokenizer: Any, cfg: DataConfig, scorer: Any) -> None:
+        self.scorer = scorer
+        self.prompts: list[Prompt] = []
+        for i, row in enumerate(rows):
+            ids = template_prompt(tokenizer, cfg.system_prompt, row.text)
+            if len(ids) > cfg.max_prompt_tokens:
+                if cfg.overlong == "error":
+                    raise UserError(
+                        f"data.max_prompt_tokens: prompt row {i} (id {row.prompt_id}) has "
+                        f"{len(ids)} tokens > {cfg.max_prompt_tokens}; set data.overlong=filter|truncate"
+                    )
+                if cfg.overlong == "filter":
+                    continue
+                ids = ids[-cfg.max_prompt_tokens :]
+            self.prompts.append(
+                Prompt(
+                    prompt_id=row.prompt_id,
+                    text=row.text,
+                    token_ids=tuple(ids),
+                    answer=row.answer,
+                    metadata=row.metadata,
+                )
+            )
+        if not self.prompts:
+            raise UserError("data: no prompts left after applying data.max_prompt_tokens")
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for p in self.prompts:
+            h.update(json.dumps([p.prompt_id, p.token_ids, p.answer]).encode())
+        return h.hexdigest()
+
+
+def template_prompt(tokenizer: Any, system_prompt: str | None, text: str) -> list[int]:
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": text}
+    ]
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def load_prompts(cfg: DataConfig, tokenizer: Any) -> PromptSet:
+    if cfg.source == "reasoning_gym":
+        rows, ds = _reasoning_gym_rows(cfg, cfg.reasoning_gym.size, cfg.reasoning_gym.seed)
+        return PromptSet(rows, tokenizer, cfg, ds)
+    return PromptSet(_file_rows(cfg), tokenizer, cfg, None)
+
+
+def load_eval_prompts(cfg: DataConfig, ecfg: EvalConfig, tokenizer: Any) -> PromptSet:
+    """Held-out prompts from the same generator under a different seed."""
+    if cfg.source != "reasoning_gym":
+        raise UserError("eval.size: held-out evaluation needs data.source=reasoning_gym")
+    rows, ds = _reasoning_gym_rows(cfg, ecfg.size, ecfg.seed)
+    return PromptSet(rows, tokenizer, cfg, ds)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplerState:
+    consumed: int = 0
+    """Prompts taken so far over the whole run (all ranks)."""
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    if not shuffle:
+        return np.arange(n)
+    from rftpipe.seeding import derive_seed
+
+    return np.random.default_rng(derive_seed(seed, epoch, "sampler", "epoch")).permutation(n)
+
+
+def global_window(n: int, seed: int, shuffle: bool, state: SamplerState, count: int) -> list[int]:
+    """Indexes (into the prompt list) of the next `count` prompts after `state`."""
+    out: list[int] = []
+    pos = state.consumed
+    while len(out) < count:
+        epoch, offset = divmod(pos, n)
+        order = epoch_order(n, seed, epoch, shuffle)
+        take = min(count - len(out), n - offset)
+        out.extend(int(i) for i in order[offset : offset + take])
+        pos += take
+    return out
+
+
+def rank_slice(items: Sequence[int], rank: int, world: int) -> list[int]:
+    """Contiguous share of a global window; the first `len % world` ranks get one more."""
+    base, extra = divmod(len(items), world)
+    start = rank * base + min(rank, extra)
+    return list(items[start : start + base + (1 if rank < extra else 0)])

@@ -1,0 +1,64 @@
+"""A thin view of torch.distributed that also works with a single process.
+
+Every decision that ranks must agree on goes through these collectives, so a rank never
+takes a branch the others do not (which would deadlock the next collective).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+
+
+@dataclass(frozen=True, slots=True)
+class Dist:
+    """Rank and world of this process; collectives are no-ops when world == 1."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            tdist.barrier()
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over ranks (returns a new tensor; float64 sums are order-stable per world)."""
+        if self.world == 1:
+            return t.clone()
+        out = t.clone()
+        tdist.all_reduce(out, op=tdist.ReduceOp.SUM)
+        return out
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if `flag` is true on at least one."""
+        if self.world == 1:
+            return flag
+        return bool(self.all_reduce_sum(torch.tensor([float(flag)])).item() > 0)
+
+    def broadcast_object(self, obj: object) -> object:
+        if self.world == 1:
+            return obj
+        box = [obj]
+        tdist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def init_from_env() -> Dist:
+    """Join the process group described by RANK/WORLD_SIZE/MASTER_ADDR (gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist()
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not tdist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        tdist.init_process_group(backend=backend, rank=rank, world_size=world)
+    return Dist(rank=rank, world=world, local_rank=local_rank)

@@ -1,0 +1,158 @@
+"""Training-engine interface and the single-device backend.
+
+The algorithm code (stages/train.py) only talks to this interface, so FSDP2 and DeepSpeed
+backends slot in behind it: forward to response logprobs, backward, optimizer and LR
+scheduler steps, and the state that checkpoints save.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from rftpipe.algos.losses import entropy_from_logits, gather_logprobs
+from rftpipe.config.schema import TrainConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MicroBatch:
+    """Right-padded prompt+response rows of one forward pass."""
+
+    input_ids: torch.Tensor
+    """(B, L) prompt then response tokens, right-padded."""
+    attention_mask: torch.Tensor
+    """(B, L) 1 on real tokens."""
+    response_index: torch.Tensor
+    """(B, T) position in `input_ids` whose logits predict response token t (clamped on padding)."""
+    response_ids: torch.Tensor
+    """(B, T) response tokens, padded with 0."""
+    response_mask: torch.Tensor
+    """(B, T) bool, True on real response tokens."""
+
+
+def build_micro_batch(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int
+) -> MicroBatch:
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    t_max = max(1, max(len(r) for r in responses))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    index = torch.zeros((len(prompts), t_max), dtype=torch.long)
+    resp = torch.zeros((len(prompts), t_max), dtype=torch.long)
+    mask = torch.zeros((len(prompts), t_max), dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        seq = list(p) + list(r)
+        ids[i, : len(seq)] = torch.tensor(seq)
+        attn[i, : len(seq)] = 1
+        # logits at position j predict token j+1, so response token t comes from len(p)-1+t.
+        index[i] = torch.clamp(torch.arange(t_max) + len(p) - 1, max=len(seq) - 1)
+        resp[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+        mask[i, : len(r)] = True
+    return MicroBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        response_index=index,
+        response_ids=resp,
+        response_mask=mask,
+    )
+
+
+def response_logprobs(
+    model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) logprobs of the response tokens under logits / T, and optionally entropies."""
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+    idx = mb.response_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    resp_logits = logits.gather(1, idx).float() / temperature  # (B, T, V)
+    lp = gather_logprobs(resp_logits, mb.response_ids)
+    ent = entropy_from_logits(resp_logits) if with_entropy else None
+    return lp, ent
+
+
+class TrainEngine(Protocol):
+    model: torch.nn.Module
+
+    def forward(
+        self, mb: MicroBatch, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def optimizer_step(self) -> float: ...
+
+    def lr_scheduler_step(self) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def lr_lambda(cfg: TrainConfig, total_updates: int):
+    def f(i: int) -> float:
+        if cfg.warmup_steps and i < cfg.warmup_steps:
+            return (i + 1) / cfg.warmup_steps
+        span = max(1, total_updates - cfg.warmup_steps)
+        frac = min(1.0, (i - cfg.warmup_steps) / span)
+        if cfg.lr_schedule == "linear":
+            return 1.0 - frac
+        if cfg.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * frac))
+        return 1.0
+
+    return f
+
+
+class SingleDeviceEngine:
+    """The whole model and AdamW on one device."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, total_updates: int) -> None:
+        self.model = model
+        self.cfg = cfg
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.adam_eps,
+            foreach=False,  # a fixed kernel path keeps CPU runs bitwise repeatable
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg, total_updates)
+        )
+
+    def forward(
+        self, mb: MicroBatch, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return response_logprobs(self.model, mb, temperature, with_entropy)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizer_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def lr_scheduler_step(self) -> None:
+        self.scheduler.step()
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def state_dict(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,153 @@
+"""The run: resume, then steps until `total_steps`, logging each step after it commits."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+from rftpipe import evaluate, resume, runtime
+from rftpipe.config.loader import to_dict
+from rftpipe.config.schema import RunConfig
+from rftpipe.dist import Dist
+from rftpipe.driver import maybe_checkpoint, run_step
+from rftpipe.errors import UserError
+from rftpipe.faults import events
+from rftpipe.metrics import (
+    JsonlTracker,
+    NullTracker,
+    Trackers,
+    WandbTracker,
+    step_metrics,
+    wandb_mode,
+)
+from rftpipe.store import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def train_run(
+    cfg: RunConfig, run: RunDir, dist: Dist, *, repair: bool, allow_mismatch: bool
+) -> int:
+    rt = runtime.build(cfg, run, dist, allow_mismatch)
+    ckpt_step = resume.prepare(rt, repair)
+    done = run.committed_steps()
+    last_done = done[-1] if done else 0
+    if last_done > cfg.total_steps:
+        raise UserError(
+            f"total_steps: {cfg.total_steps} is below the {last_done} steps already committed"
+        )
+    if last_done == cfg.total_steps and ckpt_step == cfg.total_steps:
+        log.info("run already complete: %d/%d steps", last_done, cfg.total_steps)
+        return 0
+    trackers = make_trackers(rt, last_done)
+    log_committed(run, trackers, range(1, last_done + 1))
+    evaluate.maybe_eval(rt, "before", ckpt_step)
+    bar = progress(cfg, dist, last_done)
+    t_replay = time.perf_counter()
+    ran = 0
+    for step in range(ckpt_step + 1, cfg.total_steps + 1):
+        replay = step <= last_done
+        timings: dict[str, float] = {}
+        metrics = run_step(rt, step, timings)
+        maybe_checkpoint(rt, step, timings)
+        ran += 1
+        if replay:
+            if step == last_done:
+                events().write(
+                    "replay_done",
+                    steps=last_done - ckpt_step,
+                    seconds=round(time.perf_counter() - t_replay, 3),
+                )
+                log.info(
+                    "replayed %d train steps in %.2f s",
+                    last_done - ckpt_step,
+                    time.perf_counter() - t_replay,
+                )
+            continue
+        if dist.is_main:
+            m = step_metrics(run, step)
+            trackers.log(
+                {
+                    **m,
+                    "perf/commit_s": timings.get("commit", 0.0),
+                    "perf/checkpoint_s": timings.get("checkpoint", 0.0),
+                },
+                step,
+            )
+            bar_update(bar, m, metrics)
+    if ran == 0:
+        raise RuntimeError(
+            f"resume at step {ckpt_step + 1} with {cfg.total_steps} total did no work"
+        )
+    evaluate.maybe_eval(rt, "after", cfg.total_steps)
+    export_final(rt)
+    trackers.close()
+    if bar is not None:
+        bar.close()
+    return 0
+
+
+def make_trackers(rt: runtime.Runtime, last_done: int) -> Trackers:
+    if not rt.dist.is_main:
+        return Trackers([NullTracker()])
+    out: list[Any] = [JsonlTracker(rt.run.metrics_path, last_done)]
+    mode = wandb_mode(rt.cfg.logging.wandb)
+    if mode:
+        out.append(WandbTracker(rt.run, mode, rt.cfg.logging.wandb_project, to_dict(rt.cfg)))
+    return Trackers(out)
+
+
+def log_committed(run: RunDir, trackers: Trackers, steps: range) -> None:
+    """Log committed steps that a kill kept from being logged (trackers skip logged ones)."""
+    for step in steps:
+        jsonl = trackers.trackers[0]
+        if isinstance(jsonl, JsonlTracker) and step not in jsonl.logged:
+            trackers.log(step_metrics(run, step), step)
+
+
+def progress(cfg: RunConfig, dist: Dist, initial: int):
+    if not (cfg.logging.progress and dist.is_main):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=cfg.total_steps,
+        initial=initial,
+        desc="steps",
+        file=sys.stdout,
+        dynamic_ncols=True,
+        mininterval=0,
+    )
+
+
+def bar_update(bar, m: dict[str, Any], train_metrics: dict[str, float]) -> None:
+    if bar is None:
+        return
+    bar.set_postfix(
+        {
+            "reward": f"{m['rollout/reward_mean']:.3f}",
+            "kl": f"{train_metrics['train/kl']:.2e}",
+            "len": f"{m['rollout/response_length']:.1f}",
+            "t_roll": f"{m['perf/rollout_s']:.1f}s",
+            "t_train": f"{m['perf/train_s']:.1f}s",
+        },
+        refresh=False,
+    )
+    bar.update(1)
+
+
+def export_final(rt: runtime.Runtime) -> None:
+    """HF-format export of the final policy (RUN/export), published by a dir rename."""
+    if not rt.dist.is_main:
+        return
+    final = rt.run.root / "export"
+    tmp = rt.run.root / ".tmp-export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    rt.model.save_pretrained(tmp)
+    rt.tokenizer.save_pretrained(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)

@@ -1,0 +1,145 @@
+"""Per-step metrics derived only from committed files, and the trackers that receive them.
+
+Because a step's metrics are a pure function of its committed manifests and shards, a
+restarted run logs exactly the steps that committed, once each, whatever instant it died.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from rftpipe.store import STAGES, RunDir, atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+
+def step_metrics(run: RunDir, step: int) -> dict[str, Any]:
+    """rollout/*, advantage/*, train/* and perf/* metrics of a committed step."""
+    files = [
+        run.stage_dir(step, "advantage") / s["file"]
+        for s in run.manifest(step, "advantage")["shards"]
+    ]
+    cols = ["reward", "response_length", "finish_reason", "advantages"]
+    reward_cols = [c for c in pq.read_schema(files[0]).names if c.startswith("reward_")]
+    rows = [pq.read_table(f, columns=cols + reward_cols) for f in files]
+    reward = np.concatenate([t.column("reward").to_numpy() for t in rows])
+    length = np.concatenate([t.column("response_length").to_numpy() for t in rows])
+    stops = sum(t.column("finish_reason").to_pylist().count("stop") for t in rows)
+    adv = np.concatenate(
+        [np.asarray(t.column("advantages").combine_chunks().flatten()) for t in rows]
+    )
+    out: dict[str, Any] = {
+        "step": step,
+        "rollout/reward_mean": float(reward.mean()),
+        "rollout/reward_std": float(reward.std()),
+        "rollout/response_length": float(length.mean()),
+        "rollout/stop_frac": stops / len(reward),
+        "advantage/mean": float(adv.mean()) if adv.size else 0.0,
+        "advantage/std": float(adv.std()) if adv.size else 0.0,
+    }
+    for c in reward_cols:
+        out[f"rollout/{c}"] = float(np.concatenate([t.column(c).to_numpy() for t in rows]).mean())
+    out.update(run.manifest(step, "train")["metrics"])
+    out["train/kl_coef"] = run.manifest(step, "advantage").get("kl_coef", 0.0)
+    for stage in STAGES:
+        out[f"perf/{stage}_s"] = run.manifest(step, stage).get("seconds", 0.0)
+    return out
+
+
+class Tracker(Protocol):
+    def log(self, metrics: dict[str, Any], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullTracker:
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Tracking switched off."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+class JsonlTracker:
+    """RUN/metrics.jsonl, one line per committed step; cut back to committed steps on resume."""
+
+    def __init__(self, path: Path, last_committed: int) -> None:
+        self.path = path
+        self.logged: set[int] = set()
+        if path.exists():
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a torn last line from a kill mid-append
+                if rec.get("step", 0) <= last_committed and rec["step"] not in self.logged:
+                    kept.append(line)
+                    self.logged.add(rec["step"])
+            atomic_write_bytes(path, "".join(k + "\n" for k in kept).encode())
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if step in self.logged:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(metrics, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.logged.add(step)
+
+    def close(self) -> None:
+        """Every line is already on disk."""
+
+
+class WandbTracker:
+    """wandb with one run id per run directory, resumed across requeues."""
+
+    def __init__(self, run: RunDir, mode: str, project: str, config: dict[str, Any]) -> None:
+        import wandb
+
+        id_file = run.root / "wandb_id"
+        if not id_file.exists():
+            atomic_write_bytes(id_file, wandb.util.generate_id().encode())
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=project,
+            id=id_file.read_text().strip(),
+            resume="allow",
+            mode=mode,
+            dir=str(run.root),
+            config=config,
+        )
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Trackers:
+    def __init__(self, trackers: list[Any]) -> None:
+        self.trackers = trackers
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        for t in self.trackers:
+            t.log(metrics, step)
+
+    def close(self) -> None:
+        for t in self.trackers:
+            t.close()
+
+
+def wandb_mode(setting: str) -> str | None:
+    if setting == "off":
+        return None
+    if setting == "auto":
+        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    return setting

@@ -1,0 +1,140 @@
+"""Everything a step needs, built once per process from the run directory.
+
+`Runtime` is a plain record of already-constructed parts (no behaviour of its own), so each
+stage receives exactly the pieces it uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rftpipe import models
+from rftpipe.algos.kl_controller import make_kl_controller
+from rftpipe.config.schema import RunConfig
+from rftpipe.data import PromptSet, load_prompts
+from rftpipe.dist import Dist
+from rftpipe.engines.rollout import HFGenerateEngine
+from rftpipe.engines.train import SingleDeviceEngine, build_micro_batch, response_logprobs
+from rftpipe.errors import UserError
+from rftpipe.rewards import RewardFn, resolve_all
+from rftpipe.store import RunDir, atomic_write_json, read_json
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class Runtime:
+    cfg: RunConfig
+    run: RunDir
+    dist: Dist
+    tokenizer: Any
+    prompts: PromptSet
+    rewards: dict[str, RewardFn]
+    model: torch.nn.Module
+    train_engine: SingleDeviceEngine
+    rollout_engine: HFGenerateEngine
+    kl_ctrl: Any
+    ref_logprobs: (
+        Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]] | None
+    )
+    model_dir: Path
+
+
+def configure_threads(cfg: RunConfig, dist: Dist) -> None:
+    threads = cfg.launch.threads or max(
+        1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", dist.world))
+    )
+    torch.set_num_threads(threads)
+
+
+def check_fingerprints(
+    run: RunDir, model_fp: str, data_fp: str, allow_mismatch: bool, dist: Dist
+) -> None:
+    """Record the model/data fingerprints at first start; refuse a resume that changed them."""
+    if not run.run_json.exists():
+        return
+    info = read_json(run.run_json)
+    for key, new in (("model_fingerprint", model_fp), ("data_fingerprint", data_fp)):
+        old = info.get(key)
+        if old is None or old == new:
+            continue
+        if not allow_mismatch:
+            raise UserError(
+                f"resume: the {key.split('_')[0]} differs from the one this run started with "
+                f"({old[:12]} != {new[:12]}); pass --allow-fingerprint-mismatch to resume anyway"
+            )
+        log.warning("resuming despite a changed %s (explicitly allowed)", key)
+    if dist.is_main and allow_mismatch:
+        atomic_write_json(
+            run.run_json, {**info, "model_fingerprint": model_fp, "data_fingerprint": data_fp}
+        )
+
+
+def build(cfg: RunConfig, run: RunDir, dist: Dist, allow_mismatch: bool = False) -> Runtime:
+    configure_threads(cfg, dist)
+    model_dir = models.resolve_model_path(cfg.model.path)
+    tokenizer = models.load_tokenizer(model_dir)
+    prompts = load_prompts(cfg.data, tokenizer)
+    rewards = resolve_all(cfg.reward, prompts.scorer)
+    check_fingerprints(
+        run, models.model_fingerprint(model_dir), prompts.fingerprint(), allow_mismatch, dist
+    )
+    if dist.is_main and not run.run_json.exists():
+        atomic_write_json(
+            run.run_json,
+            {
+                "schema_version": 1,
+                "model_fingerprint": models.model_fingerprint(model_dir),
+                "data_fingerprint": prompts.fingerprint(),
+                "num_prompts": len(prompts),
+            },
+        )
+    model = models.load_causal_lm(model_dir, cfg.model.dtype)
+    updates = cfg.total_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
+    engine = SingleDeviceEngine(model, cfg.train, updates)
+    rollout = HFGenerateEngine(model, cfg.rollout, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    ref = _reference_fn(cfg, model_dir, tokenizer.pad_token_id) if cfg.kl.mode != "none" else None
+    kl_ctrl = make_kl_controller(
+        cfg.kl.controller, init_coef=cfg.kl.coef, target=cfg.kl.target, horizon=cfg.kl.horizon
+    )
+    return Runtime(
+        cfg=cfg,
+        run=run,
+        dist=dist,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        rewards=rewards,
+        model=model,
+        train_engine=engine,
+        rollout_engine=rollout,
+        kl_ctrl=kl_ctrl,
+        ref_logprobs=ref,
+        model_dir=model_dir,
+    )
+
+
+def _reference_fn(cfg: RunConfig, model_dir: Path, pad_id: int):
+    ref = models.load_causal_lm(model_dir, cfg.model.dtype).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+
+    @torch.no_grad()
+    def ref_logprobs(
+        prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        out: list[list[float]] = []
+        bs = cfg.train.micro_batch_size
+        for i in range(0, len(prompts), bs):
+            mb = build_micro_batch(prompts[i : i + bs], responses[i : i + bs], pad_id)
+            lp, _ = response_logprobs(ref, mb, cfg.rollout.temperature, with_entropy=False)
+            out.extend(row[m].tolist() for row, m in zip(lp, mb.response_mask, strict=True))
+        return out
+
+    return ref_logprobs

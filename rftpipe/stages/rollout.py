@@ -1,0 +1,71 @@
+"""Stage 1, rollout: n samples per prompt, grouped, with sampling logprobs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from rftpipe.config.schema import RolloutConfig
+from rftpipe.data import Prompt
+from rftpipe.engines.rollout import RolloutEngine
+from rftpipe.seeding import derive_seed
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("prompt_id", pa.int64()),
+        ("sample_idx", pa.int32()),
+        ("rank", pa.int32()),
+        ("prompt", pa.string()),
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("response", pa.string()),
+        ("response_token_ids", pa.list_(pa.int32())),
+        ("response_length", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("logprobs", pa.list_(pa.float32())),
+        ("answer", pa.string()),
+        ("metadata", pa.string()),
+        ("weight_version", pa.int64()),
+    ]
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutInputs:
+    step: int
+    rank: int
+    run_seed: int
+    prompts: Sequence[Prompt]
+    """This rank's prompts; each becomes one group of `n` consecutive rows."""
+
+
+def run(cfg: RolloutConfig, engine: RolloutEngine, tokenizer, inp: RolloutInputs) -> pa.Table:
+    cols: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
+    for p in inp.prompts:
+        seed = derive_seed(inp.run_seed, inp.step, "rollout", p.prompt_id)
+        group = engine.generate_group(p.token_ids, cfg.n, seed)
+        for k, (toks, lps, reason) in enumerate(
+            zip(group.tokens, group.logprobs, group.finish_reasons, strict=True)
+        ):
+            row = {
+                "step": inp.step,
+                "prompt_id": p.prompt_id,
+                "sample_idx": k,
+                "rank": inp.rank,
+                "prompt": p.text,
+                "prompt_token_ids": list(p.token_ids),
+                "response": tokenizer.decode(toks, skip_special_tokens=True),
+                "response_token_ids": toks,
+                "response_length": len(toks),
+                "finish_reason": reason,
+                "logprobs": lps,
+                "answer": p.answer,
+                "metadata": json.dumps(p.metadata, sort_keys=True, default=str),
+                "weight_version": engine.weight_version,
+            }
+            for name, value in row.items():
+                cols[name].append(value)
+    return pa.Table.from_pydict(cols, schema=ROLLOUT_SCHEMA)

@@ -1,0 +1,156 @@
+"""Stage 4, train: PPO epochs x mini-batches of the clipped surrogate, KL and entropy terms.
+
+Mini-batches are drawn from a permutation of the step's *global* samples keyed by
+(seed, step, epoch, prompt id, sample idx), and losses are normalised by global token and
+sequence counts, so the update is the same on any number of ranks and micro-batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from rftpipe.algos.losses import AGGREGATIONS, POLICY_LOSSES, kl_estimate
+from rftpipe.config.schema import KLConfig, TrainConfig
+from rftpipe.dist import Dist
+from rftpipe.engines.train import TrainEngine, build_micro_batch
+from rftpipe.faults import fault
+from rftpipe.seeding import derive_seed
+from rftpipe.stages.advantage import pad_ragged
+
+# Per-token sums gathered over the step, all-reduced once at the end.
+_SUMS = (
+    "tokens",
+    "clipped",
+    "dual_clipped",
+    "kl",
+    "entropy",
+    "ratio",
+    "pg_loss",
+    "updates",
+    "grad_norm",
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainInputs:
+    step: int
+    run_seed: int
+    table: pa.Table
+    """This rank's committed advantage rows."""
+    global_samples: Sequence[tuple[int, int]]
+    """(prompt_id, sample_idx) of every sample of the step on all ranks."""
+    kl_coef: float
+    temperature: float
+    pad_id: int
+
+
+def minibatch_plan(inp: TrainInputs, epoch: int, mini_batches: int) -> list[list[int]]:
+    """Local row indexes of each mini-batch, in a world-size-independent global order."""
+    keyed = sorted(
+        inp.global_samples,
+        key=lambda s: derive_seed(inp.run_seed, inp.step, f"train/{epoch}", f"{s[0]}/{s[1]}"),
+    )
+    size = len(keyed) // mini_batches
+    local = {
+        (p, k): i
+        for i, (p, k) in enumerate(
+            zip(
+                inp.table.column("prompt_id").to_pylist(),
+                inp.table.column("sample_idx").to_pylist(),
+                strict=True,
+            )
+        )
+    }
+    return [
+        [local[s] for s in keyed[m * size : (m + 1) * size] if s in local]
+        for m in range(mini_batches)
+    ]
+
+
+def run(
+    cfg: TrainConfig, kl: KLConfig, engine: TrainEngine, dist: Dist, inp: TrainInputs
+) -> dict[str, float]:
+    rows = inp.table.to_pylist()
+    sums = dict.fromkeys(_SUMS, 0.0)
+    for epoch in range(cfg.ppo_epochs):
+        plan = minibatch_plan(inp, epoch, cfg.mini_batches)
+        counts = torch.tensor(
+            [[sum(rows[i]["response_length"] for i in mb), len(mb)] for mb in plan],
+            dtype=torch.float64,
+        )
+        counts = dist.all_reduce_sum(counts)
+        for m, mb in enumerate(plan):
+            for start in range(0, len(mb), cfg.micro_batch_size):
+                chunk = [rows[i] for i in mb[start : start + cfg.micro_batch_size]]
+                _micro_step(cfg, kl, engine, inp, chunk, counts[m], sums)
+            sums["grad_norm"] += engine.optimizer_step()
+            sums["updates"] += 1
+            engine.lr_scheduler_step()
+            fault("train_mid_step")
+    return _finish_metrics(sums, dist)
+
+
+def _micro_step(
+    cfg: TrainConfig,
+    kl: KLConfig,
+    engine: TrainEngine,
+    inp: TrainInputs,
+    chunk: list[dict],
+    count: torch.Tensor,
+    sums: dict[str, float],
+) -> None:
+    mb = build_micro_batch(
+        [r["prompt_token_ids"] for r in chunk], [r["response_token_ids"] for r in chunk], inp.pad_id
+    )
+    old, mask = pad_ragged([r["logprobs"] for r in chunk], torch.float32)
+    adv, _ = pad_ragged([r["advantages"] for r in chunk], torch.float32)
+    lp, ent = engine.forward(mb, inp.temperature, with_entropy=True)
+    out = POLICY_LOSSES[cfg.policy_loss](
+        lp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip
+    )
+    agg = AGGREGATIONS[cfg.loss_agg]
+    norm = {"num_tokens": float(count[0]), "num_seqs": float(count[1])}
+    loss = agg(out.loss, mask, **norm)
+    if kl.mode != "none":
+        ref, _ = pad_ragged([r["ref_logprobs"] for r in chunk], torch.float32)
+        kl_tok = kl_estimate(lp, ref, kl.estimator) * mask
+    else:
+        # Without a reference, report the drift from the sampling policy instead.
+        kl_tok = kl_estimate(lp, old, "k3") * mask
+    if kl.mode == "loss":
+        loss = loss + inp.kl_coef * agg(kl_tok, mask, **norm)
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * agg(ent, mask, **norm)
+    engine.backward(loss)
+    with torch.no_grad():
+        sums["tokens"] += float(mask.sum())
+        sums["clipped"] += float((out.clipped & mask).sum())
+        sums["dual_clipped"] += float((out.dual_clipped & mask).sum())
+        sums["kl"] += float(kl_tok.sum())
+        sums["entropy"] += float((ent * mask).sum())
+        sums["ratio"] += float((out.ratio * mask).sum())
+        sums["pg_loss"] += float(agg(out.loss, mask, **norm))
+
+
+def _finish_metrics(sums: dict[str, float], dist: Dist) -> dict[str, float]:
+    local = {k: v for k, v in sums.items() if k not in ("updates", "grad_norm")}
+    total = dist.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64))
+    g = dict(zip(local, total.tolist(), strict=True))
+    tok = max(g["tokens"], 1.0)
+    updates = max(sums["updates"], 1.0)
+    return {
+        "train/pg_loss": g["pg_loss"] / updates,
+        "train/kl": g["kl"] / tok,
+        "train/entropy": g["entropy"] / tok,
+        "train/clip_frac": g["clipped"] / tok,
+        "train/dual_clip_frac": g["dual_clipped"] / tok,
+        "train/ratio_mean": g["ratio"] / tok,
+        # Each rank sees the same clipped global norm, so no reduction is needed.
+        "train/grad_norm": sums["grad_norm"] / updates,
+        "train/updates": sums["updates"],
+        "train/tokens": g["tokens"],
+    }

@@ -1,0 +1,308 @@
+"""The run directory: atomic files, stage manifests and the published trajectory dataset.
+
+Layout (one shard per rank, ``K`` = rank)::
+
+    RUN/config.yaml                         resolved config (written once)
+    RUN/run.json                            fingerprints of config, model and data
+    RUN/stages/step=N/STAGE/part-rK.parquet a stage's rows from rank K
+    RUN/stages/step=N/STAGE/part-rK.json    that shard's row count and sha256
+    RUN/stages/step=N/STAGE/MANIFEST.json   the commit marker: all shards, checksums, weights
+    RUN/trajectories/step=N/part-rK.parquet the user-facing dataset (appears by dir rename)
+    RUN/checkpoints/step-N/                 see rftpipe.checkpoint
+    RUN/events.jsonl, RUN/metrics.jsonl     diagnostics and per-step metrics
+
+Every file is written under a temporary name, fsynced and renamed; a stage exists only
+once its MANIFEST.json exists, and nothing reads a shard that no manifest lists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rftpipe.faults import events, fault
+
+Stage = Literal["rollout", "score", "advantage", "train", "sync"]
+STAGES: tuple[Stage, ...] = ("rollout", "score", "advantage", "train", "sync")
+#: Stages that write Parquet shards; train and sync commit only their manifest.
+SHARDED: tuple[Stage, ...] = ("rollout", "score", "advantage")
+TRAJECTORY_SCHEMA_VERSION = "1"
+TMP_PREFIX = ".tmp-"
+
+
+class CorruptionError(Exception):
+    """A committed file disagrees with its manifest (missing, truncated or bad checksum)."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path = path
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, fault_mid: str | None = None) -> None:
+    """Write `data` to `path` so that readers see either nothing or all of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        if fault_mid:
+            # Half the bytes reach the disk before an armed fault kills us.
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            fault(fault_mid)
+            f.write(data[len(data) // 2 :])
+        else:
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any, *, fault_mid: str | None = None) -> None:
+    data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+    atomic_write_bytes(path, data, fault_mid=fault_mid)
+
+
+def read_json(path: Path) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardInfo:
+    """What a manifest records of one shard."""
+
+    file: str
+    rows: int
+    bytes: int
+    sha256: str
+
+
+def write_parquet_atomic(path: Path, table: pa.Table, metadata: dict[str, str]) -> ShardInfo:
+    """Write one Parquet shard atomically and return its checksum record."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    meta = dict(table.schema.metadata or {})
+    meta.update({k.encode(): v.encode() for k, v in metadata.items()})
+    pq.write_table(table.replace_schema_metadata(meta), tmp, compression="zstd")
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    info = ShardInfo(
+        file=path.name, rows=table.num_rows, bytes=tmp.stat().st_size, sha256=sha256_file(tmp)
+    )
+    fault("shard_before_rename")
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    fault("shard_after_rename")
+    return info
+
+
+def verify_shard(dir_: Path, info: dict[str, Any]) -> None:
+    """Raise CorruptionError unless the shard matches its manifest entry."""
+    path = dir_ / info["file"]
+    if not path.exists():
+        raise CorruptionError(path, "listed in the manifest but missing")
+    size = path.stat().st_size
+    if size != info["bytes"]:
+        raise CorruptionError(path, f"size {size} != {info['bytes']} in the manifest (truncated?)")
+    if sha256_file(path) != info["sha256"]:
+        raise CorruptionError(path, "sha256 disagrees with the manifest")
+
+
+class RunDir:
+    """Paths and commit markers of one run directory."""
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root).resolve()
+
+    # -- paths -------------------------------------------------------------------------------
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def run_json(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def events_path(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def trajectories(self) -> Path:
+        return self.root / "trajectories"
+
+    def stage_dir(self, step: int, stage: Stage) -> Path:
+        return self.root / "stages" / f"step={step:06d}" / stage
+
+    def manifest_path(self, step: int, stage: Stage) -> Path:
+        return self.stage_dir(step, stage) / "MANIFEST.json"
+
+    def shard_path(self, step: int, stage: Stage, rank: int) -> Path:
+        return self.stage_dir(step, stage) / f"part-r{rank}.parquet"
+
+    def trajectory_dir(self, step: int) -> Path:
+        return self.trajectories / f"step={step}"
+
+    # -- commit markers ----------------------------------------------------------------------
+    def is_committed(self, step: int, stage: Stage) -> bool:
+        return self.manifest_path(step, stage).exists()
+
+    def manifest(self, step: int, stage: Stage) -> dict[str, Any]:
+        return read_json(self.manifest_path(step, stage))
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose sync stage committed (the step is complete)."""
+        root = self.root / "stages"
+        if not root.exists():
+            return []
+        steps = [int(p.name.split("=")[1]) for p in root.glob("step=*")]
+        return sorted(s for s in steps if self.is_committed(s, "sync"))
+
+    def last_commit(self) -> tuple[int, Stage] | None:
+        """The newest committed (step, stage), in pipeline order."""
+        root = self.root / "stages"
+        if not root.exists():
+            return None
+        steps = sorted((int(p.name.split("=")[1]) for p in root.glob("step=*")), reverse=True)
+        for step in steps:
+            for stage in reversed(STAGES):
+                if self.is_committed(step, stage):
+                    return step, stage
+        return None
+
+    # -- commit --------------------------------------------------------------------------------
+    def write_shard(
+        self, step: int, stage: Stage, rank: int, table: pa.Table, metadata: dict[str, str]
+    ) -> None:
+        """Write this rank's shard plus its checksum record (still uncommitted)."""
+        path = self.shard_path(step, stage, rank)
+        info = write_parquet_atomic(path, table, metadata)
+        atomic_write_json(path.with_suffix(".json"), _shard_dict(info))
+
+    def commit_stage(self, step: int, stage: Stage, world: int, extra: dict[str, Any]) -> None:
+        """Write the stage manifest from every rank's checksum record (rank 0 only)."""
+        d = self.stage_dir(step, stage)
+        shards = (
+            [read_json(d / f"part-r{r}.json") for r in range(world)] if stage in SHARDED else []
+        )
+        manifest = {"step": step, "stage": stage, "world_size": world, "shards": shards, **extra}
+        fault("manifest_before_rename")
+        atomic_write_json(self.manifest_path(step, stage), manifest, fault_mid="manifest_mid_write")
+        events().write("commit", step=step, stage=stage)
+        fault("stage_after_commit")
+
+    def read_stage(self, step: int, stage: Stage, rank: int) -> pa.Table:
+        """Read this rank's committed shard, verifying it against the manifest."""
+        m = self.manifest(step, stage)
+        d = self.stage_dir(step, stage)
+        info = m["shards"][rank]
+        verify_shard(d, info)
+        return pq.read_table(d / info["file"])
+
+    def verify_stage(self, step: int, stage: Stage) -> None:
+        m = self.manifest(step, stage)
+        for info in m["shards"]:
+            verify_shard(self.stage_dir(step, stage), info)
+
+    def uncommit_stage(self, step: int, stage: Stage) -> None:
+        """Drop a stage (its manifest first, so it is never half-visible)."""
+        mp = self.manifest_path(step, stage)
+        if mp.exists():
+            mp.unlink()
+            fsync_dir(mp.parent)
+        shutil.rmtree(self.stage_dir(step, stage), ignore_errors=True)
+
+    # -- trajectories --------------------------------------------------------------------------
+    def staging_dir(self, step: int) -> Path:
+        return self.root / ".staging" / f"trajectories-step={step}"
+
+    def publish_trajectories(self, step: int, world: int) -> None:
+        """Make step N's trajectory files visible at once by renaming their directory."""
+        final = self.trajectory_dir(step)
+        if final.exists():
+            return
+        staging = self.staging_dir(step)
+        for r in range(world):
+            if not (staging / f"part-r{r}.parquet").exists():
+                raise RuntimeError(f"rank {r} did not stage its trajectories for step {step}")
+        self.trajectories.mkdir(parents=True, exist_ok=True)
+        fault("publish_before_rename")
+        os.replace(staging, final)
+        fsync_dir(self.trajectories)
+
+    def stage_trajectories(self, step: int, rank: int) -> None:
+        """Place this rank's advantage shard (the complete rows) into the staging dir."""
+        src = self.shard_path(step, "advantage", rank)
+        staging = self.staging_dir(step)
+        staging.mkdir(parents=True, exist_ok=True)
+        dst = staging / f"part-r{rank}.parquet"
+        if dst.exists():
+            dst.unlink()
+        # A hard link costs nothing and the source is immutable once committed.
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copyfile(src, dst)
+        fsync_dir(staging)
+
+    # -- cleanup -------------------------------------------------------------------------------
+    def clean_uncommitted(self) -> list[Path]:
+        """Remove temp files and shards of uncommitted stages; return what was removed."""
+        removed: list[Path] = []
+        for tmp in self.root.rglob(f"{TMP_PREFIX}*"):
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+        root = self.root / "stages"
+        for step_dir in sorted(root.glob("step=*")) if root.exists() else []:
+            for stage_dir in step_dir.iterdir():
+                if stage_dir.is_dir() and not (stage_dir / "MANIFEST.json").exists():
+                    shutil.rmtree(stage_dir)
+                    removed.append(stage_dir)
+        staging = self.root / ".staging"
+        if staging.exists():
+            for d in staging.iterdir():
+                step = int(d.name.split("=")[1])
+                if self.trajectory_dir(step).exists() or not self.is_committed(step, "advantage"):
+                    shutil.rmtree(d)
+                    removed.append(d)
+        return removed
+
+
+def _shard_dict(info: ShardInfo) -> dict[str, Any]:
+    return {"file": info.file, "rows": info.rows, "bytes": info.bytes, "sha256": info.sha256}

