@@ -74,7 +74,7 @@ def run_step(rt: Runtime, step: int, timings: dict[str, float]) -> dict[str, flo
     # 4. train: PPO epochs x mini-batches on the committed rows (replayed after a restart)
     metrics = train_step(rt, step, adv, ids, kl_coef, timings)
     # 5. sync: the rollout engine takes the new weights; the step's trajectories appear
-    sync_step(rt, step, timings)
+    sync_step(rt, step, adv, timings)
     return metrics
 
 
@@ -151,13 +151,14 @@ def _check_replay(rt: Runtime, step: int, metrics: dict[str, float], seconds: fl
         log.warning("replayed train step %d differs from its committed metrics", step)
 
 
-def sync_step(rt: Runtime, step: int, timings: dict[str, float]) -> None:
+def sync_step(rt: Runtime, step: int, adv: pa.Table, timings: dict[str, float]) -> None:
     t0 = time.perf_counter()
     sync.run(rt.rollout_engine, rt.model, version=step)
     if rt.run.is_committed(step, "sync"):
         return
     t1 = time.perf_counter()
-    rt.run.stage_trajectories(step, rt.dist.rank)
+    meta = {"rftpipe.schema_version": TRAJECTORY_SCHEMA_VERSION, "rftpipe.step": str(step)}
+    rt.run.stage_trajectories(step, rt.dist.rank, adv, meta)
     rt.dist.barrier()
     if rt.dist.is_main:
         rt.run.publish_trajectories(step, rt.dist.world)

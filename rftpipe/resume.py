@@ -21,7 +21,8 @@ from rftpipe import checkpoint
 from rftpipe.errors import UserError
 from rftpipe.faults import events
 from rftpipe.runtime import Runtime
-from rftpipe.store import SHARDED, STAGES, CorruptionError, RunDir, Stage, fsync_dir, verify_shard
+from rftpipe.stages import sync
+from rftpipe.store import STAGES, CorruptionError, RunDir, Stage, fsync_dir, verify_shard
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,14 @@ def committed_stages(run: RunDir) -> list[tuple[int, Stage]]:
 def check_files(run: RunDir, repair: bool) -> None:
     """Verify every committed shard and published trajectory file (rank 0 only)."""
     stages = committed_stages(run)
-    for i, (step, stage) in enumerate(stages):
-        if stage not in SHARDED:
+    for step, stage in stages:
+        if stage == "train":
             continue
         try:
-            run.verify_stage(step, stage)
-            if stage == "advantage" and run.trajectory_dir(step).exists():
+            if stage == "sync":
                 _verify_trajectories(run, step)
+            else:
+                run.verify_stage(step, stage)
         except CorruptionError as exc:
             if (step, stage) == stages[-1]:
                 events().write("redo_corrupt_stage", step=step, stage=stage, path=str(exc.path))
@@ -63,7 +65,7 @@ def check_files(run: RunDir, repair: bool) -> None:
 
 
 def _verify_trajectories(run: RunDir, step: int) -> None:
-    for info in run.manifest(step, "advantage")["shards"]:
+    for info in run.manifest(step, "sync")["shards"]:
         verify_shard(run.trajectory_dir(step), info)
 
 
@@ -112,5 +114,7 @@ def prepare(rt: Runtime, repair: bool) -> int:
         events().write("start", removed=len(removed), last_commit=str(rt.run.last_commit()))
     rt.dist.barrier()
     step = restore(rt)
+    # The engine now serves the restored weights; later rollouts record their version.
+    sync.run(rt.rollout_engine, rt.model, version=step)
     rt.dist.barrier()
     return step

@@ -32,7 +32,8 @@ from rftpipe.faults import events, fault
 
 Stage = Literal["rollout", "score", "advantage", "train", "sync"]
 STAGES: tuple[Stage, ...] = ("rollout", "score", "advantage", "train", "sync")
-#: Stages that write Parquet shards; train and sync commit only their manifest.
+#: Stages that write Parquet shards under their stage dir; train commits only its manifest,
+#: and sync's shards are the published trajectory files.
 SHARDED: tuple[Stage, ...] = ("rollout", "score", "advantage")
 TRAJECTORY_SCHEMA_VERSION = "1"
 TMP_PREFIX = ".tmp-"
@@ -216,7 +217,7 @@ class RunDir:
         """Write the stage manifest from every rank's checksum record (rank 0 only)."""
         d = self.stage_dir(step, stage)
         shards = (
-            [read_json(d / f"part-r{r}.json") for r in range(world)] if stage in SHARDED else []
+            [read_json(d / f"part-r{r}.json") for r in range(world)] if stage != "train" else []
         )
         manifest = {"step": step, "stage": stage, "world_size": world, "shards": shards, **extra}
         fault("manifest_before_rename")
@@ -244,6 +245,8 @@ class RunDir:
             mp.unlink()
             fsync_dir(mp.parent)
         shutil.rmtree(self.stage_dir(step, stage), ignore_errors=True)
+        if stage == "sync":
+            shutil.rmtree(self.trajectory_dir(step), ignore_errors=True)
 
     # -- trajectories --------------------------------------------------------------------------
     def staging_dir(self, step: int) -> Path:
@@ -252,31 +255,34 @@ class RunDir:
     def publish_trajectories(self, step: int, world: int) -> None:
         """Make step N's trajectory files visible at once by renaming their directory."""
         final = self.trajectory_dir(step)
-        if final.exists():
-            return
         staging = self.staging_dir(step)
         for r in range(world):
             if not (staging / f"part-r{r}.parquet").exists():
                 raise RuntimeError(f"rank {r} did not stage its trajectories for step {step}")
+        if final.exists():
+            # Killed after the rename but before the sync commit: the rows are the same
+            # (derived seeds), so only a file that differs from the new manifest is swapped.
+            for f in staging.iterdir():
+                info = read_json(self.stage_dir(step, "sync") / f.with_suffix(".json").name)
+                dst = final / f.name
+                if not dst.exists() or sha256_file(dst) != info["sha256"]:
+                    os.replace(f, dst)
+            shutil.rmtree(staging)
+            return
         self.trajectories.mkdir(parents=True, exist_ok=True)
         fault("publish_before_rename")
         os.replace(staging, final)
         fsync_dir(self.trajectories)
 
-    def stage_trajectories(self, step: int, rank: int) -> None:
-        """Place this rank's advantage shard (the complete rows) into the staging dir."""
-        src = self.shard_path(step, "advantage", rank)
-        staging = self.staging_dir(step)
-        staging.mkdir(parents=True, exist_ok=True)
-        dst = staging / f"part-r{rank}.parquet"
-        if dst.exists():
-            dst.unlink()
-        # A hard link costs nothing and the source is immutable once committed.
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copyfile(src, dst)
-        fsync_dir(staging)
+    def stage_trajectories(self, step: int, rank: int, table: pa.Table, metadata: dict[str, str]) -> None:
+        """Write this rank's trajectory file into the staging dir (published by rename).
+
+        `step` is left out of the file: it is the hive partition key of the directory, and
+        a column of the same name would make pandas and pyarrow refuse to read the dataset.
+        """
+        path = self.staging_dir(step) / f"part-r{rank}.parquet"
+        info = write_parquet_atomic(path, table.drop_columns(["step"]), metadata)
+        atomic_write_json(self.stage_dir(step, "sync") / f"part-r{rank}.json", _shard_dict(info))
 
     # -- cleanup -------------------------------------------------------------------------------
     def clean_uncommitted(self) -> list[Path]:
@@ -296,11 +302,9 @@ class RunDir:
                     removed.append(stage_dir)
         staging = self.root / ".staging"
         if staging.exists():
-            for d in staging.iterdir():
-                step = int(d.name.split("=")[1])
-                if self.trajectory_dir(step).exists() or not self.is_committed(step, "advantage"):
-                    shutil.rmtree(d)
-                    removed.append(d)
+            # Staged trajectories are never read before publishing, and sync re-stages them.
+            removed.append(staging)
+            shutil.rmtree(staging)
         return removed
 
 

@@ -1,0 +1,47 @@
+"""Test helpers: the real entry point in a subprocess, and readers of a run's outputs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny_dense.yaml"
+
+
+def submit(run_dir: Path, *overrides: str, config: Path | None = TINY, env: dict | None = None,
+           extra: tuple[str, ...] = (), timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m jobs.submit --cluster local` on `run_dir`, captured."""
+    cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--run-dir", str(run_dir)]
+    cmd += ["--config", str(config)] if config else []
+    cmd += [*extra, *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def trajectories(run_dir: Path) -> pa.Table:
+    """The published dataset, sorted into a canonical row order."""
+    table = ds.dataset(run_dir / "trajectories", format="parquet", partitioning="hive").to_table()
+    return table.sort_by([("step", "ascending"), ("prompt_id", "ascending"), ("sample_idx", "ascending")])
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "export" / "model.safetensors")
+
+
+def committed_hash(run_dir: Path) -> str:
+    """Hash of every committed file (stage dirs, trajectories, checkpoints, config)."""
+    h = hashlib.sha256()
+    for p in sorted(run_dir.rglob("*")):
+        if p.is_file() and not p.name.startswith(".tmp-") and p.name not in {"events.jsonl"}:
+            h.update(str(p.relative_to(run_dir)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
