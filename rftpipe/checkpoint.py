@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,11 @@ from rftpipe.store import (
 )
 
 log = logging.getLogger(__name__)
+# DCP warns on every call that it runs without a process group; single-process runs are
+# intended, so the warning is noise in every log.
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
 COMMIT_FILE = "COMMITTED.json"
 
 

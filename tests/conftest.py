@@ -17,6 +17,10 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One model cache per test session; the tiny model is built into it once."""
     cache = Path(os.environ.get("RFTPIPE_TEST_CACHE") or tmp_path_factory.mktemp("cache"))
     os.environ["RFTPIPE_CACHE"] = str(cache)
-    subprocess.run([sys.executable, "-m", "rftpipe.models", "prepare-tiny"], check=True,
-                   capture_output=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "rftpipe.models", "prepare-tiny"],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
     return cache

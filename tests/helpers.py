@@ -17,20 +17,34 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny_dense.yaml"
 
 
-def submit(run_dir: Path, *overrides: str, config: Path | None = TINY, env: dict | None = None,
-           extra: tuple[str, ...] = (), timeout: float = 300) -> subprocess.CompletedProcess:
+def submit(
+    run_dir: Path,
+    *overrides: str,
+    config: Path | None = TINY,
+    env: dict | None = None,
+    extra: tuple[str, ...] = (),
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
     """`python -m jobs.submit --cluster local` on `run_dir`, captured."""
     cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--run-dir", str(run_dir)]
     cmd += ["--config", str(config)] if config else []
     cmd += [*extra, *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def trajectories(run_dir: Path) -> pa.Table:
     """The published dataset, sorted into a canonical row order."""
     table = ds.dataset(run_dir / "trajectories", format="parquet", partitioning="hive").to_table()
-    return table.sort_by([("step", "ascending"), ("prompt_id", "ascending"), ("sample_idx", "ascending")])
+    return table.sort_by(
+        [("step", "ascending"), ("prompt_id", "ascending"), ("sample_idx", "ascending")]
+    )
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -49,11 +49,22 @@ def _events(run_dir: Path) -> list[dict]:
 
 def _kill_at_random_instant(run_dir: Path, rng: random.Random) -> int:
     """Start a resume, wait until its worker has started, then SIGKILL it after a random delay."""
-    cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--config", str(TINY),
-           "--run-dir", str(run_dir), *STEPS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jobs.submit",
+        "--cluster",
+        "local",
+        "--config",
+        str(TINY),
+        "--run-dir",
+        str(run_dir),
+        *STEPS,
+    ]
     starts = sum(e["event"] == "start" for e in _events(run_dir))
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 120
     while sum(e["event"] == "start" for e in _events(run_dir)) == starts and proc.poll() is None:
         assert time.time() < deadline, "worker never started"
@@ -98,3 +109,24 @@ def test_chaos_resume_is_bitwise_identical(tmp_path: Path) -> None:
         order += sorted(set(ids))
     assert len(order) == 40
     assert sorted(order[:20]) == list(range(20)) and sorted(order[20:]) == list(range(20))
+
+
+def test_resume_exactly_at_epoch_boundary(tmp_path: Path) -> None:
+    """20 prompts, 4 per step: step 5 ends epoch 0. Die right after its last commit."""
+    ref = tmp_path / "ref"
+    assert submit(ref, "total_steps=7").returncode == 0
+    run = tmp_path / "run"
+    # stage_after_commit fires 5 times per step; hit 25 is step 5's sync commit.
+    killed = submit(
+        run,
+        "total_steps=7",
+        env={"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "24"},
+    )
+    assert killed.returncode != 0
+    last = [e for e in _events(run) if e["event"] == "commit"][-1]
+    assert (last["step"], last["stage"]) == (5, "sync")
+    assert submit(run, "total_steps=7").returncode == 0
+    assert trajectories(run).equals(trajectories(ref))
+    t = trajectories(run).to_pandas()
+    first_epoch = sorted(t[t.step.astype(int) <= 5].prompt_id.unique())
+    assert first_epoch == list(range(20))

@@ -17,14 +17,27 @@ from helpers import ROOT, TINY, final_weights, submit, trajectories
 from safetensors.torch import load_file
 
 from rftpipe import checkpoint
-from rftpipe.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train import build_micro_batch, response_logprobs
+from rftpipe.models import load_causal_lm, prepare_tiny
 
 pytestmark = pytest.mark.slow
 
-REQUIRED = {"step", "prompt_id", "sample_idx", "rank", "prompt", "response", "prompt_token_ids",
-            "response_token_ids", "response_length", "finish_reason", "logprobs", "reward",
-            "advantages", "weight_version"}
+REQUIRED = {
+    "step",
+    "prompt_id",
+    "sample_idx",
+    "rank",
+    "prompt",
+    "response",
+    "prompt_token_ids",
+    "response_token_ids",
+    "response_length",
+    "finish_reason",
+    "logprobs",
+    "reward",
+    "advantages",
+    "weight_version",
+}
 
 
 @pytest.fixture(scope="module")
@@ -62,16 +75,21 @@ def test_trajectory_schema_and_readers(tiny_run: Path) -> None:
     meta = pq.read_schema(files[0]).metadata
     assert meta[b"rftpipe.schema_version"] == b"1"
     table = trajectories(tiny_run)
-    assert REQUIRED <= set(table.column_names)
+    assert set(table.column_names) >= REQUIRED
     assert "reward_dense_even_tokens" in table.column_names
     assert "step" not in pq.read_schema(files[0]).names  # it is the hive partition key
     df = pd.read_parquet(tiny_run / "trajectories")
     assert sorted(df["step"].astype(int).unique()) == list(range(1, 7))
     glob = str(tiny_run / "trajectories" / "*" / "*.parquet")
-    n = duckdb.sql(f"select count(*), count(distinct step) from read_parquet('{glob}')").fetchall()[0]
+    n = duckdb.sql(f"select count(*), count(distinct step) from read_parquet('{glob}')").fetchall()[
+        0
+    ]
     assert len(df) == n[0] == table.num_rows == 6 * 4 * 4 and n[1] == 6
     # logprobs and advantages line up with the response tokens, row by row
-    assert all(len(a) == len(b) == n_ for a, b, n_ in zip(df["logprobs"], df["advantages"], df["response_length"]))
+    assert all(
+        len(a) == len(b) == n_
+        for a, b, n_ in zip(df["logprobs"], df["advantages"], df["response_length"], strict=True)
+    )
 
 
 def test_sync_rollout_logprobs_match_trained_weights(tiny_run: Path, tmp_path: Path) -> None:
@@ -102,7 +120,9 @@ def test_metrics_jsonl_one_line_per_step(tiny_run: Path) -> None:
     assert all("train/grad_norm" in m and "perf/rollout_s" in m for m in lines)
 
 
-def test_resume_of_finished_run_is_a_noop_and_more_steps_extend(tiny_run: Path, tmp_path: Path) -> None:
+def test_resume_of_finished_run_is_a_noop_and_more_steps_extend(
+    tiny_run: Path, tmp_path: Path
+) -> None:
     import shutil
 
     run = tmp_path / "copy"
@@ -121,15 +141,27 @@ def test_resume_of_finished_run_is_a_noop_and_more_steps_extend(tiny_run: Path, 
 def test_live_glob_never_sees_uncommitted_rows(tmp_path: Path) -> None:
     """Poll DuckDB over the dataset while a run writes it: every visible step is complete."""
     run = tmp_path / "live"
-    cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--config", str(TINY),
-           "--run-dir", str(run), "total_steps=8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jobs.submit",
+        "--cluster",
+        "local",
+        "--config",
+        str(TINY),
+        "--run-dir",
+        str(run),
+        "total_steps=8",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     seen: set[int] = set()
     glob = str(run / "trajectories" / "*" / "*.parquet")
     while proc.poll() is None:
         if list((run / "trajectories").glob("*/*.parquet")):
             try:
-                rows = duckdb.sql(f"select step, count(*) from read_parquet('{glob}') group by step").fetchall()
+                rows = duckdb.sql(
+                    f"select step, count(*) from read_parquet('{glob}') group by step"
+                ).fetchall()
             except duckdb.IOException:
                 continue  # the glob matched a directory renamed away mid-listing: not a partial read
             for step, n in rows:

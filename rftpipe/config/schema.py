@@ -162,6 +162,9 @@ class RewardConfig:
     extractor: Literal["full", "last_number", "answer_tag"] = "full"
     """How `accuracy` extracts the answer from a response before the dataset's scorer sees it."""
 
+    require_stop: bool = True
+    """`accuracy` scores only responses that ended with EOS: a truncated one may stop mid-calculation."""
+
     def __post_init__(self) -> None:
         if not self.functions:
             raise ValueError("functions must name at least one reward")

@@ -61,23 +61,97 @@ def build_micro_batch(
     )
 
 
+def _head_logprobs(
+    model: torch.nn.Module,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """lm_head on just the positions that predict response tokens, then logprobs/entropy."""
+    logits = model.get_output_embeddings()(hidden).float()
+    lp = gather_logprobs(logits, tokens, temperature=temperature)
+    ent = entropy_from_logits(logits / temperature) if with_entropy else None
+    return lp, ent
+
+
 def response_logprobs(
     model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, T) logprobs of the response tokens under logits / T, and optionally entropies."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-    idx = mb.response_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-    resp_logits = logits.gather(1, idx).float() / temperature  # (B, T, V)
-    lp = gather_logprobs(resp_logits, mb.response_ids)
-    ent = entropy_from_logits(resp_logits) if with_entropy else None
-    return lp, ent
+    """(B, T) logprobs of the response tokens under logits / T from one full-sequence forward."""
+    hidden = model.get_decoder()(
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
+    ).last_hidden_state
+    idx = mb.response_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+    return _head_logprobs(model, hidden.gather(1, idx), mb.response_ids, temperature, with_entropy)
+
+
+def shared_prefix_logprobs(
+    model: torch.nn.Module,
+    prompt: Sequence[int],
+    responses: Sequence[Sequence[int]],
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(k, T) response logprobs of k samples of one prompt, computing the prompt once.
+
+    The prompt's forward runs once with its KV cache kept in the autograd graph; the cache is
+    repeated for the k samples, which then attend to it at their true positions. Gradients
+    flow back through the shared prefix, so the result equals k full forwards. Right padding
+    needs no mask: a causal model never lets a later (padding) token reach an earlier one.
+    """
+    decoder = model.get_decoder()
+    k, t_max = len(responses), max(1, max(len(r) for r in responses))
+    out = decoder(input_ids=torch.tensor([list(prompt)]), use_cache=True)
+    hidden = out.last_hidden_state[:, -1:].expand(k, 1, -1)  # predicts response token 0
+    resp = torch.zeros((k, t_max), dtype=torch.long)
+    for i, r in enumerate(responses):
+        resp[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+    if t_max > 1:
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(k)
+        pos = torch.arange(len(prompt), len(prompt) + t_max - 1).expand(k, -1)
+        rest = decoder(
+            input_ids=resp[:, :-1], past_key_values=cache, position_ids=pos, use_cache=True
+        )
+        hidden = torch.cat([hidden, rest.last_hidden_state], dim=1)
+    return _head_logprobs(model, hidden, resp, temperature, with_entropy)
+
+
+def grouped_logprobs(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) logprobs for rows in any order: rows sharing a prompt share its forward."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(tuple(p), []).append(i)
+    t_max = max(1, max(len(r) for r in responses))
+    lp = [torch.empty(0)] * len(prompts)
+    ent: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+    for prompt, rows in groups.items():
+        g_lp, g_ent = shared_prefix_logprobs(
+            model, prompt, [responses[i] for i in rows], temperature, with_entropy
+        )
+        for j, i in enumerate(rows):
+            lp[i] = torch.nn.functional.pad(g_lp[j], (0, t_max - g_lp.shape[1]))
+            if g_ent is not None:
+                ent[i] = torch.nn.functional.pad(g_ent[j], (0, t_max - g_ent.shape[1]))
+    return torch.stack(lp), (torch.stack(ent) if with_entropy else None)
 
 
 class TrainEngine(Protocol):
     model: torch.nn.Module
 
     def forward(
-        self, mb: MicroBatch, temperature: float, with_entropy: bool
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+        with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def backward(self, loss: torch.Tensor) -> None: ...
@@ -129,9 +203,14 @@ class SingleDeviceEngine:
         )
 
     def forward(
-        self, mb: MicroBatch, temperature: float, with_entropy: bool
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+        with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return response_logprobs(self.model, mb, temperature, with_entropy)
+        """(B, T) response logprobs (and entropies) with gradients, prompts computed once per group."""
+        return grouped_logprobs(self.model, prompts, responses, temperature, with_entropy)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

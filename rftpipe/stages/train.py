@@ -16,7 +16,7 @@ import torch
 from rftpipe.algos.losses import AGGREGATIONS, POLICY_LOSSES, kl_estimate
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.dist import Dist
-from rftpipe.engines.train import TrainEngine, build_micro_batch
+from rftpipe.engines.train import TrainEngine
 from rftpipe.faults import fault
 from rftpipe.seeding import derive_seed
 from rftpipe.stages.advantage import pad_ragged
@@ -45,7 +45,6 @@ class TrainInputs:
     """(prompt_id, sample_idx) of every sample of the step on all ranks."""
     kl_coef: float
     temperature: float
-    pad_id: int
 
 
 def minibatch_plan(inp: TrainInputs, epoch: int, mini_batches: int) -> list[list[int]]:
@@ -103,12 +102,14 @@ def _micro_step(
     count: torch.Tensor,
     sums: dict[str, float],
 ) -> None:
-    mb = build_micro_batch(
-        [r["prompt_token_ids"] for r in chunk], [r["response_token_ids"] for r in chunk], inp.pad_id
-    )
     old, mask = pad_ragged([r["logprobs"] for r in chunk], torch.float32)
     adv, _ = pad_ragged([r["advantages"] for r in chunk], torch.float32)
-    lp, ent = engine.forward(mb, inp.temperature, with_entropy=True)
+    lp, ent = engine.forward(
+        [r["prompt_token_ids"] for r in chunk],
+        [r["response_token_ids"] for r in chunk],
+        inp.temperature,
+        with_entropy=True,
+    )
     out = POLICY_LOSSES[cfg.policy_loss](
         lp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip
     )

@@ -1,0 +1,193 @@
+"""Bad input: exit code 2, exactly one stderr line naming the culprit, committed files untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import ROOT, submit
+
+pytestmark = pytest.mark.slow
+TESTS = Path(__file__).resolve().parent
+
+
+def committed_files(run: Path) -> dict[str, str]:
+    """sha256 of every committed artefact (stages, trajectories, checkpoints, run config)."""
+    out = {}
+    for sub in ("stages", "trajectories", "checkpoints"):
+        for p in sorted((run / sub).rglob("*")) if (run / sub).exists() else []:
+            if p.is_file():
+                out[str(p.relative_to(run))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    for name in ("config.yaml", "run.json"):
+        if (run / name).exists():
+            out[name] = hashlib.sha256((run / name).read_bytes()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("bad") / "base"
+    out = submit(run, "total_steps=2")
+    assert out.returncode == 0, out.stderr
+    return run
+
+
+def _expect_error(res, *needles: str) -> None:
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2, (res.returncode, res.stderr[-3000:])
+    assert len(lines) == 1, res.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def _fresh(
+    tmp_path: Path,
+    *overrides: str,
+    config: Path | None = None,
+    env: dict | None = None,
+    needles: tuple[str, ...] = (),
+) -> None:
+    run = tmp_path / "new"
+    kwargs = {"config": config} if config else {}
+    res = submit(run, *overrides, env=env, **kwargs)
+    _expect_error(res, *needles)
+    assert committed_files(run).keys() <= {"config.yaml", "run.json"}
+
+
+def _resumed(
+    base_run: Path,
+    tmp_path: Path,
+    *overrides: str,
+    extra: tuple[str, ...] = (),
+    needles: tuple[str, ...] = (),
+    env: dict | None = None,
+    mutate=None,
+) -> None:
+    run = tmp_path / "resume"
+    shutil.copytree(base_run, run)
+    if mutate:
+        mutate(run)
+    before = committed_files(run)
+    res = submit(run, *overrides, config=None, extra=extra, env=env)
+    _expect_error(res, *needles)
+    after = committed_files(run)
+    assert {k: after.get(k) for k in before} == before
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+FRESH_CASES = {
+    "unknown_key": (("train.lrr=1e-5",), ("train.lrr", "train.lr")),
+    "unknown_nested_section": (("rollouts.n=4",), ("rollouts", "rollout")),
+    "bad_literal": (("advantage.estimator=ppo",), ("advantage.estimator", "grpo")),
+    "bad_int": (("rollout.n=abc",), ("rollout.n",)),
+    "float_for_int": (("rollout.n=2.5",), ("rollout.n",)),
+    "batch_does_not_divide": (("train.mini_batches=3",), ("train.mini_batches", "16")),
+    "negative_lr": (("train.lr=-1",), ("train", "lr")),
+    "min_above_max_tokens": (("rollout.min_new_tokens=99",), ("rollout", "min_new_tokens")),
+    "dual_clip_below_one": (("train.dual_clip=0.5",), ("train", "dual_clip")),
+    "override_without_equals": (("train.lr",), ("train.lr",)),
+    "kl_on_without_coef": (("kl.mode=loss",), ("kl", "coef")),
+    "reward_weights_length": (("reward.weights=[1.0,2.0]",), ("reward", "weights")),
+    "missing_model_dir": (("model.path=/nonexistent/model",), ("model.path", "/nonexistent/model")),
+    "unknown_reward": (("reward.functions=[nosuch]",), ("reward.functions", "nosuch")),
+    "reward_import_fails": (
+        ("reward.functions=[nosuch_mod:fn]",),
+        ("reward.functions", "nosuch_mod:fn"),
+    ),
+    "prompt_too_long": (("data.max_prompt_tokens=5",), ("data.max_prompt_tokens", "row 0")),
+    "bad_generator_kwargs": (("data.reasoning_gym.kwargs.min_terms=0",), ("data.reasoning_gym",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FRESH_CASES))
+def test_bad_fresh_input(case: str, tmp_path: Path) -> None:
+    overrides, needles = FRESH_CASES[case]
+    _fresh(tmp_path, *overrides, needles=needles)
+
+
+def test_malformed_yaml(tmp_path: Path) -> None:
+    cfg = _write(tmp_path, "bad.yaml", "train:\n  lr: 1e-5\n   micro_batch_size: 4\n")
+    _fresh(tmp_path, config=cfg, needles=("bad.yaml", "line 3"))
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    _fresh(tmp_path, config=tmp_path / "absent.yaml", needles=("absent.yaml",))
+
+
+def test_missing_data_column(tmp_path: Path) -> None:
+    data = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"question": ["1+1?", "2+2?"], "answer": ["2", "4"]}), data)
+    _fresh(
+        tmp_path,
+        "data.source=file",
+        f"data.file.path={data}",
+        "data.prompts_per_step=2",
+        needles=("data.file.prompt_column", "'prompt'"),
+    )
+
+
+def test_missing_data_file(tmp_path: Path) -> None:
+    _fresh(
+        tmp_path,
+        "data.source=file",
+        f"data.file.path={tmp_path / 'nope.jsonl'}",
+        needles=("data.file.path", "nope.jsonl"),
+    )
+
+
+def test_resume_with_changed_config(base_run: Path, tmp_path: Path) -> None:
+    _resumed(
+        base_run, tmp_path, "rollout.n=8", needles=("rollout.n", "--allow-fingerprint-mismatch")
+    )
+
+
+def test_resume_below_committed_steps(base_run: Path, tmp_path: Path) -> None:
+    _resumed(base_run, tmp_path, "total_steps=1", needles=("total_steps", "2 steps"))
+
+
+def test_resume_with_changed_model(base_run: Path, tmp_path: Path) -> None:
+    def swap_model(run: Path) -> None:
+        import json
+
+        info = json.loads((run / "run.json").read_text())
+        info["model_fingerprint"] = "0" * 64
+        (run / "run.json").write_text(json.dumps(info))
+
+    _resumed(base_run, tmp_path, "total_steps=3", mutate=swap_model, needles=("model", "differs"))
+
+
+def test_reward_function_that_raises(base_run: Path, tmp_path: Path) -> None:
+    _resumed(
+        base_run,
+        tmp_path,
+        "total_steps=3",
+        "reward.functions=[bad_rewards:boom]",
+        extra=("--allow-fingerprint-mismatch",),
+        env={"PYTHONPATH": f"{TESTS}:{ROOT}"},
+        needles=("boom", "prompt_id", "sample_idx", "step 3"),
+    )
+
+
+def test_corrupt_older_file_refuses(base_run: Path, tmp_path: Path) -> None:
+    def corrupt(run: Path) -> None:
+        shard = run / "stages" / "step=000001" / "score" / "part-r0.parquet"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+
+    _resumed(
+        base_run,
+        tmp_path,
+        "total_steps=3",
+        mutate=corrupt,
+        needles=("step=000001/score/part-r0.parquet", "--repair"),
+    )

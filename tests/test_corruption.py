@@ -1,0 +1,90 @@
+"""Corrupt committed files: the newest stage is redone identically; older ones refuse or repair."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from helpers import final_weights, submit, trajectories
+
+pytestmark = pytest.mark.slow
+STEPS = ("total_steps=4",)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("corrupt") / "ref"
+    assert submit(run, *STEPS).returncode == 0
+    return run
+
+
+def _events(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+
+
+def _same_as_reference(run: Path, reference: Path) -> None:
+    assert trajectories(run).equals(trajectories(reference))
+    a, b = final_weights(run), final_weights(reference)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_newest_stage_is_redone_with_identical_rows(
+    reference: Path, tmp_path: Path, damage: str
+) -> None:
+    run = tmp_path / "run"
+    # stage_after_commit hit 7 is the score stage of step 2: kill right after it commits.
+    res = submit(
+        run, *STEPS, env={"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "6"}
+    )
+    assert res.returncode != 0
+    shard = run / "stages" / "step=000002" / "score" / "part-r0.parquet"
+    original = pq.read_table(shard)
+    data = shard.read_bytes()
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) // 3])
+    else:
+        flipped = bytearray(data)
+        flipped[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(flipped))
+    res = submit(run, *STEPS)
+    assert res.returncode == 0, res.stderr
+    redo = [e for e in _events(run) if e["event"] == "redo_corrupt_stage"]
+    assert [(e["step"], e["stage"]) for e in redo] == [(2, "score")]
+    assert pq.read_table(shard).equals(original)
+    _same_as_reference(run, reference)
+
+
+def test_corrupt_older_stage_repair_rolls_back_and_recomputes(
+    reference: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shard = run / "stages" / "step=000003" / "rollout" / "part-r0.parquet"
+    shard.write_bytes(shard.read_bytes()[:100])
+    refused = submit(run, config=None)
+    assert refused.returncode == 2 and str(shard) in refused.stderr
+    repaired = submit(run, config=None, extra=("--repair",))
+    assert repaired.returncode == 0, repaired.stderr
+    assert any(e["event"] == "repair" and e["from_step"] == 3 for e in _events(run))
+    assert list((run / "quarantine").glob("*/stages/step=000003"))
+    _same_as_reference(run, reference)
+
+
+def test_corrupt_newest_checkpoint_falls_back_and_replays(reference: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    newest = sorted((run / "checkpoints").glob("step-*"))[-1]
+    shard = next(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    (run / "export").rename(run / "export-old")
+    res = submit(run, config=None)
+    assert res.returncode == 0, res.stderr
+    ev = _events(run)
+    assert any(e["event"] == "corrupt_checkpoint" for e in ev)
+    assert any(e["event"] == "replay" for e in ev)
+    _same_as_reference(run, reference)

@@ -1,0 +1,67 @@
+"""Train and rollout engines on the tiny model (loaded through from_pretrained)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rftpipe.config.schema import RolloutConfig
+from rftpipe.engines.rollout import HFGenerateEngine
+from rftpipe.engines.train import build_micro_batch, grouped_logprobs, response_logprobs
+from rftpipe.models import load_causal_lm, load_tokenizer, prepare_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    path = prepare_tiny()
+    torch.manual_seed(0)
+    model = load_causal_lm(path, "float32")
+    # Perturb the random init so logits are far from uniform and differences would show.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return model, load_tokenizer(path)
+
+
+def _rows():
+    prompts = [[5, 6, 7, 8, 9, 10]] * 3 + [[40, 41, 42]] * 2
+    responses = [[11, 12, 13, 14], [15, 16], [17], [50, 51, 52, 53, 54], [55, 56, 57]]
+    return prompts, responses
+
+
+def test_shared_prefix_equals_full_forward_values_and_grads(tiny) -> None:
+    model, _ = tiny
+    prompts, responses = _rows()
+    mb = build_micro_batch(prompts, responses, pad_id=0)
+    model.zero_grad()
+    full, full_ent = response_logprobs(model, mb, 0.7, with_entropy=True)
+    (full * mb.response_mask).sum().backward()
+    g_full = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    shared, shared_ent = grouped_logprobs(model, prompts, responses, 0.7, with_entropy=True)
+    (shared * mb.response_mask).sum().backward()
+    m = mb.response_mask
+    assert (full - shared).abs()[m].max() < 1e-5
+    assert (full_ent - shared_ent).abs()[m].max() < 1e-5
+    for n, p in model.named_parameters():
+        rel = (p.grad - g_full[n]).norm() / g_full[n].norm().clamp_min(1e-12)
+        assert rel < 1e-4, (n, float(rel))
+
+
+def test_rollout_logprobs_are_pre_filter_and_seeded(tiny) -> None:
+    model, tok = tiny
+    cfg = RolloutConfig(n=4, max_new_tokens=6, temperature=0.8, top_k=20, top_p=0.9)
+    engine = HFGenerateEngine(model, cfg, tok.eos_token_id, tok.pad_token_id)
+    prompt = [5, 6, 7, 8, 9]
+    a = engine.generate_group(prompt, 4, seed=123)
+    b = engine.generate_group(prompt, 4, seed=123)
+    c = engine.generate_group(prompt, 4, seed=124)
+    assert a.tokens == b.tokens and a.logprobs == b.logprobs
+    assert a.tokens != c.tokens
+    mb = build_micro_batch([prompt] * 4, a.tokens, pad_id=0)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, mb, 0.8, with_entropy=False)
+    for i, row in enumerate(a.logprobs):
+        assert torch.allclose(lp[i, : len(row)], torch.tensor(row), atol=1e-5)
+    # top-k/top-p filtered tokens still have their unfiltered (smaller) probability
+    assert all(x < 0 for row in a.logprobs for x in row)

@@ -1,0 +1,59 @@
+"""Plot a run's learning curve from its committed trajectory Parquet.
+
+    python -m tools.plot_learning RUN_DIR [--out curve.png]
+
+Reads only RUN/trajectories (plain Parquet), so it works on a live or preempted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m tools.plot_learning",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dir", type=Path)
+    p.add_argument(
+        "--out", type=Path, default=None, help="PNG path (default RUN/learning_curve.png)"
+    )
+    args = p.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pyarrow.dataset as ds
+
+    table = ds.dataset(args.run_dir / "trajectories", format="parquet", partitioning="hive")
+    cols = [c for c in table.schema.names if c.startswith("reward_")] + ["response_length", "step"]
+    df = table.to_table(columns=cols).to_pandas()
+    df["step"] = df["step"].astype(int)
+    per_step = df.groupby("step").mean()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for c in per_step.columns:
+        if c.startswith("reward_"):
+            ax1.plot(per_step.index, per_step[c], marker="o", ms=3, label=c.removeprefix("reward_"))
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("mean over samples")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    ax2.plot(per_step.index, per_step["response_length"], marker="o", ms=3, color="tab:gray")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("response length (tokens)")
+    ax2.grid(alpha=0.3)
+    fig.suptitle(f"{args.run_dir.name}: reward components and response length")
+    fig.tight_layout()
+    out = args.out or args.run_dir / "learning_curve.png"
+    fig.savefig(out, dpi=110)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
