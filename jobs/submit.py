@@ -10,15 +10,16 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from rftpipe.config.loader import diff_keys, dump_yaml, fingerprint, load_config, to_dict
+from rftpipe.config.loader import diff_keys, dump_yaml, load_config, to_dict
 from rftpipe.config.schema import RESUME_SAFE_KEYS, RunConfig
 from rftpipe.errors import UserError
-from rftpipe.store import atomic_write_bytes, atomic_write_json, read_json
+from rftpipe.store import RunDir, atomic_write_bytes
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "grpo_smollm2_addition.yaml"
 
@@ -40,6 +41,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--run-dir", type=Path, default=None, help="run directory; an existing one resumes"
+    )
+    p.add_argument(
+        "--tasks-per-node",
+        type=int,
+        default=1,
+        help="SPMD ranks per node (local: processes on this machine, gloo on CPU)",
     )
     p.add_argument(
         "--repair", action="store_true", help="roll back past corrupt older files on resume"
@@ -70,12 +77,12 @@ def resolve_config(args: argparse.Namespace, run_dir: Path) -> RunConfig:
 
 
 def write_run_config(cfg: RunConfig, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(run_dir / "config.yaml", dump_yaml(cfg).encode())
-    info_path = run_dir / "launch.json"
-    info = read_json(info_path) if info_path.exists() else {"created": time.time()}
-    info["config_fingerprint"] = fingerprint(cfg, exclude=RESUME_SAFE_KEYS)
-    atomic_write_json(info_path, info)
+    """New run: RUN/config.yaml. Resume: RUN/config.next.yaml, which the worker promotes to
+    config.yaml only once its resume checks pass, so a refused resume leaves the run as it was."""
+    run = RunDir(run_dir)
+    run.root.mkdir(parents=True, exist_ok=True)
+    target = run.pending_config_path if run.config_path.exists() else run.config_path
+    atomic_write_bytes(target, dump_yaml(cfg).encode())
 
 
 def slurm_available() -> bool:
@@ -88,18 +95,50 @@ def slurm_available() -> bool:
     return out.returncode == 0 and "UP" in out.stdout
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_local(run_dir: Path, args: argparse.Namespace) -> int:
-    """Run the worker in this process's child and block until it ends."""
+    """Run `--tasks-per-node` worker processes here and block until they end.
+
+    If one rank fails, the others are stopped: they would otherwise wait forever in the
+    next collective. The first failing exit code is returned.
+    """
     cmd = [sys.executable, "-m", "rftpipe.worker", str(run_dir)]
     cmd += ["--repair"] if args.repair else []
     cmd += ["--allow-fingerprint-mismatch"] if args.allow_fingerprint_mismatch else []
-    return subprocess.run(cmd, env={**os.environ, "WORLD_SIZE": "1"}).returncode
+    n = args.tasks_per_node
+    base = {
+        **os.environ,
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    procs = [
+        subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(n)
+    ]
+    code = 0
+    while any(p.poll() is None for p in procs):
+        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        if failed and not code:
+            code = failed[0]
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+        time.sleep(0.2)
+    return code or next((p.returncode for p in procs if p.returncode), 0)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     run_dir = (args.run_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")).resolve()
     try:
+        if args.tasks_per_node < 1:
+            raise UserError(f"--tasks-per-node must be >= 1, got {args.tasks_per_node}")
         cfg = resolve_config(args, run_dir)
         cluster = args.cluster
         if cluster == "auto":

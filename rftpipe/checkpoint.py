@@ -28,9 +28,9 @@ from rftpipe.store import (
     TMP_PREFIX,
     CorruptionError,
     atomic_write_json,
+    checksum_file,
     fsync_dir,
     read_json,
-    sha256_file,
 )
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,11 @@ def verify(ckpt: Checkpoint) -> None:
     manifest = read_json(ckpt.path / COMMIT_FILE)
     for name, info in manifest["files"].items():
         f = ckpt.path / name
-        if not f.exists() or f.stat().st_size != info["bytes"] or sha256_file(f) != info["sha256"]:
+        if (
+            not f.exists()
+            or f.stat().st_size != info["bytes"]
+            or checksum_file(f) != info["xxh3_128"]
+        ):
             raise CorruptionError(f, "checkpoint file missing, truncated or with a bad checksum")
 
 
@@ -95,7 +99,7 @@ def save(
         for f in sorted(tmp.iterdir()):
             with open(f, "rb+") as fh:
                 os.fsync(fh.fileno())
-            files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+            files[f.name] = {"bytes": f.stat().st_size, "xxh3_128": checksum_file(f)}
         atomic_write_json(
             tmp / COMMIT_FILE, {"step": step, "world_size": dist.world, "files": files}
         )

@@ -37,6 +37,13 @@ class Dist:
         tdist.all_reduce(out, op=tdist.ReduceOp.SUM)
         return out
 
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return t.clone()
+        out = t.clone()
+        tdist.all_reduce(out, op=tdist.ReduceOp.MAX)
+        return out
+
     def any(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on at least one."""
         if self.world == 1:
@@ -51,14 +58,27 @@ class Dist:
         return box[0]
 
 
-def init_from_env() -> Dist:
-    """Join the process group described by RANK/WORLD_SIZE/MASTER_ADDR (gloo on CPU)."""
+def init_from_env(require_group: bool = False) -> Dist:
+    """Join the process group described by RANK/WORLD_SIZE/MASTER_ADDR (gloo on CPU).
+
+    One rank needs no group unless a sharded backend asks for one (`require_group`).
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    if world == 1 and not require_group:
         return Dist()
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0")
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not tdist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         tdist.init_process_group(backend=backend, rank=rank, world_size=world)
     return Dist(rank=rank, world=world, local_rank=local_rank)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import pyarrow as pa
 
 from rftpipe import checkpoint
-from rftpipe.data import SamplerState, global_window, rank_slice
+from rftpipe.data import Prompt, SamplerState, global_window, rank_slice
 from rftpipe.faults import events, fault
 from rftpipe.runtime import Runtime
 from rftpipe.stages import advantage, rollout, score, sync, train
@@ -22,88 +24,85 @@ from rftpipe.store import TRAJECTORY_SCHEMA_VERSION, Stage
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepPlan:
+    """Which prompts a step uses: the global window and this rank's share of it."""
+
+    step: int
+    global_ids: list[int]
+    mine: list[Prompt]
+    sampler: dict[str, int]
+
+
 def run_step(rt: Runtime, step: int, timings: dict[str, float]) -> dict[str, float]:
     """One PPO step; returns the train metrics (committed or replayed)."""
     cfg, dist = rt.cfg, rt.dist
-    before = sampler_state(rt, step)
-    window = global_window(
-        len(rt.prompts), cfg.seed, cfg.data.shuffle, before, cfg.data.prompts_per_step
-    )
-    mine = [rt.prompts.prompts[i] for i in rank_slice(window, dist.rank, dist.world)]
-    ids = [rt.prompts.prompts[i].prompt_id for i in window]
-    after = {
-        "sampler": {
-            "consumed_before": before.consumed,
-            "consumed_after": before.consumed + len(window),
-        },
-        "prompt_ids": ids,
-    }
-    # 1. rollout: n samples per prompt with sampling logprobs
-    rolled = durable(
-        rt,
-        step,
+    plan = plan_step(rt, step)
+    stage = partial(durable, rt, plan, timings)
+    # 1. rollout: n samples per prompt, grouped, with sampling logprobs
+    rolled = stage(
         "rollout",
-        timings,
-        after,
+        {"sampler": plan.sampler, "prompt_ids": plan.global_ids},
         lambda: rollout.run(
             cfg.rollout,
             rt.rollout_engine,
             rt.tokenizer,
-            rollout.RolloutInputs(step=step, rank=dist.rank, run_seed=cfg.seed, prompts=mine),
+            rollout.RolloutInputs(step=step, rank=dist.rank, run_seed=cfg.seed, prompts=plan.mine),
         ),
     )
     # 2. score: one column per reward function
-    scored = durable(
-        rt, step, "score", timings, {}, lambda: score.run(cfg.reward, rt.rewards, rolled)
-    )
-    # 3. advantage: reference logprobs and per-token advantages
+    scored = stage("score", {}, lambda: score.run(cfg.reward, rt.rewards, rolled))
+    # 3. advantage: reference logprobs (if a KL term is on) and per-token advantages
     kl_coef = float(rt.kl_ctrl.coef)
-    adv = durable(
-        rt,
-        step,
+    adv_cfg = advantage.AdvantageStageConfig(advantage=cfg.advantage, kl=cfg.kl, kl_coef=kl_coef)
+    adv = stage(
         "advantage",
-        timings,
         {"kl_coef": kl_coef},
-        lambda: advantage.run(
-            advantage.AdvantageStageConfig(advantage=cfg.advantage, kl=cfg.kl, kl_coef=kl_coef),
-            scored,
-            rt.ref_logprobs,
-            dist.all_reduce_sum,
-        ),
+        lambda: advantage.run(adv_cfg, scored, rt.ref_logprobs, dist.all_reduce_sum),
     )
     # 4. train: PPO epochs x mini-batches on the committed rows (replayed after a restart)
-    metrics = train_step(rt, step, adv, ids, kl_coef, timings)
+    metrics = train_step(rt, plan, adv, kl_coef, timings)
     # 5. sync: the rollout engine takes the new weights; the step's trajectories appear
     sync_step(rt, step, adv, timings)
     return metrics
 
 
-def sampler_state(rt: Runtime, step: int) -> SamplerState:
-    """Consumed-sample state before `step`, as committed by the previous rollout stage."""
-    if step == 1:
-        return SamplerState()
-    return SamplerState(consumed=rt.run.manifest(step - 1, "rollout")["sampler"]["consumed_after"])
+def plan_step(rt: Runtime, step: int) -> StepPlan:
+    """The step's prompts, from the consumed-sample state the previous rollout committed."""
+    consumed = 0 if step == 1 else rt.run.manifest(step - 1, "rollout")["sampler"]["consumed_after"]
+    d = rt.cfg.data
+    window = global_window(
+        len(rt.prompts), rt.cfg.seed, d.shuffle, SamplerState(consumed=consumed), d.prompts_per_step
+    )
+    prompts = rt.prompts.prompts
+    return StepPlan(
+        step=step,
+        global_ids=[prompts[i].prompt_id for i in window],
+        mine=[prompts[i] for i in rank_slice(window, rt.dist.rank, rt.dist.world)],
+        sampler={"consumed_before": consumed, "consumed_after": consumed + len(window)},
+    )
 
 
 def durable(
     rt: Runtime,
-    step: int,
-    stage: Stage,
+    plan: StepPlan,
     timings: dict[str, float],
+    stage: Stage,
     extra: dict,
     compute: Callable[[], pa.Table],
 ) -> pa.Table:
     """Read a committed stage back, or compute, write and commit it."""
-    if rt.run.is_committed(step, stage):
-        return rt.run.read_stage(step, stage, rt.dist.rank)
+    if rt.run.is_committed(plan.step, stage):
+        mine = [p.prompt_id for p in plan.mine]
+        return rt.run.read_stage_for(plan.step, stage, rt.dist.rank, rt.dist.world, mine)
     t0 = time.perf_counter()
     table = compute()
     t1 = time.perf_counter()
     meta = {"rftpipe.schema_version": TRAJECTORY_SCHEMA_VERSION, "rftpipe.stage": stage}
-    rt.run.write_shard(step, stage, rt.dist.rank, table, meta)
+    rt.run.write_shard(plan.step, stage, rt.dist.rank, table, meta)
     rt.dist.barrier()
     if rt.dist.is_main:
-        rt.run.commit_stage(step, stage, rt.dist.world, {**extra, "seconds": t1 - t0})
+        rt.run.commit_stage(plan.step, stage, rt.dist.world, {**extra, "seconds": t1 - t0})
     rt.dist.barrier()
     timings[stage] = t1 - t0
     timings["commit"] = timings.get("commit", 0.0) + time.perf_counter() - t1
@@ -111,8 +110,9 @@ def durable(
 
 
 def train_step(
-    rt: Runtime, step: int, adv: pa.Table, ids: list[int], kl_coef: float, timings: dict[str, float]
+    rt: Runtime, plan: StepPlan, adv: pa.Table, kl_coef: float, timings: dict[str, float]
 ) -> dict[str, float]:
+    step, ids = plan.step, plan.global_ids
     committed = rt.run.is_committed(step, "train")
     t0 = time.perf_counter()
     inp = train.TrainInputs(
@@ -152,7 +152,7 @@ def _check_replay(rt: Runtime, step: int, metrics: dict[str, float], seconds: fl
 
 def sync_step(rt: Runtime, step: int, adv: pa.Table, timings: dict[str, float]) -> None:
     t0 = time.perf_counter()
-    sync.run(rt.rollout_engine, rt.model, version=step)
+    sync.run(rt.rollout_engine, rt.train_engine, version=step)
     if rt.run.is_committed(step, "sync"):
         return
     t1 = time.perf_counter()

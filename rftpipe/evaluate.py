@@ -38,12 +38,16 @@ def greedy_accuracy(rt: Runtime) -> dict[str, float]:
 
 
 def maybe_eval(rt: Runtime, when: str, step: int) -> None:
-    """Record `when` ('before' at step 0, 'after' at the last step) once, in RUN/eval.json."""
+    """Record `when` ('before' at step 0, 'after' at the last step) in RUN/eval.json.
+
+    Each is computed once per step: a run extended with a larger `total_steps` evaluates
+    'after' again at its new last step.
+    """
     if rt.cfg.eval.size == 0 or (when == "before" and step != 0):
         return
     path = rt.run.root / "eval.json"
     done = read_json(path) if path.exists() else {}
-    if when in done:
+    if done.get(when, {}).get("step") == step:
         return
     result = greedy_accuracy(rt)
     log.info(

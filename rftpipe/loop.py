@@ -25,7 +25,7 @@ from rftpipe.metrics import (
     step_metrics,
     wandb_mode,
 )
-from rftpipe.store import RunDir
+from rftpipe.store import RunDir, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +34,16 @@ def train_run(
     cfg: RunConfig, run: RunDir, dist: Dist, *, repair: bool, allow_mismatch: bool
 ) -> int:
     rt = runtime.build(cfg, run, dist, allow_mismatch)
+    done = run.committed_steps()
+    if done and done[-1] > cfg.total_steps:
+        raise UserError(
+            f"total_steps: {cfg.total_steps} is below the {done[-1]} steps already committed"
+        )
     ckpt_step = resume.prepare(rt, repair)
+    if dist.is_main:
+        run.promote_pending_config()
     done = run.committed_steps()
     last_done = done[-1] if done else 0
-    if last_done > cfg.total_steps:
-        raise UserError(
-            f"total_steps: {cfg.total_steps} is below the {last_done} steps already committed"
-        )
     if ckpt_step == cfg.total_steps:
         log.info("run already complete: %d/%d steps", last_done, cfg.total_steps)
         finish(rt)
@@ -145,15 +148,30 @@ def finish(rt: runtime.Runtime) -> None:
     """Held-out evaluation and HF export of the final policy; each done once."""
     evaluate.maybe_eval(rt, "after", rt.cfg.total_steps)
     final = rt.run.root / "export"
-    if rt.dist.is_main and not (final / "config.json").exists():
+    marker = final / EXPORT_MARKER
+    # Re-exported when a run is extended past the step its export was taken at.
+    if rt.dist.is_main and not (
+        marker.exists() and read_json(marker)["step"] == rt.cfg.total_steps
+    ):
         export_final(rt, final)
+    rt.dist.barrier()
+
+
+EXPORT_MARKER = "rftpipe_export.json"
 
 
 def export_final(rt: runtime.Runtime, final: Path) -> None:
     """HF-format export of the final policy (RUN/export), published by a dir rename."""
     tmp = rt.run.root / ".tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
-    rt.model.save_pretrained(tmp)
+    # The rollout engine holds the full final weights on every backend (synced after the
+    # last train step), so no extra gather is needed here.
+    rt.rollout_engine.model.save_pretrained(tmp)
     rt.tokenizer.save_pretrained(tmp)
-    shutil.rmtree(final, ignore_errors=True)
+    atomic_write_json(tmp / EXPORT_MARKER, {"step": rt.cfg.total_steps})
+    old = rt.run.root / ".tmp-old-export"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
     os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -106,7 +107,7 @@ class WandbTracker:
 
         id_file = run.root / "wandb_id"
         if not id_file.exists():
-            atomic_write_bytes(id_file, wandb.util.generate_id().encode())
+            atomic_write_bytes(id_file, secrets.token_hex(4).encode())
         self.wandb = wandb
         self.run = wandb.init(
             project=project,

@@ -115,6 +115,6 @@ def prepare(rt: Runtime, repair: bool) -> int:
     rt.dist.barrier()
     step = restore(rt)
     # The engine now serves the restored weights; later rollouts record their version.
-    sync.run(rt.rollout_engine, rt.model, version=step)
+    sync.run(rt.rollout_engine, rt.train_engine, version=step)
     rt.dist.barrier()
     return step

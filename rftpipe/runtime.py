@@ -21,7 +21,7 @@ from rftpipe.config.schema import RunConfig
 from rftpipe.data import PromptSet, load_prompts
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout import HFGenerateEngine
-from rftpipe.engines.train import SingleDeviceEngine, build_micro_batch, response_logprobs
+from rftpipe.engines.train import TRAIN_ENGINES, TrainEngine, build_micro_batch, response_logprobs
 from rftpipe.errors import UserError
 from rftpipe.rewards import RewardFn, resolve_all
 from rftpipe.store import RunDir, atomic_write_json, read_json
@@ -38,7 +38,7 @@ class Runtime:
     prompts: PromptSet
     rewards: dict[str, RewardFn]
     model: torch.nn.Module
-    train_engine: SingleDeviceEngine
+    train_engine: TrainEngine
     rollout_engine: HFGenerateEngine
     kl_ctrl: Any
     ref_logprobs: (
@@ -98,8 +98,17 @@ def build(cfg: RunConfig, run: RunDir, dist: Dist, allow_mismatch: bool = False)
         )
     model = models.load_causal_lm(model_dir, cfg.model.dtype)
     updates = cfg.total_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
-    engine = SingleDeviceEngine(model, cfg.train, updates)
-    rollout = HFGenerateEngine(model, cfg.rollout, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    engine = TRAIN_ENGINES[cfg.train.backend](model, cfg.train, updates, dist)
+    # Colocated single-device training shares its module with the rollout engine; a sharded
+    # trainer hands full weights to a per-rank rollout copy at every sync.
+    rollout_model = (
+        model
+        if cfg.train.backend == "single"
+        else models.load_causal_lm(model_dir, cfg.model.dtype)
+    )
+    rollout = HFGenerateEngine(
+        rollout_model, cfg.rollout, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
     ref = _reference_fn(cfg, model_dir, tokenizer.pad_token_id) if cfg.kl.mode != "none" else None
     kl_ctrl = make_kl_controller(
         cfg.kl.controller, init_coef=cfg.kl.coef, target=cfg.kl.target, horizon=cfg.kl.horizon

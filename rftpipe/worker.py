@@ -56,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(
                 f"run_dir: {run.root} has no config.yaml (create runs with jobs.submit)"
             )
-        cfg = load_config(RunConfig, run.config_path)
+        cfg = load_config(RunConfig, run.active_config_path())
         from rftpipe.dist import init_from_env
 
-        dist = init_from_env()
+        dist = init_from_env(require_group=cfg.train.backend != "single")
         setup_logging(cfg.logging.level, dist.rank)
         set_event_log(EventLog(run.events_path, dist.rank))
         from rftpipe.loop import train_run
@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     except UserError as exc:
         events().write("user_error", message=str(exc))
-        print(f"rftpipe: error: {exc}", file=sys.stderr, flush=True)
+        # Every rank usually meets the same bad input; one line on stderr is enough.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"rftpipe: error: {exc}", file=sys.stderr, flush=True)
         return 2
 
 

@@ -66,7 +66,9 @@ def _resumed(
     needles: tuple[str, ...] = (),
     env: dict | None = None,
     mutate=None,
+    accepted: bool = False,
 ) -> None:
+    """`accepted`: the resume passed its checks (its config is now the run's) and failed later."""
     run = tmp_path / "resume"
     shutil.copytree(base_run, run)
     if mutate:
@@ -75,6 +77,8 @@ def _resumed(
     res = submit(run, *overrides, config=None, extra=extra, env=env)
     _expect_error(res, *needles)
     after = committed_files(run)
+    if accepted:
+        assert after.pop("config.yaml") != before.pop("config.yaml")
     assert {k: after.get(k) for k in before} == before
 
 
@@ -174,6 +178,7 @@ def test_reward_function_that_raises(base_run: Path, tmp_path: Path) -> None:
         extra=("--allow-fingerprint-mismatch",),
         env={"PYTHONPATH": f"{TESTS}:{ROOT}"},
         needles=("boom", "prompt_id", "sample_idx", "step 3"),
+        accepted=True,
     )
 
 

@@ -40,6 +40,7 @@ def test_cli_flags_are_frozen() -> None:
         "cluster",
         "config",
         "run_dir",
+        "tasks_per_node",
         "repair",
         "allow_fingerprint_mismatch",
         "overrides",

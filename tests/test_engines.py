@@ -7,7 +7,12 @@ import torch
 
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.engines.rollout import HFGenerateEngine
-from rftpipe.engines.train import build_micro_batch, grouped_logprobs, response_logprobs
+from rftpipe.engines.train import (
+    build_micro_batch,
+    grouped_logprobs,
+    response_logprobs,
+    root_forward_logprobs,
+)
 from rftpipe.models import load_causal_lm, load_tokenizer, prepare_tiny
 
 
@@ -46,6 +51,19 @@ def test_shared_prefix_equals_full_forward_values_and_grads(tiny) -> None:
     for n, p in model.named_parameters():
         rel = (p.grad - g_full[n]).norm() / g_full[n].norm().clamp_min(1e-12)
         assert rel < 1e-4, (n, float(rel))
+
+
+def test_root_forward_equals_decoder_forward(tiny) -> None:
+    model, _ = tiny
+    prompts, responses = _rows()
+    mb = build_micro_batch(prompts, responses, pad_id=0)
+    with torch.no_grad():
+        a, a_ent = response_logprobs(model, mb, 0.9, with_entropy=True)
+        b, b_ent = root_forward_logprobs(model, mb, 0.9, with_entropy=True)
+    m = mb.response_mask
+    assert (a - b).abs()[m].max() < 1e-5
+    assert (a_ent - b_ent).abs()[m].max() < 1e-5
+    assert a[m].std() > 0.1  # the rows really differ
 
 
 def test_rollout_logprobs_are_pre_filter_and_seeded(tiny) -> None:

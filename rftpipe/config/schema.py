@@ -215,8 +215,8 @@ class KLConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
-    backend: Literal["single"] = "single"
-    """Training engine (FSDP2 and DeepSpeed plug in behind the same interface)."""
+    backend: Literal["single", "fsdp2"] = "single"
+    """Training engine: one device, or FSDP2 over all ranks (DeepSpeed plugs in behind the same interface)."""
 
     lr: float = 2e-5
     """Peak learning rate of AdamW."""

@@ -7,7 +7,7 @@ and sleep/wake around training.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -37,7 +37,9 @@ class RolloutEngine(Protocol):
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]: ...
 
-    def update_weights(self, model: torch.nn.Module, version: int) -> None: ...
+    def update_weights(
+        self, weights: torch.nn.Module | Mapping[str, torch.Tensor], version: int
+    ) -> None: ...
 
     def sleep(self) -> None: ...
 
@@ -124,9 +126,13 @@ class HFGenerateEngine:
         self.model.train(was_training)
         return outs
 
-    def update_weights(self, model: torch.nn.Module, version: int) -> None:
-        if model is not self.model:
-            self.model.load_state_dict(model.state_dict())
+    def update_weights(
+        self, weights: torch.nn.Module | Mapping[str, torch.Tensor], version: int
+    ) -> None:
+        """Take new weights: free when they are this engine's own module (colocated)."""
+        if weights is not self.model:
+            state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+            self.model.load_state_dict(state)
         self.weight_version = version
 
     def sleep(self) -> None:

@@ -1,14 +1,15 @@
-"""Training-engine interface and the single-device backend.
+"""Training-engine interface and its backends: single-device and FSDP2.
 
-The algorithm code (stages/train.py) only talks to this interface, so FSDP2 and DeepSpeed
-backends slot in behind it: forward to response logprobs, backward, optimizer and LR
-scheduler steps, and the state that checkpoints save.
+The algorithm code (stages/train.py) only talks to this interface, so the backend that
+shards the model (and DeepSpeed later) stays invisible to it: forward to response
+logprobs, backward, optimizer and LR scheduler steps, the weights the rollout engine
+takes, and the state that checkpoints save.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,6 +17,8 @@ import torch
 
 from rftpipe.algos.losses import entropy_from_logits, gather_logprobs
 from rftpipe.config.schema import TrainConfig
+from rftpipe.dist import Dist
+from rftpipe.errors import UserError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,6 +89,30 @@ def response_logprobs(
     return _head_logprobs(model, hidden.gather(1, idx), mb.response_ids, temperature, with_entropy)
 
 
+def root_forward_logprobs(
+    model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Like `response_logprobs`, but through the root module's own forward.
+
+    Sharding wrappers (FSDP2) hook the root forward to gather the root-level parameters
+    (embeddings, final norm, the tied head) and to reduce their gradients, so calling the
+    decoder directly would bypass them. `logits_to_keep` still limits the head to the
+    positions from the earliest response start on.
+    """
+    first = int(mb.response_index.min())
+    logits = model(
+        input_ids=mb.input_ids,
+        attention_mask=mb.attention_mask,
+        use_cache=False,
+        logits_to_keep=mb.input_ids.shape[1] - first,
+    ).logits
+    idx = (mb.response_index - first).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    logits = logits.gather(1, idx).float()
+    lp = gather_logprobs(logits, mb.response_ids, temperature=temperature)
+    ent = entropy_from_logits(logits / temperature) if with_entropy else None
+    return lp, ent
+
+
 def shared_prefix_logprobs(
     model: torch.nn.Module,
     prompt: Sequence[int],
@@ -144,7 +171,10 @@ def grouped_logprobs(
 
 
 class TrainEngine(Protocol):
+    """What the train stage needs from a backend; the algorithm never sees the sharding."""
+
     model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
 
     def forward(
         self,
@@ -160,12 +190,14 @@ class TrainEngine(Protocol):
 
     def lr_scheduler_step(self) -> None: ...
 
+    def rollout_weights(self) -> torch.nn.Module | dict[str, torch.Tensor]: ...
+
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def lr_lambda(cfg: TrainConfig, total_updates: int):
+def lr_lambda(cfg: TrainConfig, total_updates: int) -> Callable[[int], float]:
     def f(i: int) -> float:
         if cfg.warmup_steps and i < cfg.warmup_steps:
             return (i + 1) / cfg.warmup_steps
@@ -180,27 +212,67 @@ def lr_lambda(cfg: TrainConfig, total_updates: int):
     return f
 
 
-class SingleDeviceEngine:
-    """The whole model and AdamW on one device."""
+class _OptimizerMixin:
+    """AdamW (decay on matrices only), LambdaLR and clipping, shared by the backends."""
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, total_updates: int) -> None:
-        self.model = model
-        self.cfg = cfg
-        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    model: torch.nn.Module
+    cfg: TrainConfig
+
+    def _init_optimizer(self, total_updates: int) -> None:
+        params = list(self.model.named_parameters())
         self.optimizer = torch.optim.AdamW(
             [
-                {"params": decay, "weight_decay": cfg.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
+                {
+                    "params": [p for _, p in params if p.ndim >= 2],
+                    "weight_decay": self.cfg.weight_decay,
+                },
+                {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0},
             ],
-            lr=cfg.lr,
-            betas=tuple(cfg.betas),
-            eps=cfg.adam_eps,
+            lr=self.cfg.lr,
+            betas=tuple(self.cfg.betas),
+            eps=self.cfg.adam_eps,
             foreach=False,  # a fixed kernel path keeps CPU runs bitwise repeatable
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg, total_updates)
+            self.optimizer, lr_lambda(self.cfg, total_updates)
         )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizer_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def lr_scheduler_step(self) -> None:
+        self.scheduler.step()
+
+    def state_dict(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+class SingleDeviceEngine(_OptimizerMixin):
+    """The whole model and AdamW on one device; the rollout engine shares the module."""
+
+    def __init__(
+        self, model: torch.nn.Module, cfg: TrainConfig, total_updates: int, dist: Dist
+    ) -> None:
+        if dist.world > 1:
+            raise UserError(
+                f"train.backend: 'single' runs on one rank, not {dist.world}; use train.backend=fsdp2"
+            )
+        self.model = model
+        self.cfg = cfg
+        self._init_optimizer(total_updates)
 
     def forward(
         self,
@@ -212,26 +284,53 @@ class SingleDeviceEngine:
         """(B, T) response logprobs (and entropies) with gradients, prompts computed once per group."""
         return grouped_logprobs(self.model, prompts, responses, temperature, with_entropy)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def rollout_weights(self) -> torch.nn.Module:
+        return self.model
 
-    def optimizer_step(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
 
-    def lr_scheduler_step(self) -> None:
-        self.scheduler.step()
+class FSDP2Engine(_OptimizerMixin):
+    """Parameters, gradients and optimizer state sharded with `fully_shard` (gloo/nccl).
 
-    @property
-    def lr(self) -> float:
-        return float(self.scheduler.get_last_lr()[0])
+    Every decoder layer and the root are sharded. Gradients are *summed* over ranks
+    (divide factor 1) because the losses are already normalised by global token counts.
+    Each micro-batch is one full-sequence forward, so every rank issues the same
+    collectives in the same order whatever prompts it holds.
+    """
 
-    def state_dict(self) -> dict:
-        return {"scheduler": self.scheduler.state_dict()}
+    def __init__(
+        self, model: torch.nn.Module, cfg: TrainConfig, total_updates: int, dist: Dist
+    ) -> None:
+        from torch.distributed.fsdp import fully_shard
 
-    def load_state_dict(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
+        units = [fully_shard(layer) for layer in model.get_decoder().layers]
+        units.append(fully_shard(model))
+        # Each unit reduces its own gradients, so each needs both settings: a plain SUM
+        # (gloo has no PREMUL_SUM, and with factor 1 there is nothing to scale anyway).
+        for unit in units:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+        self.model = model
+        self.cfg = cfg
+        self._init_optimizer(total_updates)
+
+    def forward(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mb = build_micro_batch(prompts, responses, pad_id=0)
+        return root_forward_logprobs(self.model, mb, temperature, with_entropy)
+
+    def rollout_weights(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights on every rank, for the rollout engine's own copy."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+
+
+TRAIN_ENGINES: dict[str, Callable[..., TrainEngine]] = {
+    "single": SingleDeviceEngine,
+    "fsdp2": FSDP2Engine,
+}

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import torch
-
 from rftpipe.engines.rollout import RolloutEngine
+from rftpipe.engines.train import TrainEngine
 
 
-def run(engine: RolloutEngine, model: torch.nn.Module, version: int) -> None:
-    """After this, samples from `engine` are drawn from the step-`version` weights."""
-    engine.update_weights(model, version)
+def run(engine: RolloutEngine, trainer: TrainEngine, version: int) -> None:
+    """After this, samples from `engine` are drawn from the step-`version` weights.
+
+    Collective under FSDP2 (the full weights are gathered), so every rank calls it.
+    """
+    engine.update_weights(trainer.rollout_weights(), version)

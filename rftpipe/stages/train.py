@@ -22,6 +22,15 @@ from rftpipe.seeding import derive_seed
 from rftpipe.stages.advantage import pad_ragged
 
 # Per-token sums gathered over the step, all-reduced once at the end.
+#: Stand-in row for a rank with no rows left in a micro-batch slot (its loss weight is 0).
+_PADDING_ROW = {
+    "prompt_token_ids": [0],
+    "response_token_ids": [0],
+    "logprobs": [0.0],
+    "advantages": [0.0],
+    "ref_logprobs": [0.0],
+    "response_length": 1,
+}
 _SUMS = (
     "tokens",
     "clipped",
@@ -32,6 +41,7 @@ _SUMS = (
     "pg_loss",
     "updates",
     "grad_norm",
+    "skipped",
 )
 
 
@@ -48,10 +58,14 @@ class TrainInputs:
 
 
 def minibatch_plan(inp: TrainInputs, epoch: int, mini_batches: int) -> list[list[int]]:
-    """Local row indexes of each mini-batch, in a world-size-independent global order."""
+    """Local row indexes of each mini-batch, in a world-size-independent global order.
+
+    Groups are shuffled as units (keyed by prompt id) and stay contiguous, so a micro-batch
+    holds whole groups and their shared prompt is computed once.
+    """
     keyed = sorted(
         inp.global_samples,
-        key=lambda s: derive_seed(inp.run_seed, inp.step, f"train/{epoch}", f"{s[0]}/{s[1]}"),
+        key=lambda s: (derive_seed(inp.run_seed, inp.step, f"train/{epoch}", s[0]), s[1]),
     )
     size = len(keyed) // mini_batches
     local = {
@@ -83,9 +97,15 @@ def run(
         )
         counts = dist.all_reduce_sum(counts)
         for m, mb in enumerate(plan):
-            for start in range(0, len(mb), cfg.micro_batch_size):
-                chunk = [rows[i] for i in mb[start : start + cfg.micro_batch_size]]
-                _micro_step(cfg, kl, engine, inp, chunk, counts[m], sums)
+            chunks = [
+                mb[i : i + cfg.micro_batch_size] for i in range(0, len(mb), cfg.micro_batch_size)
+            ]
+            # Sharded backends issue collectives inside forward/backward, so every rank runs
+            # the same number of micro-batches; a rank with fewer rows runs weight-0 padding.
+            n_chunks = int(dist.all_reduce_max(torch.tensor([len(chunks)]))[0])
+            for c in range(n_chunks):
+                chunk = [rows[i] for i in chunks[c]] if c < len(chunks) else []
+                _micro_step(cfg, kl, engine, dist, inp, chunk, counts[m], sums)
             sums["grad_norm"] += engine.optimizer_step()
             sums["updates"] += 1
             engine.lr_scheduler_step()
@@ -97,11 +117,14 @@ def _micro_step(
     cfg: TrainConfig,
     kl: KLConfig,
     engine: TrainEngine,
+    dist: Dist,
     inp: TrainInputs,
     chunk: list[dict],
     count: torch.Tensor,
     sums: dict[str, float],
 ) -> None:
+    weight = 1.0 if chunk else 0.0
+    chunk = chunk or [_PADDING_ROW]
     old, mask = pad_ragged([r["logprobs"] for r in chunk], torch.float32)
     adv, _ = pad_ragged([r["advantages"] for r in chunk], torch.float32)
     lp, ent = engine.forward(
@@ -126,7 +149,14 @@ def _micro_step(
         loss = loss + inp.kl_coef * agg(kl_tok, mask, **norm)
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * agg(ent, mask, **norm)
-    engine.backward(loss)
+    # An invalid (non-finite) micro-batch on any rank is skipped on all of them together,
+    # so no rank waits in a backward collective that the others never enter.
+    if dist.any(not bool(torch.isfinite(loss))):
+        sums["skipped"] += 1
+        return
+    engine.backward(loss * weight)
+    if not weight:
+        return
     with torch.no_grad():
         sums["tokens"] += float(mask.sum())
         sums["clipped"] += float((out.clipped & mask).sum())
@@ -138,7 +168,8 @@ def _micro_step(
 
 
 def _finish_metrics(sums: dict[str, float], dist: Dist) -> dict[str, float]:
-    local = {k: v for k, v in sums.items() if k not in ("updates", "grad_norm")}
+    # updates, grad_norm and skipped are identical on every rank (collective decisions).
+    local = {k: v for k, v in sums.items() if k not in ("updates", "grad_norm", "skipped")}
     total = dist.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64))
     g = dict(zip(local, total.tolist(), strict=True))
     tok = max(g["tokens"], 1.0)
@@ -154,4 +185,5 @@ def _finish_metrics(sums: dict[str, float], dist: Dist) -> dict[str, float]:
         "train/grad_norm": sums["grad_norm"] / updates,
         "train/updates": sums["updates"],
         "train/tokens": g["tokens"],
+        "train/skipped_micro_batches": sums["skipped"],
     }
