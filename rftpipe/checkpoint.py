@@ -1,6 +1,6 @@
 """Checkpoints through torch.distributed.checkpoint, committed by a directory rename.
 
-``checkpoints/step-N/`` holds the DCP files of model and optimizer, ``extra.pt`` with the
+``checkpoints/step-N/`` holds the engine's files (DCP for model and optimizer), ``extra.pt`` with the
 small Stateful pieces (scheduler, KL controller, sampler, RNG), and ``COMMITTED.json``
 listing every file's checksum. The directory is written as ``.tmp-step-N`` and renamed when
 complete, so a listing never sees a half-written checkpoint. Old ones are deleted only after
@@ -13,16 +13,14 @@ import logging
 import os
 import shutil
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rftpipe.dist import Dist
+from rftpipe.engines.train import TrainEngine
 from rftpipe.faults import events, fault
 from rftpipe.store import (
     TMP_PREFIX,
@@ -34,11 +32,6 @@ from rftpipe.store import (
 )
 
 log = logging.getLogger(__name__)
-# DCP warns on every call that it runs without a process group; single-process runs are
-# intended, so the warning is noise in every log.
-warnings.filterwarnings(
-    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
-)
 COMMIT_FILE = "COMMITTED.json"
 
 
@@ -75,13 +68,12 @@ def verify(ckpt: Checkpoint) -> None:
 def save(
     root: Path,
     step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    engine: TrainEngine,
     extra: dict[str, Any],
     dist: Dist,
     keep_last: int,
 ) -> float:
-    """Save, commit and apply retention; returns seconds spent."""
+    """Have the engine write its state, then commit and apply retention; returns seconds."""
     t0 = time.perf_counter()
     final = root / f"step-{step:06d}"
     tmp = root / f"{TMP_PREFIX}step-{step:06d}"
@@ -89,8 +81,7 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    engine.save_checkpoint(tmp)
     torch.save(extra, tmp / f"extra-r{dist.rank}.pt")
     fault("ckpt_mid_write")
     dist.barrier()
@@ -122,15 +113,8 @@ def _retain(root: Path, keep_last: int) -> None:
         shutil.rmtree(trash)
 
 
-def load(
-    ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dist: Dist
-) -> dict[str, Any]:
-    """Restore model and optimizer in place (resharding to this world size); return extras."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(ckpt.path))
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+def load(ckpt: Checkpoint, engine: TrainEngine) -> dict[str, Any]:
+    """Restore the engine in place (resharding to this world size); return the extras."""
+    engine.load_checkpoint(ckpt.path)
     # Rank-local extras hold only world-independent state, so rank 0's copy serves any world size.
     return torch.load(ckpt.path / "extra-r0.pt", weights_only=True)

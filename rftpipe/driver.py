@@ -58,13 +58,20 @@ def run_step(rt: Runtime, step: int, timings: dict[str, float]) -> dict[str, flo
     adv = stage(
         "advantage",
         {"kl_coef": kl_coef},
-        lambda: advantage.run(adv_cfg, scored, rt.ref_logprobs, dist.all_reduce_sum),
+        lambda: advantage.run(adv_cfg, scored, reference_fn(rt), dist.all_reduce_sum),
     )
     # 4. train: PPO epochs x mini-batches on the committed rows (replayed after a restart)
     metrics = train_step(rt, plan, adv, kl_coef, timings)
     # 5. sync: the rollout engine takes the new weights; the step's trajectories appear
     sync_step(rt, step, adv, timings)
     return metrics
+
+
+def reference_fn(rt: Runtime) -> advantage.RefLogprobs | None:
+    """Reference logprobs under the sampling temperature, as the rollout recorded its own."""
+    if rt.reference is None:
+        return None
+    return partial(rt.reference.compute_logprobs, temperature=rt.cfg.rollout.temperature)
 
 
 def plan_step(rt: Runtime, step: int) -> StepPlan:
@@ -182,8 +189,7 @@ def maybe_checkpoint(rt: Runtime, step: int, timings: dict[str, float]) -> None:
     timings["checkpoint"] = checkpoint.save(
         rt.run.checkpoints,
         step,
-        rt.model,
-        rt.train_engine.optimizer,
+        rt.train_engine,
         extra,
         rt.dist,
         cfg.checkpoint.keep_last,

@@ -99,7 +99,7 @@ def restore(rt: Runtime) -> int:
             if rt.dist.is_main:
                 shutil.rmtree(ckpt.path)
             continue
-        extra = checkpoint.load(ckpt, rt.model, rt.train_engine.optimizer, rt.dist)
+        extra = checkpoint.load(ckpt, rt.train_engine)
         rt.kl_ctrl.load_state_dict(extra["kl_controller"])
         rt.train_engine.load_state_dict(extra["engine"])
         return ckpt.step

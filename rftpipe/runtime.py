@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from rftpipe.config.schema import RunConfig
 from rftpipe.data import PromptSet, load_prompts
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout import HFGenerateEngine
-from rftpipe.engines.train import TRAIN_ENGINES, TrainEngine, build_micro_batch, response_logprobs
+from rftpipe.engines.train import TRAIN_ENGINES, TrainEngine
 from rftpipe.errors import UserError
 from rftpipe.rewards import RewardFn, resolve_all
 from rftpipe.store import RunDir, atomic_write_json, read_json
@@ -37,13 +36,12 @@ class Runtime:
     tokenizer: Any
     prompts: PromptSet
     rewards: dict[str, RewardFn]
-    model: torch.nn.Module
     train_engine: TrainEngine
+    """The actor."""
+    reference: TrainEngine | None
+    """The frozen initial policy, on the actor's backend; None without a KL term."""
     rollout_engine: HFGenerateEngine
     kl_ctrl: Any
-    ref_logprobs: (
-        Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]] | None
-    )
     model_dir: Path
 
 
@@ -98,7 +96,8 @@ def build(cfg: RunConfig, run: RunDir, dist: Dist, allow_mismatch: bool = False)
         )
     model = models.load_causal_lm(model_dir, cfg.model.dtype)
     updates = cfg.total_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
-    engine = TRAIN_ENGINES[cfg.train.backend](model, cfg.train, updates, dist)
+    backend = TRAIN_ENGINES[cfg.train.backend]
+    engine = backend(model, cfg.train, dist, role="actor", total_updates=updates)
     # Colocated single-device training shares its module with the rollout engine; a sharded
     # trainer hands full weights to a per-rank rollout copy at every sync.
     rollout_model = (
@@ -109,7 +108,13 @@ def build(cfg: RunConfig, run: RunDir, dist: Dist, allow_mismatch: bool = False)
     rollout = HFGenerateEngine(
         rollout_model, cfg.rollout, tokenizer.eos_token_id, tokenizer.pad_token_id
     )
-    ref = _reference_fn(cfg, model_dir, tokenizer.pad_token_id) if cfg.kl.mode != "none" else None
+    reference = (
+        backend(
+            models.load_causal_lm(model_dir, cfg.model.dtype), cfg.train, dist, role="reference"
+        )
+        if cfg.kl.mode != "none"
+        else None
+    )
     kl_ctrl = make_kl_controller(
         cfg.kl.controller, init_coef=cfg.kl.coef, target=cfg.kl.target, horizon=cfg.kl.horizon
     )
@@ -120,30 +125,9 @@ def build(cfg: RunConfig, run: RunDir, dist: Dist, allow_mismatch: bool = False)
         tokenizer=tokenizer,
         prompts=prompts,
         rewards=rewards,
-        model=model,
         train_engine=engine,
+        reference=reference,
         rollout_engine=rollout,
         kl_ctrl=kl_ctrl,
-        ref_logprobs=ref,
         model_dir=model_dir,
     )
-
-
-def _reference_fn(cfg: RunConfig, model_dir: Path, pad_id: int):
-    ref = models.load_causal_lm(model_dir, cfg.model.dtype).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-
-    @torch.no_grad()
-    def ref_logprobs(
-        prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
-    ) -> list[list[float]]:
-        out: list[list[float]] = []
-        bs = cfg.train.micro_batch_size
-        for i in range(0, len(prompts), bs):
-            mb = build_micro_batch(prompts[i : i + bs], responses[i : i + bs], pad_id)
-            lp, _ = response_logprobs(ref, mb, cfg.rollout.temperature, with_entropy=False)
-            out.extend(row[m].tolist() for row, m in zip(lp, mb.response_mask, strict=True))
-        return out
-
-    return ref_logprobs

@@ -41,7 +41,7 @@ def main() -> None:
             pa.array(adv, pa.list_(pa.float32())),
         )
     cfg = TrainConfig(lr=1e-3, mini_batches=2, micro_batch_size=2, ppo_epochs=2)
-    engine = FSDP2Engine(load_causal_lm(prepare_tiny(), "float32"), cfg, 4, dist)
+    engine = FSDP2Engine(load_causal_lm(prepare_tiny(), "float32"), cfg, dist, total_updates=4)
     samples = [(p, k) for p in ids for k in range(4)]
     metrics = []
     for step in (1, 2):
@@ -50,8 +50,15 @@ def main() -> None:
         )
         metrics.append(train.run(cfg, KLConfig(), engine, dist, inp))
     weights = engine.rollout_weights()
+    # Reference role: uneven row counts per rank (1 vs 3 micro-batches) must not deadlock.
+    reference = FSDP2Engine(load_causal_lm(prepare_tiny(), "float32"), cfg, dist, role="reference")
+    rows = table.slice(0, 2 + 3 * dist.rank).to_pylist()
+    ref = reference.compute_logprobs(
+        [r["prompt_token_ids"] for r in rows], [r["response_token_ids"] for r in rows], 0.7
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"ref-r{dist.rank}.json").write_text(json.dumps(ref))
     if dist.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.json").write_text(json.dumps(metrics))
         save_file({k: v.clone() for k, v in weights.items()}, out / "weights.safetensors")
 

@@ -8,15 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from helpers import ROOT, final_weights, submit, trajectories
 from safetensors.torch import load_file
 
-from rftpipe.models import prepare_tiny
+from rftpipe.engines.train import build_micro_batch, response_logprobs
+from rftpipe.models import load_causal_lm, prepare_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-FSDP = ("train.backend=fsdp2", "total_steps=3")
+# A KL term in the loss puts the sharded reference role through the pipeline too.
+FSDP = ("train.backend=fsdp2", "total_steps=3", "kl.mode=loss", "kl.coef=0.1")
 
 
 def _rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -57,7 +60,7 @@ def test_pipeline_is_world_size_independent(dp_runs: dict[int, Path]) -> None:
 
 def test_fsdp2_matches_single_device(dp_runs: dict[int, Path], tmp_path: Path) -> None:
     run = tmp_path / "single"
-    assert submit(run, "total_steps=3").returncode == 0
+    assert submit(run, *FSDP[1:]).returncode == 0  # everything but the backend
     assert _rel_diff(final_weights(run), final_weights(dp_runs[1])) < 1e-5
 
 
@@ -105,6 +108,25 @@ def test_train_stage_alone_on_fixed_inputs(dp_runs: dict[int, Path], tmp_path: P
         assert _rel_diff(res[1]["weights"], res[w]["weights"]) < 1e-5
     initial = load_file(prepare_tiny() / "model.safetensors")
     assert _rel_diff(initial, res[1]["weights"]) > 1e-3  # the updates really moved the weights
+
+
+def test_sharded_reference_with_uneven_rows(dp_runs: dict[int, Path], tmp_path: Path) -> None:
+    table = dp_runs[1] / "stages" / "step=000001" / "advantage" / "part-r0.parquet"
+    _train_alone(table, tmp_path, 2)
+    model = load_causal_lm(prepare_tiny(), "float32")
+    rows = pq.read_table(table).to_pylist()
+    for rank, n in ((0, 2), (1, 5)):
+        got = json.loads((tmp_path / f"ref-r{rank}.json").read_text())
+        mb = build_micro_batch(
+            [r["prompt_token_ids"] for r in rows[:n]],
+            [r["response_token_ids"] for r in rows[:n]],
+            0,
+        )
+        with torch.no_grad():
+            want, _ = response_logprobs(model, mb, 0.7, with_entropy=False)
+        assert len(got) == n
+        for i, row in enumerate(got):
+            assert torch.allclose(torch.tensor(row), want[i, : len(row)], atol=1e-5), (rank, i)
 
 
 def test_invalid_batch_on_one_rank_is_skipped_by_all(

@@ -83,3 +83,55 @@ def test_rollout_logprobs_are_pre_filter_and_seeded(tiny) -> None:
         assert torch.allclose(lp[i, : len(row)], torch.tensor(row), atol=1e-5)
     # top-k/top-p filtered tokens still have their unfiltered (smaller) probability
     assert all(x < 0 for row in a.logprobs for x in row)
+
+
+def _engine(role: str = "actor"):
+    from rftpipe.config.schema import TrainConfig
+    from rftpipe.dist import Dist
+    from rftpipe.engines.train import SingleDeviceEngine
+
+    model = load_causal_lm(prepare_tiny(), "float32")
+    cfg = TrainConfig(lr=1e-2, micro_batch_size=2)
+    return SingleDeviceEngine(model, cfg, Dist(rank=0, world=1), role=role, total_updates=4)
+
+
+def _update(engine) -> None:
+    prompts, responses = _rows()
+    with engine.train_mode():
+        assert engine.model.training
+        lp, _ = engine.forward(prompts, responses, 1.0, with_entropy=False)
+        engine.backward(-lp.sum())
+        assert engine.optimizer_step() > 0
+        engine.lr_scheduler_step()
+    assert not engine.model.training
+
+
+def test_engine_checkpoint_roundtrip_restores_weights_and_optimizer(tmp_path) -> None:
+    a = _engine()
+    _update(a)
+    a.save_checkpoint(tmp_path / "ckpt")
+    extra = a.state_dict()
+    _update(a)  # a moves on past the checkpoint
+    b = _engine()
+    b.load_checkpoint(tmp_path / "ckpt")
+    b.load_state_dict(extra)
+    _update(b)  # b replays the same update from the checkpoint
+    for (n, pa_), (_, pb) in zip(
+        a.model.named_parameters(), b.model.named_parameters(), strict=True
+    ):
+        assert torch.equal(pa_, pb), n
+
+
+def test_reference_role_scores_but_never_trains() -> None:
+    ref = _engine("reference")
+    prompts, responses = _rows()
+    got = ref.compute_logprobs(prompts, responses, 0.7)
+    mb = build_micro_batch(prompts, responses, pad_id=0)
+    with torch.no_grad():
+        want, _ = response_logprobs(ref.model, mb, 0.7, with_entropy=False)
+    assert [len(r) for r in got] == [len(r) for r in responses]
+    for i, row in enumerate(got):
+        assert torch.allclose(torch.tensor(row), want[i, : len(row)], atol=1e-5)
+    assert not any(p.requires_grad for p in ref.model.parameters())
+    with pytest.raises(RuntimeError, match="reference"):
+        ref.optimizer_step()

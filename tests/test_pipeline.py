@@ -94,14 +94,16 @@ def test_trajectory_schema_and_readers(tiny_run: Path) -> None:
 
 def test_sync_rollout_logprobs_match_trained_weights(tiny_run: Path, tmp_path: Path) -> None:
     """Step s+1's sampling logprobs equal the step-s trained weights' logprobs."""
-    model = load_causal_lm(prepare_tiny(), "float32")
-    opt = torch.optim.AdamW(model.parameters())
+    from rftpipe.config.schema import TrainConfig
     from rftpipe.dist import Dist
+    from rftpipe.engines.train import SingleDeviceEngine
 
+    engine = SingleDeviceEngine(load_causal_lm(prepare_tiny(), "float32"), TrainConfig(), Dist())
+    model = engine.model
     ckpts = {c.step: c for c in checkpoint.list_committed(tiny_run / "checkpoints")}
     t = trajectories(tiny_run).to_pandas()
     for s in (2, 4):
-        checkpoint.load(ckpts[s], model, opt, Dist())
+        checkpoint.load(ckpts[s], engine)
         rows = t[t.step == s + 1]
         assert (rows.weight_version == s).all()
         mb = build_micro_batch(list(rows.prompt_token_ids), list(rows.response_token_ids), pad_id=0)

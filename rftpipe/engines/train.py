@@ -8,10 +8,13 @@ takes, and the state that checkpoints save.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Literal, Protocol
 
 import torch
 
@@ -19,6 +22,12 @@ from rftpipe.algos.losses import entropy_from_logits, gather_logprobs
 from rftpipe.config.schema import TrainConfig
 from rftpipe.dist import Dist
 from rftpipe.errors import UserError
+
+# DCP warns on every call that it runs without a process group; single-process runs are
+# intended, so the warning is noise in every log.
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -170,11 +179,27 @@ def grouped_logprobs(
     return torch.stack(lp), (torch.stack(ent) if with_entropy else None)
 
 
+Role = Literal["actor", "reference"]
+"""An actor trains (optimizer, scheduler, checkpoints); a reference only scores."""
+
+
 class TrainEngine(Protocol):
-    """What the train stage needs from a backend; the algorithm never sees the sharding."""
+    """What the stages need from a backend; the algorithm never sees the sharding.
+
+    Every method that runs a forward is collective under a sharded backend, so all ranks
+    call it the same number of times; `compute_logprobs` pads ranks with fewer rows itself.
+    """
 
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    role: Role
+
+    def train_mode(self) -> contextlib.AbstractContextManager[None]:
+        """Parameters (and, later, offloaded optimizer state) ready for forward+backward."""
+        ...
+
+    def eval_mode(self) -> contextlib.AbstractContextManager[None]:
+        """Parameters ready for no-grad scoring."""
+        ...
 
     def forward(
         self,
@@ -182,17 +207,40 @@ class TrainEngine(Protocol):
         responses: Sequence[Sequence[int]],
         temperature: float,
         with_entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T) response logprobs (and entropies) with gradients."""
+        ...
+
+    def compute_logprobs(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+    ) -> list[list[float]]:
+        """No-grad response logprobs of this rank's rows, in micro-batches."""
+        ...
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
-    def optimizer_step(self) -> float: ...
+    def optimizer_step(self) -> float:
+        """Clip, step and zero the gradients; returns the global pre-clip grad norm."""
+        ...
 
     def lr_scheduler_step(self) -> None: ...
 
-    def rollout_weights(self) -> torch.nn.Module | dict[str, torch.Tensor]: ...
+    def rollout_weights(self) -> torch.nn.Module | dict[str, torch.Tensor]:
+        """Full weights for the rollout engine (a shared module when colocated)."""
+        ...
 
-    def state_dict(self) -> dict: ...
+    def save_checkpoint(self, path: Path) -> None:
+        """Model and optimizer state into `path` (collective; resharding-friendly)."""
+        ...
+
+    def load_checkpoint(self, path: Path) -> None: ...
+
+    def state_dict(self) -> dict:
+        """Small world-size-independent state (the LR scheduler) for the checkpoint extras."""
+        ...
 
     def load_state_dict(self, state: dict) -> None: ...
 
@@ -212,13 +260,23 @@ def lr_lambda(cfg: TrainConfig, total_updates: int) -> Callable[[int], float]:
     return f
 
 
-class _OptimizerMixin:
-    """AdamW (decay on matrices only), LambdaLR and clipping, shared by the backends."""
+class _EngineBase:
+    """What the backends share: roles, AdamW (decay on matrices only), LambdaLR, clipping,
+    mode switches, no-grad scoring and DCP checkpoints of model + optimizer."""
 
     model: torch.nn.Module
     cfg: TrainConfig
+    dist: Dist
+    role: Role
+    optimizer: torch.optim.Optimizer
 
-    def _init_optimizer(self, total_updates: int) -> None:
+    def _init_role(self, role: Role, total_updates: int) -> None:
+        self.role = role
+        if role == "reference":
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+            self.model.eval()
+            return
         params = list(self.model.named_parameters())
         self.optimizer = torch.optim.AdamW(
             [
@@ -237,10 +295,66 @@ class _OptimizerMixin:
             self.optimizer, lr_lambda(self.cfg, total_updates)
         )
 
+    def _require_actor(self, what: str) -> None:
+        if self.role != "actor":
+            raise RuntimeError(f"{what} on a {self.role} engine")
+
+    @contextlib.contextmanager
+    def train_mode(self) -> Iterator[None]:
+        # The place where offloaded parameters and optimizer state come back to the device.
+        self._require_actor("train_mode")
+        self.model.train()
+        try:
+            yield
+        finally:
+            self.model.eval()
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.model.train(was_training)
+
+    def forward(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def _micro_batch_count(self, n: int) -> int:
+        return math.ceil(n / self.cfg.micro_batch_size)
+
+    def compute_logprobs(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+    ) -> list[list[float]]:
+        bs = self.cfg.micro_batch_size
+        n_chunks = self._micro_batch_count(len(prompts))
+        out: list[list[float]] = []
+        with self.eval_mode():
+            for c in range(n_chunks):
+                p, r = prompts[c * bs : (c + 1) * bs], responses[c * bs : (c + 1) * bs]
+                if not p:  # a rank with fewer rows keeps pace in the collectives
+                    self.forward([[0]], [[0]], temperature, with_entropy=False)
+                    continue
+                lp, _ = self.forward(p, r, temperature, with_entropy=False)
+                out.extend(lp[i, : len(resp)].tolist() for i, resp in enumerate(r))
+        return out
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
     def optimizer_step(self) -> float:
+        self._require_actor("optimizer_step")
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
@@ -253,6 +367,30 @@ class _OptimizerMixin:
     def lr_scheduler_step(self) -> None:
         self.scheduler.step()
 
+    def save_checkpoint(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self._require_actor("save_checkpoint")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore in place; DCP reshards from whatever world size wrote `path`."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        self._require_actor("load_checkpoint")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+
     def state_dict(self) -> dict:
         return {"scheduler": self.scheduler.state_dict()}
 
@@ -260,11 +398,17 @@ class _OptimizerMixin:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-class SingleDeviceEngine(_OptimizerMixin):
+class SingleDeviceEngine(_EngineBase):
     """The whole model and AdamW on one device; the rollout engine shares the module."""
 
     def __init__(
-        self, model: torch.nn.Module, cfg: TrainConfig, total_updates: int, dist: Dist
+        self,
+        model: torch.nn.Module,
+        cfg: TrainConfig,
+        dist: Dist,
+        *,
+        role: Role = "actor",
+        total_updates: int = 0,
     ) -> None:
         if dist.world > 1:
             raise UserError(
@@ -272,7 +416,8 @@ class SingleDeviceEngine(_OptimizerMixin):
             )
         self.model = model
         self.cfg = cfg
-        self._init_optimizer(total_updates)
+        self.dist = dist
+        self._init_role(role, total_updates)
 
     def forward(
         self,
@@ -288,7 +433,7 @@ class SingleDeviceEngine(_OptimizerMixin):
         return self.model
 
 
-class FSDP2Engine(_OptimizerMixin):
+class FSDP2Engine(_EngineBase):
     """Parameters, gradients and optimizer state sharded with `fully_shard` (gloo/nccl).
 
     Every decoder layer and the root are sharded. Gradients are *summed* over ranks
@@ -298,7 +443,13 @@ class FSDP2Engine(_OptimizerMixin):
     """
 
     def __init__(
-        self, model: torch.nn.Module, cfg: TrainConfig, total_updates: int, dist: Dist
+        self,
+        model: torch.nn.Module,
+        cfg: TrainConfig,
+        dist: Dist,
+        *,
+        role: Role = "actor",
+        total_updates: int = 0,
     ) -> None:
         from torch.distributed.fsdp import fully_shard
 
@@ -311,7 +462,13 @@ class FSDP2Engine(_OptimizerMixin):
             unit.set_force_sum_reduction_for_comms(True)
         self.model = model
         self.cfg = cfg
-        self._init_optimizer(total_updates)
+        self.dist = dist
+        self._init_role(role, total_updates)
+
+    def _micro_batch_count(self, n: int) -> int:
+        # Every rank runs as many (sharded, collective) forwards as the busiest one.
+        mine = math.ceil(n / self.cfg.micro_batch_size)
+        return int(self.dist.all_reduce_max(torch.tensor([mine]))[0])
 
     def forward(
         self,

@@ -87,6 +87,13 @@ def minibatch_plan(inp: TrainInputs, epoch: int, mini_batches: int) -> list[list
 def run(
     cfg: TrainConfig, kl: KLConfig, engine: TrainEngine, dist: Dist, inp: TrainInputs
 ) -> dict[str, float]:
+    with engine.train_mode():
+        return _run(cfg, kl, engine, dist, inp)
+
+
+def _run(
+    cfg: TrainConfig, kl: KLConfig, engine: TrainEngine, dist: Dist, inp: TrainInputs
+) -> dict[str, float]:
     rows = inp.table.to_pylist()
     sums = dict.fromkeys(_SUMS, 0.0)
     for epoch in range(cfg.ppo_epochs):
