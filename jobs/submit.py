@@ -1,5 +1,5 @@
 """Launch an rftpipe run: ``python -m jobs.submit [--cluster auto|local|slurm] [--config PATH]
-[--run-dir DIR] [key=value ...]``.
+[--run-dir DIR] [--nodes N] [--tasks-per-node N] [slurm options] [key=value ...]``.
 
 Creating or resuming is decided by the run directory: if it holds a config.yaml, the run
 resumes after its fingerprint check. No torch import here, so this is instant on a login node.
@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from jobs import slurm
 from rftpipe.config.loader import diff_keys, dump_yaml, load_config, to_dict
 from rftpipe.config.schema import RESUME_SAFE_KEYS, RunConfig
 from rftpipe.errors import UserError
@@ -56,6 +57,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="resume although config, model or data fingerprints changed",
     )
+    p.add_argument(
+        "--create-only",
+        action="store_true",
+        help="write RUN/config.yaml and exit (for sbatch/rftpipe.sbatch)",
+    )
+    slurm.add_slurm_args(p)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     return p.parse_args(argv)
 
@@ -137,22 +144,44 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     run_dir = (args.run_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")).resolve()
     try:
-        if args.tasks_per_node < 1:
-            raise UserError(f"--tasks-per-node must be >= 1, got {args.tasks_per_node}")
+        for flag in ("nodes", "tasks_per_node"):
+            if getattr(args, flag) < 1:
+                raise UserError(
+                    f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}"
+                )
         cfg = resolve_config(args, run_dir)
         cluster = args.cluster
         if cluster == "auto":
             cluster = "slurm" if slurm_available() else "local"
-        if cluster == "slurm":
+        if cluster == "local" and args.nodes != 1:
             raise UserError(
-                "--cluster slurm: the Slurm launcher is not built yet; use --cluster local"
+                f"--nodes: a local run has one node, not {args.nodes}; use --cluster slurm"
             )
+        if args.dry_run:
+            if cluster != "slurm":
+                raise UserError("--dry-run: only Slurm jobs have an sbatch script")
+            print(slurm.dry_run_script(args, run_dir))
+            return 0
         write_run_config(cfg, run_dir)
+        if args.create_only:
+            print(f"run directory: {run_dir}")
+            return 0
+        job = slurm.submit(args, run_dir) if cluster == "slurm" else None
     except UserError as exc:
         print(f"rftpipe: error: {exc}", file=sys.stderr)
         return 2
     print(f"run directory: {run_dir}", flush=True)
-    return run_local(run_dir, args)
+    if job is None:
+        return run_local(run_dir, args)
+    print(f"slurm job: {job.job_id}\nstdout: {job.stdout}\nstderr: {job.stderr}", flush=True)
+    print(f"status: python -m jobs.status {run_dir}", flush=True)
+    if not args.wait:
+        return 0
+    state = slurm.wait(job.job_id, run_dir)
+    done = RunDir(run_dir).committed_steps()
+    finished = bool(done) and done[-1] >= cfg.total_steps
+    print(f"job {job.job_id} ended: {state}; {done[-1] if done else 0}/{cfg.total_steps} steps")
+    return 0 if finished else 1
 
 
 if __name__ == "__main__":

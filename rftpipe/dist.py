@@ -7,6 +7,8 @@ takes a branch the others do not (which would deadlock the next collective).
 from __future__ import annotations
 
 import os
+import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +65,8 @@ def init_from_env(require_group: bool = False) -> Dist:
 
     One rank needs no group unless a sharded backend asks for one (`require_group`).
     """
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        os.environ.update(slurm_env(os.environ))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and not require_group:
         return Dist()
@@ -74,6 +78,51 @@ def init_from_env(require_group: bool = False) -> Dist:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         tdist.init_process_group(backend=backend, rank=rank, world_size=world)
     return Dist(rank=rank, world=world, local_rank=local_rank)
+
+
+def slurm_env(env: Mapping[str, str]) -> dict[str, str]:
+    """torch.distributed's variables from an srun task's Slurm environment.
+
+    The master is the allocation's first node (its `NodeAddr`, which may differ from the
+    node name), and the port derives from the job id, so both are stable across requeues.
+    """
+    job = int(env.get("SLURM_ARRAY_JOB_ID", env["SLURM_JOB_ID"]))
+    first = _first_node(env["SLURM_JOB_NODELIST"])
+    return {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": env["SLURM_NTASKS"],
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        # SLURM_TASKS_PER_NODE reads like "2(x3)" or "2,1"; this node's count comes first.
+        "LOCAL_WORLD_SIZE": env.get("SLURM_NTASKS_PER_NODE")
+        or env.get("SLURM_TASKS_PER_NODE", "1").split("(")[0].split(",")[0],
+        "MASTER_ADDR": _node_addr(first),
+        "MASTER_PORT": str(20000 + job % 20000 + int(env.get("SLURM_ARRAY_TASK_ID", "0"))),
+    }
+
+
+def _first_node(nodelist: str) -> str:
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return out.stdout.split()[0]
+
+
+def _node_addr(node: str) -> str:
+    out = subprocess.run(
+        ["scontrol", "show", "node", "-o", node],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    for token in out.stdout.split():
+        if token.startswith("NodeAddr="):
+            return token.split("=", 1)[1]
+    return node
 
 
 def _free_port() -> int:

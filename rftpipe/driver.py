@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from rftpipe import checkpoint
 from rftpipe.data import Prompt, SamplerState, global_window, rank_slice
-from rftpipe.faults import events, fault
+from rftpipe.faults import events, fault, slow
 from rftpipe.runtime import Runtime
 from rftpipe.stages import advantage, rollout, score, sync, train
 from rftpipe.store import TRAJECTORY_SCHEMA_VERSION, Stage
@@ -102,8 +102,10 @@ def durable(
     if rt.run.is_committed(plan.step, stage):
         mine = [p.prompt_id for p in plan.mine]
         return rt.run.read_stage_for(plan.step, stage, rt.dist.rank, rt.dist.world, mine)
+    rt.stop.check(rt.dist, f"step {plan.step} {stage}")
     t0 = time.perf_counter()
     table = compute()
+    slow(stage)
     t1 = time.perf_counter()
     meta = {"rftpipe.schema_version": TRAJECTORY_SCHEMA_VERSION, "rftpipe.stage": stage}
     rt.run.write_shard(plan.step, stage, rt.dist.rank, table, meta)
@@ -121,6 +123,7 @@ def train_step(
 ) -> dict[str, float]:
     step, ids = plan.step, plan.global_ids
     committed = rt.run.is_committed(step, "train")
+    rt.stop.check(rt.dist, f"step {step} train")
     t0 = time.perf_counter()
     inp = train.TrainInputs(
         step=step,
@@ -138,6 +141,7 @@ def train_step(
     if committed:
         _check_replay(rt, step, metrics, seconds)
         return metrics
+    slow("train")
     t1 = time.perf_counter()
     if rt.dist.is_main:
         rt.run.commit_stage(step, "train", rt.dist.world, {"metrics": metrics, "seconds": seconds})
@@ -162,6 +166,7 @@ def sync_step(rt: Runtime, step: int, adv: pa.Table, timings: dict[str, float]) 
     sync.run(rt.rollout_engine, rt.train_engine, version=step)
     if rt.run.is_committed(step, "sync"):
         return
+    rt.stop.check(rt.dist, f"step {step} sync")
     t1 = time.perf_counter()
     meta = {"rftpipe.schema_version": TRAJECTORY_SCHEMA_VERSION, "rftpipe.step": str(step)}
     rt.run.stage_trajectories(step, rt.dist.rank, adv, meta)

@@ -3,7 +3,8 @@
 ``RFTPIPE_FAULT=point[,point...]`` makes the process SIGKILL itself the first time it
 reaches one of the named points (``RFTPIPE_FAULT_SKIP=k`` lets k hits pass first). The
 hit is appended to ``events.jsonl`` *before* the kill so tests can prove every fault point
-was exercised. Outside tests the check is one dict lookup.
+was exercised. ``RFTPIPE_SLOW=stage=seconds[,...]`` stretches a stage's compute, so a test
+can aim a preemption at a known stage. Outside tests each check is one dict lookup.
 """
 
 from __future__ import annotations
@@ -73,3 +74,13 @@ def fault(point: str) -> None:
         return
     _events.write("fault", point=point)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow(stage: str) -> None:
+    """Sleep inside `stage` if ``RFTPIPE_SLOW`` names it (a test aid, like the fault points)."""
+    spec = os.environ.get("RFTPIPE_SLOW")
+    if not spec:
+        return
+    delays = dict(item.split("=", 1) for item in spec.split(","))
+    if stage in delays:
+        time.sleep(float(delays[stage]))

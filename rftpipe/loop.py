@@ -25,15 +25,22 @@ from rftpipe.metrics import (
     step_metrics,
     wandb_mode,
 )
+from rftpipe.preemption import NoStop, StopFlag
 from rftpipe.store import RunDir, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
 
 
 def train_run(
-    cfg: RunConfig, run: RunDir, dist: Dist, *, repair: bool, allow_mismatch: bool
+    cfg: RunConfig,
+    run: RunDir,
+    dist: Dist,
+    *,
+    repair: bool,
+    allow_mismatch: bool,
+    stop: StopFlag | NoStop | None = None,
 ) -> int:
-    rt = runtime.build(cfg, run, dist, allow_mismatch)
+    rt = runtime.build(cfg, run, dist, allow_mismatch, stop)
     done = run.committed_steps()
     if done and done[-1] > cfg.total_steps:
         raise UserError(

@@ -22,6 +22,7 @@ from rftpipe.dist import Dist
 from rftpipe.engines.rollout import HFGenerateEngine
 from rftpipe.engines.train import TRAIN_ENGINES, TrainEngine
 from rftpipe.errors import UserError
+from rftpipe.preemption import NoStop, StopFlag
 from rftpipe.rewards import RewardFn, resolve_all
 from rftpipe.store import RunDir, atomic_write_json, read_json
 
@@ -43,6 +44,8 @@ class Runtime:
     rollout_engine: HFGenerateEngine
     kl_ctrl: Any
     model_dir: Path
+    stop: StopFlag | NoStop
+    """Checked collectively at every stage boundary (signals under Slurm)."""
 
 
 def configure_threads(cfg: RunConfig, dist: Dist) -> None:
@@ -75,7 +78,13 @@ def check_fingerprints(
         )
 
 
-def build(cfg: RunConfig, run: RunDir, dist: Dist, allow_mismatch: bool = False) -> Runtime:
+def build(
+    cfg: RunConfig,
+    run: RunDir,
+    dist: Dist,
+    allow_mismatch: bool = False,
+    stop: StopFlag | NoStop | None = None,
+) -> Runtime:
     configure_threads(cfg, dist)
     model_dir = models.resolve_model_path(cfg.model.path)
     tokenizer = models.load_tokenizer(model_dir)
@@ -130,4 +139,5 @@ def build(cfg: RunConfig, run: RunDir, dist: Dist, allow_mismatch: bool = False)
         rollout_engine=rollout,
         kl_ctrl=kl_ctrl,
         model_dir=model_dir,
+        stop=stop or NoStop(),
     )

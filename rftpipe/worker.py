@@ -30,6 +30,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="resume although the model or data changed",
     )
+    p.add_argument(
+        "--slurm",
+        action="store_true",
+        help="a Slurm task: take ranks from Slurm, stop on USR2/TERM at a stage boundary, requeue",
+    )
     return p.parse_args(argv)
 
 
@@ -51,6 +56,13 @@ def setup_logging(level: str, rank: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     run = RunDir(args.run_dir)
+    stop = None
+    if args.slurm:
+        from rftpipe.preemption import StopFlag
+
+        # First thing: a signal that arrives while the model loads must not be lost.
+        stop = StopFlag()
+        stop.install()
     try:
         if not run.config_path.exists():
             raise UserError(
@@ -63,16 +75,38 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(cfg.logging.level, dist.rank)
         set_event_log(EventLog(run.events_path, dist.rank))
         from rftpipe.loop import train_run
+        from rftpipe.preemption import StopRequested, requeue_after_stop
 
-        return train_run(
-            cfg, run, dist, repair=args.repair, allow_mismatch=args.allow_fingerprint_mismatch
-        )
+        try:
+            return train_run(
+                cfg,
+                run,
+                dist,
+                repair=args.repair,
+                allow_mismatch=args.allow_fingerprint_mismatch,
+                stop=stop,
+            )
+        except StopRequested as req:
+            requeue_after_stop(req, dist, cfg.launch.max_requeues)
+            return 0
     except UserError as exc:
         events().write("user_error", message=str(exc))
         # Every rank usually meets the same bad input; one line on stderr is enough.
         if os.environ.get("RANK", "0") == "0":
             print(f"rftpipe: error: {exc}", file=sys.stderr, flush=True)
         return 2
+
+
+def slurm_task(argv: list[str]) -> None:
+    """What submitit runs on every task: the worker, in this process, with `--slurm`."""
+    code = main(argv)
+    import torch.distributed as tdist
+
+    # Leave no gloo/nccl threads behind: submitit writes its result and the process exits.
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

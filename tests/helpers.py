@@ -24,9 +24,10 @@ def submit(
     env: dict | None = None,
     extra: tuple[str, ...] = (),
     timeout: float = 300,
+    cluster: str = "local",
 ) -> subprocess.CompletedProcess:
-    """`python -m jobs.submit --cluster local` on `run_dir`, captured."""
-    cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--run-dir", str(run_dir)]
+    """`python -m jobs.submit --cluster CLUSTER` on `run_dir`, captured."""
+    cmd = [sys.executable, "-m", "jobs.submit", "--cluster", cluster, "--run-dir", str(run_dir)]
     cmd += ["--config", str(config)] if config else []
     cmd += [*extra, *overrides]
     return subprocess.run(

@@ -34,17 +34,38 @@ def test_every_field_has_a_docstring() -> None:
     assert not missing, missing
 
 
-def test_cli_flags_are_frozen() -> None:
-    flags = {a for action in parse_args([])._get_kwargs() for a in [action[0]]}
-    assert flags == {
+def test_cli_flags_are_frozen_and_documented() -> None:
+    parser_flags = {a for action in parse_args([])._get_kwargs() for a in [action[0]]}
+    assert parser_flags == {
         "cluster",
         "config",
         "run_dir",
         "tasks_per_node",
         "repair",
         "allow_fingerprint_mismatch",
+        "create_only",
+        "nodes",
+        "gpus_per_node",
+        "cpus_per_task",
+        "mem",
+        "partition",
+        "account",
+        "qos",
+        "time",
+        "constraint",
+        "exclusive",
+        "signal_delay",
+        "sbatch",
+        "job_name",
+        "dry_run",
+        "wait",
         "overrides",
     }
+    help_text = subprocess.run(
+        [sys.executable, "-m", "jobs.submit", "--help"], capture_output=True, text=True, cwd=ROOT
+    ).stdout
+    for flag in parser_flags - {"overrides"}:
+        assert "--" + flag.replace("_", "-") in help_text, flag
 
 
 def test_launch_layer_imports_no_torch() -> None:

@@ -257,6 +257,9 @@ TaskPlugin=task/none
 # Nodes are emulated: trust the config rather than what each slurmd detects.
 SlurmdParameters=config_overrides
 SchedulerType=sched/backfill
+# A requeued job becomes eligible when its BeginTime passes, which no event announces: the
+# periodic passes (60 s / 30 s by default) would then leave it pending for that long.
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 JobAcctGatherType=jobacct_gather/none

@@ -323,6 +323,16 @@ class LaunchConfig:
     threads: int = 0
     """torch intra-op threads per rank (0: all cores divided by ranks on the node)."""
 
+    max_requeues: int = 20
+    """Slurm: how many times the job may requeue itself after a stop signal (time limit,
+    preemption); Slurm's own requeues count too (SLURM_RESTART_COUNT)."""
+
+    def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.max_requeues < 0:
+            raise ValueError(f"max_requeues must be >= 0, got {self.max_requeues}")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:

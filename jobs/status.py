@@ -1,0 +1,68 @@
+"""Where a run stands: ``python -m jobs.status RUN_DIR``.
+
+Progress comes from the run directory (commit markers, checkpoints, the event log); the
+job's state from `squeue`/`scontrol`, never `sacct` (which is off without slurmdbd and can
+hang), so this always answers promptly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from jobs import slurm
+from rftpipe.config.loader import load_config
+from rftpipe.config.schema import RunConfig
+from rftpipe.store import RunDir
+
+
+def describe(run_dir: Path) -> dict:
+    run = RunDir(run_dir)
+    if not run.config_path.exists():
+        raise SystemExit(f"rftpipe: error: run_dir: {run.root} has no config.yaml")
+    cfg = load_config(RunConfig, run.active_config_path())
+    steps = run.committed_steps()
+    last = run.last_commit()
+    jobs_file = run.root / "slurm" / "jobs.txt"
+    job_ids = jobs_file.read_text().split() if jobs_file.exists() else []
+    events = []
+    if run.events_path.exists():
+        events = [json.loads(x) for x in run.events_path.read_text().splitlines()[-200:]]
+    interesting = {"start", "stop", "requeue_decision", "user_error", "checkpoint", "repair"}
+    return {
+        "run_dir": str(run.root),
+        "steps_committed": steps[-1] if steps else 0,
+        "total_steps": cfg.total_steps,
+        "last_commit": list(last) if last else None,
+        "finished": bool(steps) and steps[-1] >= cfg.total_steps,
+        "jobs": {j: slurm.job_state(j) for j in job_ids},
+        "recent_events": [e for e in events if e.get("event") in interesting][-5:],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__)
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    info = describe(args.run_dir)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"run: {info['run_dir']}")
+    state = "finished" if info["finished"] else "in progress"
+    print(f"steps: {info['steps_committed']}/{info['total_steps']} committed ({state})")
+    if info["last_commit"]:
+        print(f"last commit: step {info['last_commit'][0]} {info['last_commit'][1]}")
+    for job, st in info["jobs"].items():
+        print(f"slurm job {job}: {st}")
+    for e in info["recent_events"]:
+        fields = {k: v for k, v in e.items() if k not in ("t", "pid", "event")}
+        print(f"event {e['event']}: {fields}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Pure pieces of the Slurm launch: requeue policy, time syntax, sbatch extras, rank env."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from jobs.slurm import sbatch_extras, time_minutes
+from jobs.submit import main as submit_main
+from rftpipe.errors import UserError
+from rftpipe.preemption import decide_requeue
+
+USR2, TERM = signal.SIGUSR2, signal.SIGTERM
+
+
+@pytest.mark.parametrize(
+    ("signum", "info", "restarts", "verdict"),
+    [
+        (USR2, {"JobState": "RUNNING", "Restarts": "0"}, 0, "requeue"),
+        (USR2, {"JobState": "RUNNING", "Restarts": "3"}, 3, "requeue"),
+        (USR2, {"JobState": "RUNNING", "Restarts": "5"}, 5, "cap of 5"),
+        (USR2, {"JobState": "COMPLETING", "Restarts": "1"}, 0, "Slurm is already"),
+        (TERM, {"JobState": "COMPLETING", "Restarts": "1"}, 0, "Slurm is already"),
+        (TERM, {"JobState": "PENDING", "Restarts": "1"}, 1, "Slurm is already"),
+        (TERM, {"JobState": "PREEMPTED", "Restarts": "0"}, 0, "requeue"),
+        (TERM, {"JobState": "CANCELLED", "Restarts": "0"}, 0, "cancelled"),
+        (TERM, {"JobState": "COMPLETING", "Restarts": "0"}, 0, "SIGTERM without a requeue"),
+        (TERM, {}, 0, "SIGTERM without a requeue"),
+    ],
+)
+def test_requeue_policy(signum, info, restarts, verdict) -> None:
+    assert decide_requeue(signum, info, restarts, max_requeues=5).startswith(verdict)
+
+
+@pytest.mark.parametrize(
+    ("text", "minutes"),
+    [("90", 90), ("2", 2), ("1:30", 2), ("01:30:00", 90), ("1-0", 1440), ("1-02:03:04", 1564)],
+)
+def test_slurm_time_syntax(text: str, minutes: int) -> None:
+    assert time_minutes(text) == minutes
+
+
+@pytest.mark.parametrize("bad", ["soon", "0", "1:x"])
+def test_bad_time_is_a_user_error(bad: str) -> None:
+    with pytest.raises(UserError, match="--time"):
+        time_minutes(bad)
+
+
+def test_sbatch_extras() -> None:
+    assert sbatch_extras(["mail-type=END", "--hint=nomultithread", "overcommit"]) == {
+        "mail-type": "END",
+        "hint": "nomultithread",
+        "overcommit": True,
+    }
+    with pytest.raises(UserError, match="--sbatch"):
+        sbatch_extras(["=x"])
+
+
+def test_slurm_env_from_srun_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rftpipe import dist
+
+    monkeypatch.setattr(dist, "_first_node", lambda nodelist: nodelist.split(",")[0])
+    monkeypatch.setattr(dist, "_node_addr", lambda node: f"addr-of-{node}")
+    env = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_TASKS_PER_NODE": "4(x2)",
+        "SLURM_JOB_NODELIST": "gpu7,gpu9",
+    }
+    out = dist.slurm_env(env)
+    assert out == {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "addr-of-gpu7",
+        "MASTER_PORT": str(20000 + 4242),
+    }
+
+
+def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    args = ["--cluster", "slurm", "--dry-run", "--nodes", "3", "--tasks-per-node", "2"]
+    args += ["--time", "1:00:00", "--sbatch", "mail-type=END", "--run-dir", str(run)]
+    assert submit_main(args) == 0
+    script = capsys.readouterr().out
+    for line in (
+        "#SBATCH --nodes=3",
+        "#SBATCH --ntasks-per-node=2",
+        "#SBATCH --time=60",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=USR2@90",
+        "#SBATCH --mail-type=END",
+        "--kill-on-bad-exit=1",
+    ):
+        assert line in script, line
+    assert not run.exists()
+
+
+def test_local_run_refuses_several_nodes(tmp_path, capsys) -> None:
+    assert submit_main(["--cluster", "local", "--nodes", "2", "--run-dir", str(tmp_path)]) == 2
+    assert "--nodes" in capsys.readouterr().err

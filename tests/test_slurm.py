@@ -1,0 +1,231 @@
+"""The Slurm path against a real local cluster (tools/slurm_local: slurmctld, 2 slurmd, munge).
+
+Every job is the tiny model on 2 emulated nodes (FSDP2, 2 ranks), compared bitwise with the
+same run launched locally with 2 ranks and never interrupted. Preemptions are aimed at known
+stages: the watcher waits for a stage's commit marker, then preempts while the next stage
+is stretched by ``RFTPIPE_SLOW``, so the ranks must stop at the boundary after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, final_weights, submit, trajectories
+
+from tools import slurm_local
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
+STEPS = ("train.backend=fsdp2", "total_steps=5")
+SLOW = "rollout=3,score=3,advantage=3,train=3"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[dict[str, str]]:
+    if os.geteuid() != 0:
+        pytest.skip("tools.slurm_local needs root")
+    was_up = slurm_local.is_up()
+    env = slurm_local.ensure_up(user_signal=False, grace_time=0)
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = env["SLURM_CONF"]  # for the in-process squeue/scontrol calls
+    yield env
+    if old is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = old
+    slurm_local.ensure_up(user_signal=False, grace_time=0)
+    if not was_up:
+        slurm_local.down()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same job run locally on 2 ranks, never interrupted."""
+    run = tmp_path_factory.mktemp("slurm_ref") / "run"
+    out = submit(run, *STEPS, extra=("--tasks-per-node", "2"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def _slurm_submit(
+    cluster: dict[str, str], run: Path, *extra: str, env: dict | None = None, timeout=300
+) -> subprocess.CompletedProcess:
+    return submit(
+        run,
+        *STEPS,
+        cluster="slurm",
+        extra=("--nodes", "2", "--partition", "low", *extra),
+        env={**cluster, **(env or {})},
+        timeout=timeout,
+    )
+
+
+def _job_id(run: Path) -> str:
+    return (run / "slurm" / "jobs.txt").read_text().split()[-1]
+
+
+def _events(run: Path, kind: str | None = None) -> list[dict]:
+    lines = (
+        (run / "events.jsonl").read_text().splitlines() if (run / "events.jsonl").exists() else []
+    )
+    out = [json.loads(x) for x in lines]
+    return [e for e in out if kind is None or e["event"] == kind]
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _committed(run: Path, step: int, stage: str) -> Callable[[], bool]:
+    return lambda: (run / "stages" / f"step={step:06d}" / stage / "MANIFEST.json").exists()
+
+
+def _job_state(job: str) -> str:
+    from jobs.slurm import job_state
+
+    return job_state(job)  # squeue/scontrol under the cluster's SLURM_CONF (see `cluster`)
+
+
+def _run_cmd(cluster: dict[str, str], *cmd: str) -> str:
+    res = subprocess.run(list(cmd), env=cluster, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, (cmd, res.stderr)
+    return res.stdout
+
+
+def _preempt_with_high_job(cluster: dict[str, str]) -> None:
+    _run_cmd(cluster, "sbatch", "-p", "high", "-N2", "--exclusive", "--wrap", "sleep 2")
+
+
+def _assert_equal_to_reference(run: Path, reference: Path) -> None:
+    a, b = trajectories(reference), trajectories(run)
+    assert a.equals(b)
+    wa, wb = final_weights(reference), final_weights(run)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    t = b.to_pandas()
+    ids = list(t.drop_duplicates(["step", "prompt_id"]).prompt_id)
+    assert len(ids) == len(set(ids)) == 20  # 5 steps x 4 prompts, each prompt once
+
+
+def test_two_node_run_equals_local_run(cluster, reference: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = _slurm_submit(cluster, run, "--wait")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "slurm job:" in out.stdout and "5/5 steps" in out.stdout
+    logs = "".join(p.read_text() for p in (run / "slurm").rglob("*_log.out"))
+    # submitit's task header: one task on each of the two nodes
+    assert "node=0(2), global_rank=0(2)" in logs and "node=1(2), global_rank=1(2)" in logs
+    _assert_equal_to_reference(run, reference)
+
+
+def test_preempted_four_times_at_known_stages(cluster, reference: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = _slurm_submit(cluster, run, env={"RFTPIPE_SLOW": SLOW})
+    assert out.returncode == 0, out.stderr
+    job = _job_id(run)
+    # (trigger: commit of (step, stage), preempt action, cluster settings, expected stop)
+    plan = [
+        ((1, "rollout"), "high", False, ("step 1 advantage", "SIGTERM")),
+        ((2, "score"), "high", True, ("step 2 train", "SIGUSR2")),
+        ((3, "advantage"), "high", False, ("step 3 sync", "SIGTERM")),
+        ((4, "rollout"), "requeue", False, ("step 4 advantage", "SIGTERM")),
+    ]
+    for i, ((step, stage), action, user_signal, _) in enumerate(plan):
+        slurm_local.ensure_up(user_signal=user_signal, grace_time=10 if user_signal else 0)
+        _wait_for(_committed(run, step, stage), 240, f"step {step} {stage} to commit")
+        if action == "high":
+            _preempt_with_high_job(cluster)
+        else:
+            _run_cmd(cluster, "scontrol", "requeue", job)
+        _wait_for(lambda n=i + 1: len(_events(run, "stop")) >= 2 * n, 60, f"stop {i + 1}")
+    slurm_local.ensure_up(user_signal=False, grace_time=0)
+    _wait_for(lambda: _job_state(job) in ("COMPLETED", "GONE"), 400, "job to complete")
+
+    stops = [e for e in _events(run, "stop") if e["rank"] == 0]
+    assert [(e["at"], e["signal"]) for e in stops] == [p[3] for p in plan]
+    decisions = [e["verdict"] for e in _events(run, "requeue_decision")]
+    # Slurm requeues a preempted job itself (TERM); USR2 makes rank 0 requeue it.
+    assert decisions[1] == "requeue"
+    assert all(
+        d.startswith("Slurm is already requeueing") for i, d in enumerate(decisions) if i != 1
+    )
+    # Each restart resumed right after the last committed stage.
+    starts = [e["last_commit"] for e in _events(run, "start")]
+    assert starts[1:] == ["(1, 'score')", "(2, 'advantage')", "(3, 'train')", "(4, 'score')"]
+    _assert_equal_to_reference(run, reference)
+
+
+def test_time_limit_requeues_and_finishes(cluster, reference: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = _slurm_submit(
+        cluster,
+        run,
+        "--time",
+        "2",
+        "--signal-delay",
+        "75",
+        "--wait",
+        env={"RFTPIPE_SLOW": SLOW},
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    stops = [e for e in _events(run, "stop") if e["rank"] == 0]
+    assert stops and all(e["signal"] == "SIGUSR2" for e in stops)
+    assert "requeue" in [e["verdict"] for e in _events(run, "requeue_decision")]
+    assert len(_events(run, "start")) == len(stops) + 1
+    _assert_equal_to_reference(run, reference)
+
+
+def test_scancel_stays_cancelled(cluster, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = _slurm_submit(cluster, run, env={"RFTPIPE_SLOW": SLOW})
+    assert out.returncode == 0, out.stderr
+    job = _job_id(run)
+    _wait_for(_committed(run, 1, "rollout"), 240, "the first commit")
+    _run_cmd(cluster, "scancel", job)
+    _wait_for(lambda: bool(_events(run, "requeue_decision")), 60, "the requeue decision")
+    # Longer than cred_expire + 1 (11 s), after which a requeued job would start again.
+    time.sleep(20)
+    assert _job_state(job) in ("CANCELLED", "GONE")
+    assert len(_events(run, "start")) == 1
+    verdict = _events(run, "requeue_decision")[0]["verdict"]
+    assert verdict != "requeue" and not verdict.startswith("Slurm is already"), verdict
+    assert not (run / "stages" / "step=000005").exists()
+
+
+def test_plain_sbatch_script(cluster, reference: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = submit(run, *STEPS, extra=("--create-only",))
+    assert out.returncode == 0 and not (run / "stages").exists(), out.stderr
+    res = subprocess.run(
+        [
+            "sbatch",
+            "--wait",
+            "-N2",
+            "-p",
+            "low",
+            f"--output={tmp_path / 'sbatch-%j.out'}",
+            str(ROOT / "sbatch" / "rftpipe.sbatch"),
+            str(run),
+        ],
+        env={**cluster, "RFTPIPE_PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr + "".join(
+        p.read_text()[-2000:] for p in tmp_path.glob("sbatch-*.out")
+    )
+    _assert_equal_to_reference(run, reference)
