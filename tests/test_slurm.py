@@ -105,7 +105,18 @@ def _run_cmd(cluster: dict[str, str], *cmd: str) -> str:
 
 
 def _preempt_with_high_job(cluster: dict[str, str]) -> None:
-    _run_cmd(cluster, "sbatch", "-p", "high", "-N2", "--exclusive", "--wrap", "sleep 2")
+    _run_cmd(
+        cluster,
+        "sbatch",
+        "-p",
+        "high",
+        "-N2",
+        "--exclusive",
+        "-o",
+        "/dev/null",
+        "--wrap",
+        "sleep 2",
+    )
 
 
 def _assert_equal_to_reference(run: Path, reference: Path) -> None:
