@@ -16,7 +16,7 @@ from rftpipe.config.schema import RunConfig
 from rftpipe.dist import Dist
 from rftpipe.driver import maybe_checkpoint, run_step
 from rftpipe.errors import UserError
-from rftpipe.faults import events
+from rftpipe.faults import events, slow
 from rftpipe.metrics import (
     JsonlTracker,
     NullTracker,
@@ -152,7 +152,12 @@ def bar_update(bar, m: dict[str, Any], train_metrics: dict[str, float]) -> None:
 
 
 def finish(rt: runtime.Runtime) -> None:
-    """Held-out evaluation and HF export of the final policy; each done once."""
+    """Held-out evaluation and HF export of the final policy; each done once.
+
+    No stop check here: once the last step has committed, the run is finished and a late
+    signal must not requeue it.
+    """
+    slow("finish")
     evaluate.maybe_eval(rt, "after", rt.cfg.total_steps)
     final = rt.run.root / "export"
     marker = final / EXPORT_MARKER

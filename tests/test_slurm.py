@@ -137,6 +137,17 @@ def test_two_node_run_equals_local_run(cluster, reference: Path, tmp_path: Path)
     logs = "".join(p.read_text() for p in (run / "slurm").rglob("*_log.out"))
     # submitit's task header: one task on each of the two nodes
     assert "node=0(2), global_rank=0(2)" in logs and "node=1(2), global_rank=1(2)" in logs
+    status = subprocess.run(
+        [sys.executable, "-m", "jobs.status", "--json", str(run)],
+        capture_output=True,
+        text=True,
+        env=cluster,
+        cwd=ROOT,
+        timeout=60,
+    )
+    info = json.loads(status.stdout)
+    assert info["finished"] and info["steps_committed"] == 5
+    assert set(info["jobs"].values()) <= {"COMPLETED", "GONE"}, info["jobs"]
     _assert_equal_to_reference(run, reference)
 
 
@@ -213,6 +224,21 @@ def test_scancel_stays_cancelled(cluster, tmp_path: Path) -> None:
     verdict = _events(run, "requeue_decision")[0]["verdict"]
     assert verdict != "requeue" and not verdict.startswith("Slurm is already"), verdict
     assert not (run / "stages" / "step=000005").exists()
+
+
+def test_signal_after_the_last_step_does_not_requeue(cluster, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = _slurm_submit(cluster, run, env={"RFTPIPE_SLOW": "finish=8"})
+    assert out.returncode == 0, out.stderr
+    job = _job_id(run)
+    _wait_for(_committed(run, 5, "sync"), 240, "the last step to commit")
+    # USR2 to every task while the finished run exports: what a time limit would send.
+    _run_cmd(cluster, "scancel", "--signal=USR2", job)
+    _wait_for(lambda: _job_state(job) in ("COMPLETED", "GONE"), 120, "the job to end")
+    time.sleep(15)  # a requeued job would be pending or running again by now
+    assert _job_state(job) in ("COMPLETED", "GONE")
+    assert not _events(run, "stop") and not _events(run, "requeue_decision")
+    assert len(_events(run, "start")) == 1 and (run / "export" / "config.json").exists()
 
 
 def test_plain_sbatch_script(cluster, reference: Path, tmp_path: Path) -> None:

@@ -270,6 +270,24 @@ class _EngineBase:
     role: Role
     optimizer: torch.optim.Optimizer
 
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainConfig,
+        dist: Dist,
+        *,
+        role: Role = "actor",
+        total_updates: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.dist = dist
+        self.model = self._prepare(model)
+        self._init_role(role, total_updates)
+
+    def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The backend's wrapping (sharding) of the module, before the optimizer sees it."""
+        raise NotImplementedError
+
     def _init_role(self, role: Role, total_updates: int) -> None:
         self.role = role
         if role == "reference":
@@ -401,23 +419,13 @@ class _EngineBase:
 class SingleDeviceEngine(_EngineBase):
     """The whole model and AdamW on one device; the rollout engine shares the module."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        cfg: TrainConfig,
-        dist: Dist,
-        *,
-        role: Role = "actor",
-        total_updates: int = 0,
-    ) -> None:
-        if dist.world > 1:
+    def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.dist.world > 1:
             raise UserError(
-                f"train.backend: 'single' runs on one rank, not {dist.world}; use train.backend=fsdp2"
+                f"train.backend: 'single' runs on one rank, not {self.dist.world}; "
+                "use train.backend=fsdp2"
             )
-        self.model = model
-        self.cfg = cfg
-        self.dist = dist
-        self._init_role(role, total_updates)
+        return model
 
     def forward(
         self,
@@ -442,15 +450,7 @@ class FSDP2Engine(_EngineBase):
     collectives in the same order whatever prompts it holds.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        cfg: TrainConfig,
-        dist: Dist,
-        *,
-        role: Role = "actor",
-        total_updates: int = 0,
-    ) -> None:
+    def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         units = [fully_shard(layer) for layer in model.get_decoder().layers]
@@ -460,10 +460,7 @@ class FSDP2Engine(_EngineBase):
         for unit in units:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
-        self.model = model
-        self.cfg = cfg
-        self.dist = dist
-        self._init_role(role, total_updates)
+        return model
 
     def _micro_batch_count(self, n: int) -> int:
         # Every rank runs as many (sharded, collective) forwards as the busiest one.
