@@ -20,6 +20,7 @@ from rftpipe.faults import events, slow
 from rftpipe.metrics import (
     JsonlTracker,
     NullTracker,
+    TensorBoardTracker,
     Trackers,
     WandbTracker,
     step_metrics,
@@ -56,7 +57,7 @@ def train_run(
         finish(rt)
         return 0
     trackers = make_trackers(rt, last_done)
-    log_committed(run, trackers, range(1, last_done + 1))
+    trackers.log_committed(run, range(1, last_done + 1))
     evaluate.maybe_eval(rt, "before", ckpt_step)
     bar = progress(cfg, dist, last_done)
     t_replay = time.perf_counter()
@@ -105,19 +106,17 @@ def train_run(
 def make_trackers(rt: runtime.Runtime, last_done: int) -> Trackers:
     if not rt.dist.is_main:
         return Trackers([NullTracker()])
-    out: list[Any] = [JsonlTracker(rt.run.metrics_path, last_done)]
+    jsonl = JsonlTracker(rt.run.metrics_path, last_done)
+    out: list[Any] = []
     mode = wandb_mode(rt.cfg.logging.wandb)
     if mode:
         out.append(WandbTracker(rt.run, mode, rt.cfg.logging.wandb_project, to_dict(rt.cfg)))
-    return Trackers(out)
-
-
-def log_committed(run: RunDir, trackers: Trackers, steps: range) -> None:
-    """Log committed steps that a kill kept from being logged (trackers skip logged ones)."""
-    for step in steps:
-        jsonl = trackers.trackers[0]
-        if isinstance(jsonl, JsonlTracker) and step not in jsonl.logged:
-            trackers.log(step_metrics(run, step), step)
+    if rt.cfg.logging.tensorboard:
+        missing = [s for s in range(1, last_done + 1) if not jsonl.has(s)]
+        first = missing[0] if missing else last_done + 1
+        out.append(TensorBoardTracker(rt.run, {s for s in jsonl.records if s < first}, first))
+    # JSONL last: a step with its line reached every tracker before it.
+    return Trackers([*out, jsonl], jsonl)
 
 
 def progress(cfg: RunConfig, dist: Dist, initial: int):

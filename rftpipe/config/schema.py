@@ -311,6 +311,9 @@ class LoggingConfig:
     wandb_project: str = "rftpipe"
     """wandb project name."""
 
+    tensorboard: bool = True
+    """Write TensorBoard event files to RUN/tensorboard (resumed in place after a requeue)."""
+
     progress: bool = True
     """Show a progress bar per step on rank 0."""
 
