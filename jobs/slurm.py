@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -82,11 +83,25 @@ def sbatch_extras(items: list[str]) -> dict[str, str | bool]:
     return out
 
 
-def make_executor(args: argparse.Namespace, run_dir: Path):
+def require_client() -> None:
+    if shutil.which("srun") is None:
+        raise UserError("--cluster slurm: srun not found on PATH (run on a Slurm login node)")
+
+
+def make_executor(args: argparse.Namespace, run_dir: Path, *, dry_run: bool = False):
     import submitit
 
+    class _ScriptOnly(submitit.SlurmExecutor):
+        # A dry run only renders the script, so it works where Slurm is not installed.
+        @classmethod
+        def affinity(cls) -> int:
+            return 2
+
+    if not dry_run:
+        require_client()
     logs = run_dir / "slurm"
-    ex = submitit.SlurmExecutor(folder=str(logs / "%j"), max_num_timeout=0)
+    executor = _ScriptOnly if dry_run else submitit.SlurmExecutor
+    ex = executor(folder=str(logs / "%j"), max_num_timeout=0)
     params: dict = {
         "job_name": args.job_name or f"rftpipe-{run_dir.name}",
         "nodes": args.nodes,
@@ -126,7 +141,7 @@ def worker_argv(run_dir: Path, args: argparse.Namespace) -> list[str]:
 
 
 def dry_run_script(args: argparse.Namespace, run_dir: Path) -> str:
-    ex = make_executor(args, run_dir)
+    ex = make_executor(args, run_dir, dry_run=True)
     # The same text submitit would write, with its per-job command shown symbolically.
     command = [sys.executable, "-u", "-m", "submitit.core._submit", str(run_dir / "slurm" / "%j")]
     return ex._make_submission_file_text(shlex.join(command), "dry-run")

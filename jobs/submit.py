@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError("--dry-run: only Slurm jobs have an sbatch script")
             print(slurm.dry_run_script(args, run_dir))
             return 0
+        if cluster == "slurm" and not args.create_only:
+            slurm.require_client()  # before anything is written
         write_run_config(cfg, run_dir)
         if args.create_only:
             print(f"run directory: {run_dir}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 
 import pytest
 
@@ -81,7 +82,17 @@ def test_slurm_env_from_srun_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     }
 
 
-def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys) -> None:
+def _path_without_srun(tmp_path, monkeypatch) -> None:
+    # Only the Python running the tests stays reachable: no Slurm client on PATH.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    monkeypatch.setenv("PATH", str(bin_dir))
+
+
+def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys, monkeypatch) -> None:
+    # A dry run must work off-cluster (a laptop, CI): no srun on PATH here.
+    _path_without_srun(tmp_path, monkeypatch)
     run = tmp_path / "run"
     args = ["--cluster", "slurm", "--dry-run", "--nodes", "3", "--tasks-per-node", "2"]
     args += ["--time", "1:00:00", "--sbatch", "mail-type=END", "--run-dir", str(run)]
@@ -97,6 +108,15 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys) -> None:
         "--kill-on-bad-exit=1",
     ):
         assert line in script, line
+    assert not run.exists()
+
+
+def test_slurm_submit_without_srun_is_a_clear_error(tmp_path, capsys, monkeypatch) -> None:
+    _path_without_srun(tmp_path, monkeypatch)
+    run = tmp_path / "run"
+    assert submit_main(["--cluster", "slurm", "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "srun not found" in err and len(err.strip().splitlines()) == 1
     assert not run.exists()
 
 
