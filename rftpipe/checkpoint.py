@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,42 +66,94 @@ def verify(ckpt: Checkpoint) -> None:
             raise CorruptionError(f, "checkpoint file missing, truncated or with a bad checksum")
 
 
-def save(
-    root: Path,
-    step: int,
-    engine: TrainEngine,
-    extra: dict[str, Any],
-    dist: Dist,
-    keep_last: int,
-) -> float:
-    """Have the engine write its state, then commit and apply retention; returns seconds."""
-    t0 = time.perf_counter()
-    final = root / f"step-{step:06d}"
-    tmp = root / f"{TMP_PREFIX}step-{step:06d}"
-    if dist.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    engine.save_checkpoint(tmp)
-    torch.save(extra, tmp / f"extra-r{dist.rank}.pt")
-    fault("ckpt_mid_write")
-    dist.barrier()
-    if dist.is_main:
-        files = {}
-        for f in sorted(tmp.iterdir()):
-            with open(f, "rb+") as fh:
-                os.fsync(fh.fileno())
-            files[f.name] = {"bytes": f.stat().st_size, "xxh3_128": checksum_file(f)}
-        atomic_write_json(
-            tmp / COMMIT_FILE, {"step": step, "world_size": dist.world, "files": files}
+class Writer:
+    """Writes checkpoints in the background, one at a time.
+
+    Only the train stage changes the weights, so the checkpoint taken after step N's sync is
+    written while step N+1 rolls out, scores and computes advantages; `wait()` runs before
+    the next train stage and before the process ends, so a write never sees a half-updated
+    model. A kill mid-write leaves only a temp directory, which resume discards, so the
+    previous checkpoint stays the newest committed one. Multi-rank writes run their DCP
+    collectives on a process group of their own, never interleaved with the main thread's.
+    """
+
+    def __init__(self, dist: Dist) -> None:
+        self.dist = dist
+        self._group: Any = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_write_s = 0.0
+        """Wall seconds the previous background write took (rank 0: including its commit)."""
+
+    def submit(
+        self, root: Path, step: int, engine: TrainEngine, extra: dict[str, Any], keep_last: int
+    ) -> float:
+        """Start writing checkpoint `step`; returns the seconds the caller was blocked."""
+        t0 = time.perf_counter()
+        self.wait()
+        dist = self.dist
+        tmp = root / f"{TMP_PREFIX}step-{step:06d}"
+        if dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        torch.save(extra, tmp / f"extra-r{dist.rank}.pt")
+        state = engine.checkpoint_state()
+        import torch.distributed as tdist
+
+        if tdist.is_initialized() and self._group is None:
+            self._group = tdist.new_group(backend="gloo")
+        dist.barrier()  # every rank's extras exist before rank 0 can commit
+        self._thread = threading.Thread(
+            target=self._write,
+            args=(root, step, tmp, state, keep_last),
+            name=f"rftpipe-checkpoint-{step}",
+            daemon=True,  # an abandoned write leaves a temp dir, never a false commit
         )
-        fault("ckpt_before_rename")
-        os.replace(tmp, final)
-        fsync_dir(root)
-        events().write("checkpoint", step=step)
-        _retain(root, keep_last)
-    dist.barrier()
-    return time.perf_counter() - t0
+        self._thread.start()
+        return time.perf_counter() - t0
+
+    def wait(self) -> float:
+        """Block until the pending write (if any) has finished; re-raise its failure."""
+        if self._thread is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"checkpoint write failed: {err}") from err
+        return time.perf_counter() - t0
+
+    def _write(
+        self, root: Path, step: int, tmp: Path, state: dict[str, Any], keep_last: int
+    ) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        try:
+            # Returns on rank 0 only after every rank's files are written and synced.
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self._group)
+            fault("ckpt_mid_write")
+            if self.dist.is_main:
+                _commit(root, step, tmp, self.dist.world, keep_last)
+        except BaseException as exc:  # surfaced by wait() in the main thread
+            self._error = exc
+        self.last_write_s = time.perf_counter() - t0
+
+
+def _commit(root: Path, step: int, tmp: Path, world: int, keep_last: int) -> None:
+    files = {}
+    for f in sorted(tmp.iterdir()):
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+        files[f.name] = {"bytes": f.stat().st_size, "xxh3_128": checksum_file(f)}
+    atomic_write_json(tmp / COMMIT_FILE, {"step": step, "world_size": world, "files": files})
+    fault("ckpt_before_rename")
+    os.replace(tmp, root / f"step-{step:06d}")
+    fsync_dir(root)
+    events().write("checkpoint", step=step)
+    _retain(root, keep_last)
 
 
 def _retain(root: Path, keep_last: int) -> None:

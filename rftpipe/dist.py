@@ -31,20 +31,21 @@ class Dist:
         if self.world > 1:
             tdist.barrier()
 
+    def _all_reduce(self, t: torch.Tensor, op: tdist.ReduceOp) -> torch.Tensor:
+        if self.world == 1:
+            return t.clone()
+        # NCCL reduces only device tensors; callers keep their small CPU tensors.
+        nccl = tdist.get_backend() == "nccl"
+        out = t.to(f"cuda:{torch.cuda.current_device()}") if nccl else t.clone()
+        tdist.all_reduce(out, op=op)
+        return out.to(t.device) if nccl else out
+
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over ranks (returns a new tensor; float64 sums are order-stable per world)."""
-        if self.world == 1:
-            return t.clone()
-        out = t.clone()
-        tdist.all_reduce(out, op=tdist.ReduceOp.SUM)
-        return out
+        return self._all_reduce(t, tdist.ReduceOp.SUM)
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world == 1:
-            return t.clone()
-        out = t.clone()
-        tdist.all_reduce(out, op=tdist.ReduceOp.MAX)
-        return out
+        return self._all_reduce(t, tdist.ReduceOp.MAX)
 
     def any(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on at least one."""
@@ -76,6 +77,8 @@ def init_from_env(require_group: bool = False) -> Dist:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not tdist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
         tdist.init_process_group(backend=backend, rank=rank, world_size=world)
     return Dist(rank=rank, world=world, local_rank=local_rank)
 

@@ -103,6 +103,9 @@ def durable(
         mine = [p.prompt_id for p in plan.mine]
         return rt.run.read_stage_for(plan.step, stage, rt.dist.rank, rt.dist.world, mine)
     rt.stop.check(rt.dist, f"step {plan.step} {stage}")
+    if stage == "rollout":
+        # Marks the first new work of a (re)started process: tools.bench times resumes by it.
+        events().write("rollout_begin", step=plan.step)
     t0 = time.perf_counter()
     table = compute()
     slow(stage)
@@ -124,6 +127,8 @@ def train_step(
     step, ids = plan.step, plan.global_ids
     committed = rt.run.is_committed(step, "train")
     rt.stop.check(rt.dist, f"step {step} train")
+    # The previous step's checkpoint may still be reading the weights this stage updates.
+    timings["checkpoint_wait"] = rt.ckpt_writer.wait()
     t0 = time.perf_counter()
     inp = train.TrainInputs(
         step=step,
@@ -191,11 +196,6 @@ def maybe_checkpoint(rt: Runtime, step: int, timings: dict[str, float]) -> None:
         "kl_controller": rt.kl_ctrl.state_dict(),
         "engine": rt.train_engine.state_dict(),
     }
-    timings["checkpoint"] = checkpoint.save(
-        rt.run.checkpoints,
-        step,
-        rt.train_engine,
-        extra,
-        rt.dist,
-        cfg.checkpoint.keep_last,
+    timings["checkpoint"] = rt.ckpt_writer.submit(
+        rt.run.checkpoints, step, rt.train_engine, extra, cfg.checkpoint.keep_last
     )

@@ -62,36 +62,41 @@ def train_run(
     bar = progress(cfg, dist, last_done)
     t_replay = time.perf_counter()
     ran = 0
-    for step in range(ckpt_step + 1, cfg.total_steps + 1):
-        replay = step <= last_done
-        timings: dict[str, float] = {}
-        metrics = run_step(rt, step, timings)
-        maybe_checkpoint(rt, step, timings)
-        ran += 1
-        if replay:
-            if step == last_done:
-                events().write(
-                    "replay_done",
-                    steps=last_done - ckpt_step,
-                    seconds=round(time.perf_counter() - t_replay, 3),
+    try:
+        for step in range(ckpt_step + 1, cfg.total_steps + 1):
+            replay = step <= last_done
+            timings: dict[str, float] = {}
+            metrics = run_step(rt, step, timings)
+            maybe_checkpoint(rt, step, timings)
+            ran += 1
+            if replay:
+                if step == last_done:
+                    events().write(
+                        "replay_done",
+                        steps=last_done - ckpt_step,
+                        seconds=round(time.perf_counter() - t_replay, 3),
+                    )
+                    log.info(
+                        "replayed %d train steps in %.2f s",
+                        last_done - ckpt_step,
+                        time.perf_counter() - t_replay,
+                    )
+                continue
+            if dist.is_main:
+                m = step_metrics(run, step)
+                trackers.log(
+                    {
+                        **m,
+                        "perf/commit_s": timings.get("commit", 0.0),
+                        "perf/checkpoint_s": timings.get("checkpoint", 0.0),
+                        "perf/checkpoint_wait_s": timings.get("checkpoint_wait", 0.0),
+                    },
+                    step,
                 )
-                log.info(
-                    "replayed %d train steps in %.2f s",
-                    last_done - ckpt_step,
-                    time.perf_counter() - t_replay,
-                )
-            continue
-        if dist.is_main:
-            m = step_metrics(run, step)
-            trackers.log(
-                {
-                    **m,
-                    "perf/commit_s": timings.get("commit", 0.0),
-                    "perf/checkpoint_s": timings.get("checkpoint", 0.0),
-                },
-                step,
-            )
-            bar_update(bar, m, metrics)
+                bar_update(bar, m, metrics)
+    finally:
+        # A stop or an error between stages still lets a pending checkpoint commit.
+        rt.ckpt_writer.wait()
     if ran == 0:
         raise RuntimeError(
             f"resume at step {ckpt_step + 1} with {cfg.total_steps} total did no work"

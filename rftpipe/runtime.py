@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rftpipe import models
+from rftpipe import checkpoint, models
 from rftpipe.algos.kl_controller import make_kl_controller
 from rftpipe.config.schema import RunConfig
 from rftpipe.data import PromptSet, load_prompts
@@ -46,6 +46,8 @@ class Runtime:
     model_dir: Path
     stop: StopFlag | NoStop
     """Checked collectively at every stage boundary (signals under Slurm)."""
+    ckpt_writer: checkpoint.Writer
+    """Background checkpoint writes, overlapped with the next step's rollout."""
 
 
 def configure_threads(cfg: RunConfig, dist: Dist) -> None:
@@ -140,4 +142,5 @@ def build(
         kl_ctrl=kl_ctrl,
         model_dir=model_dir,
         stop=stop or NoStop(),
+        ckpt_writer=checkpoint.Writer(dist),
     )

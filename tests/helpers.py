@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -60,3 +61,9 @@ def committed_hash(run_dir: Path) -> str:
             h.update(str(p.relative_to(run_dir)).encode())
             h.update(p.read_bytes())
     return h.hexdigest()
+
+
+def events(run_dir: Path) -> list[dict]:
+    """The run's event log (one JSON object per line), empty before the first start."""
+    path = run_dir / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT, final_weights, submit, trajectories
+from helpers import ROOT, events, final_weights, submit, trajectories
 from safetensors.torch import load_file
 
 from rftpipe.engines.train import build_micro_batch, response_logprobs
@@ -151,12 +151,13 @@ def test_kill_at_world_4_resume_at_world_2(tmp_path: Path) -> None:
     assert submit(switched, *steps, config=None, extra=("--tasks-per-node", "2")).returncode == 0
 
     killed = tmp_path / "killed"
-    # stage_after_commit hit 11 is step 3's rollout commit (after the step-2 checkpoint).
+    # stage_after_commit hit 14 is step 3's train commit. The step-2 checkpoint is written
+    # in the background during step 3's rollout and is committed before its train starts.
     res = submit(
         killed,
         *steps,
         extra=("--tasks-per-node", "4"),
-        env={"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "10"},
+        env={"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "13"},
     )
     assert res.returncode != 0
     assert submit(killed, *steps, config=None, extra=("--tasks-per-node", "2")).returncode == 0
@@ -169,4 +170,6 @@ def test_kill_at_world_4_resume_at_world_2(tmp_path: Path) -> None:
     order = [p for s in range(1, 5) for p in sorted(t[t.step.astype(int) == s].prompt_id.unique())]
     assert sorted(order) == sorted(set(order)) and len(order) == 16  # 16 of 20 prompts, once each
     step3 = set(t[t.step.astype(int) == 3]["rank"])
-    assert step3 == {0, 1, 2, 3}  # rolled out on 4 ranks, trained and published on 2
+    assert step3 == {0, 1, 2, 3}  # rolled out on 4 ranks, replayed and published on 2
+    replays = [e for e in events(killed) if e["event"] == "replay"]
+    assert {e["step"] for e in replays} == {3}  # only the train step after the checkpoint

@@ -135,3 +135,40 @@ def test_reference_role_scores_but_never_trains() -> None:
     assert not any(p.requires_grad for p in ref.model.parameters())
     with pytest.raises(RuntimeError, match="reference"):
         ref.optimizer_step()
+
+
+def test_background_checkpoint_commits_and_restores(tmp_path) -> None:
+    from rftpipe.checkpoint import Writer, list_committed, verify
+    from rftpipe.dist import Dist
+
+    a = _engine()
+    _update(a)
+    writer = Writer(Dist())
+    writer.submit(tmp_path, 3, a, {"engine": a.state_dict()}, keep_last=2)
+    writer.wait()  # what the next train stage does before it changes the weights
+    [ckpt] = list_committed(tmp_path)
+    assert ckpt.step == 3
+    verify(ckpt)
+    _update(a)
+    b = _engine()
+    b.load_checkpoint(ckpt.path)  # constant LR: the scheduler state needs no restore here
+    _update(b)
+    pairs = zip(a.model.parameters(), b.model.parameters(), strict=True)
+    assert all(torch.equal(x, y) for x, y in pairs)
+
+
+def test_background_checkpoint_failure_surfaces_and_commits_nothing(tmp_path) -> None:
+    from rftpipe.checkpoint import Writer, list_committed
+    from rftpipe.dist import Dist
+
+    a = _engine()
+    state = a.checkpoint_state()
+    # DCP cannot store a sparse tensor: a real failure inside the writer thread.
+    state["model"]["broken"] = torch.sparse_coo_tensor([[0]], [1.0], (3,))
+    a.checkpoint_state = lambda: state
+    writer = Writer(Dist())
+    writer.submit(tmp_path, 1, a, {}, keep_last=2)
+    with pytest.raises(RuntimeError, match="checkpoint write failed"):
+        writer.wait()
+    assert list_committed(tmp_path) == []
+    assert writer.wait() == 0.0  # the failure is reported once

@@ -218,6 +218,9 @@ class TrainConfig:
     backend: Literal["single", "fsdp2"] = "single"
     """Training engine: one device, or FSDP2 over all ranks (DeepSpeed plugs in behind the same interface)."""
 
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP2 compute dtype; master weights, gradient reduction and AdamW state stay fp32."""
+
     lr: float = 2e-5
     """Peak learning rate of AdamW."""
 
@@ -273,6 +276,11 @@ class TrainConfig:
             raise ValueError(f"betas must be two numbers in [0, 1), got {list(self.betas)}")
         if self.ppo_epochs < 1 or self.mini_batches < 1 or self.micro_batch_size < 1:
             raise ValueError("ppo_epochs, mini_batches and micro_batch_size must all be >= 1")
+        if self.param_dtype != "float32" and self.backend != "fsdp2":
+            raise ValueError(
+                f"param_dtype={self.param_dtype} needs backend=fsdp2 "
+                "(a single device trains in model.dtype)"
+            )
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):

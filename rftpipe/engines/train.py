@@ -45,6 +45,15 @@ class MicroBatch:
     response_mask: torch.Tensor
     """(B, T) bool, True on real response tokens."""
 
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(
+            input_ids=self.input_ids.to(device, non_blocking=True),
+            attention_mask=self.attention_mask.to(device, non_blocking=True),
+            response_index=self.response_index.to(device, non_blocking=True),
+            response_ids=self.response_ids.to(device, non_blocking=True),
+            response_mask=self.response_mask.to(device, non_blocking=True),
+        )
+
 
 def build_micro_batch(
     prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int
@@ -73,17 +82,26 @@ def build_micro_batch(
     )
 
 
+def _entropy(logits: torch.Tensor, temperature: float, grad: bool) -> torch.Tensor:
+    if grad:
+        return entropy_from_logits(logits / temperature)
+    # Only a metric: no graph through a (B, T, vocab) softmax that nothing differentiates.
+    with torch.no_grad():
+        return entropy_from_logits(logits.detach() / temperature)
+
+
 def _head_logprobs(
     model: torch.nn.Module,
     hidden: torch.Tensor,
     tokens: torch.Tensor,
     temperature: float,
     with_entropy: bool,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """lm_head on just the positions that predict response tokens, then logprobs/entropy."""
     logits = model.get_output_embeddings()(hidden).float()
     lp = gather_logprobs(logits, tokens, temperature=temperature)
-    ent = entropy_from_logits(logits / temperature) if with_entropy else None
+    ent = _entropy(logits, temperature, entropy_grad) if with_entropy else None
     return lp, ent
 
 
@@ -99,7 +117,11 @@ def response_logprobs(
 
 
 def root_forward_logprobs(
-    model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Like `response_logprobs`, but through the root module's own forward.
 
@@ -118,7 +140,7 @@ def root_forward_logprobs(
     idx = (mb.response_index - first).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
     logits = logits.gather(1, idx).float()
     lp = gather_logprobs(logits, mb.response_ids, temperature=temperature)
-    ent = entropy_from_logits(logits / temperature) if with_entropy else None
+    ent = _entropy(logits, temperature, entropy_grad) if with_entropy else None
     return lp, ent
 
 
@@ -128,6 +150,7 @@ def shared_prefix_logprobs(
     responses: Sequence[Sequence[int]],
     temperature: float,
     with_entropy: bool,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(k, T) response logprobs of k samples of one prompt, computing the prompt once.
 
@@ -137,21 +160,23 @@ def shared_prefix_logprobs(
     needs no mask: a causal model never lets a later (padding) token reach an earlier one.
     """
     decoder = model.get_decoder()
+    device = model.get_input_embeddings().weight.device
     k, t_max = len(responses), max(1, max(len(r) for r in responses))
-    out = decoder(input_ids=torch.tensor([list(prompt)]), use_cache=True)
+    out = decoder(input_ids=torch.tensor([list(prompt)], device=device), use_cache=True)
     hidden = out.last_hidden_state[:, -1:].expand(k, 1, -1)  # predicts response token 0
     resp = torch.zeros((k, t_max), dtype=torch.long)
     for i, r in enumerate(responses):
         resp[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+    resp = resp.to(device)
     if t_max > 1:
         cache = out.past_key_values
         cache.batch_repeat_interleave(k)
-        pos = torch.arange(len(prompt), len(prompt) + t_max - 1).expand(k, -1)
+        pos = torch.arange(len(prompt), len(prompt) + t_max - 1, device=device).expand(k, -1)
         rest = decoder(
             input_ids=resp[:, :-1], past_key_values=cache, position_ids=pos, use_cache=True
         )
         hidden = torch.cat([hidden, rest.last_hidden_state], dim=1)
-    return _head_logprobs(model, hidden, resp, temperature, with_entropy)
+    return _head_logprobs(model, hidden, resp, temperature, with_entropy, entropy_grad)
 
 
 def grouped_logprobs(
@@ -160,17 +185,18 @@ def grouped_logprobs(
     responses: Sequence[Sequence[int]],
     temperature: float,
     with_entropy: bool,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) logprobs for rows in any order: rows sharing a prompt share its forward."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault(tuple(p), []).append(i)
     t_max = max(1, max(len(r) for r in responses))
-    lp = [torch.empty(0)] * len(prompts)
+    lp: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
     ent: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
     for prompt, rows in groups.items():
         g_lp, g_ent = shared_prefix_logprobs(
-            model, prompt, [responses[i] for i in rows], temperature, with_entropy
+            model, prompt, [responses[i] for i in rows], temperature, with_entropy, entropy_grad
         )
         for j, i in enumerate(rows):
             lp[i] = torch.nn.functional.pad(g_lp[j], (0, t_max - g_lp.shape[1]))
@@ -232,6 +258,10 @@ class TrainEngine(Protocol):
         """Full weights for the rollout engine (a shared module when colocated)."""
         ...
 
+    def checkpoint_state(self) -> dict:
+        """Model and optimizer state as DCP saves it (views of the live tensors, not copies)."""
+        ...
+
     def save_checkpoint(self, path: Path) -> None:
         """Model and optimizer state into `path` (collective; resharding-friendly)."""
         ...
@@ -267,6 +297,7 @@ class _EngineBase:
     model: torch.nn.Module
     cfg: TrainConfig
     dist: Dist
+    device: torch.device
     role: Role
     optimizer: torch.optim.Optimizer
 
@@ -281,6 +312,9 @@ class _EngineBase:
     ) -> None:
         self.cfg = cfg
         self.dist = dist
+        self.device = next(model.parameters()).device  # inputs follow the model
+        # The entropy needs a graph only when it is part of the loss.
+        self._entropy_grad = cfg.entropy_coef != 0
         self.model = self._prepare(model)
         self._init_role(role, total_updates)
 
@@ -307,7 +341,9 @@ class _EngineBase:
             lr=self.cfg.lr,
             betas=tuple(self.cfg.betas),
             eps=self.cfg.adam_eps,
-            foreach=False,  # a fixed kernel path keeps CPU runs bitwise repeatable
+            # One fused kernel on GPU; on CPU a fixed per-tensor path keeps runs bitwise repeatable.
+            foreach=False,
+            fused=self.device.type == "cuda",
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.cfg, total_updates)
@@ -375,7 +411,7 @@ class _EngineBase:
         self._require_actor("optimizer_step")
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda")
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
             norm = norm.full_tensor()
         self.optimizer.step()
@@ -385,13 +421,17 @@ class _EngineBase:
     def lr_scheduler_step(self) -> None:
         self.scheduler.step()
 
-    def save_checkpoint(self, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
+    def checkpoint_state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        self._require_actor("save_checkpoint")
+        self._require_actor("checkpoint_state")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save_checkpoint(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.checkpoint_state(), checkpoint_id=str(path))
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore in place; DCP reshards from whatever world size wrote `path`."""
@@ -435,7 +475,9 @@ class SingleDeviceEngine(_EngineBase):
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T) response logprobs (and entropies) with gradients, prompts computed once per group."""
-        return grouped_logprobs(self.model, prompts, responses, temperature, with_entropy)
+        return grouped_logprobs(
+            self.model, prompts, responses, temperature, with_entropy, self._entropy_grad
+        )
 
     def rollout_weights(self) -> torch.nn.Module:
         return self.model
@@ -451,10 +493,14 @@ class FSDP2Engine(_EngineBase):
     """
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        units = [fully_shard(layer) for layer in model.get_decoder().layers]
-        units.append(fully_shard(model))
+        # bf16 compute with fp32 master weights, fp32 gradient reduction and fp32 AdamW state.
+        mp = MixedPrecisionPolicy(
+            param_dtype=getattr(torch, self.cfg.param_dtype), reduce_dtype=torch.float32
+        )
+        units = [fully_shard(layer, mp_policy=mp) for layer in model.get_decoder().layers]
+        units.append(fully_shard(model, mp_policy=mp))
         # Each unit reduces its own gradients, so each needs both settings: a plain SUM
         # (gloo has no PREMUL_SUM, and with factor 1 there is nothing to scale anyway).
         for unit in units:
@@ -474,8 +520,8 @@ class FSDP2Engine(_EngineBase):
         temperature: float,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        mb = build_micro_batch(prompts, responses, pad_id=0)
-        return root_forward_logprobs(self.model, mb, temperature, with_entropy)
+        mb = build_micro_batch(prompts, responses, pad_id=0).to(self.device)
+        return root_forward_logprobs(self.model, mb, temperature, with_entropy, self._entropy_grad)
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights on every rank, for the rollout engine's own copy."""

@@ -140,6 +140,7 @@ def _micro_step(
         inp.temperature,
         with_entropy=True,
     )
+    old, adv, mask = old.to(lp.device), adv.to(lp.device), mask.to(lp.device)
     out = POLICY_LOSSES[cfg.policy_loss](
         lp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip
     )
@@ -148,6 +149,7 @@ def _micro_step(
     loss = agg(out.loss, mask, **norm)
     if kl.mode != "none":
         ref, _ = pad_ragged([r["ref_logprobs"] for r in chunk], torch.float32)
+        ref = ref.to(lp.device)
         kl_tok = kl_estimate(lp, ref, kl.estimator) * mask
     else:
         # Without a reference, report the drift from the sampling policy instead.
