@@ -188,8 +188,10 @@ def global_window(n: int, seed: int, shuffle: bool, state: SamplerState, count: 
     return out
 
 
-def rank_slice(items: Sequence[int], rank: int, world: int) -> list[int]:
-    """Contiguous share of a global window; the first `len % world` ranks get one more."""
-    base, extra = divmod(len(items), world)
+def rank_slice(items: Sequence[int], rank: int, world: int, unit: int = 1) -> list[int]:
+    """Contiguous share of a global window, in whole units of `unit` consecutive items (the
+    last unit may be short); the first `units % world` ranks get one unit more."""
+    units = [items[i : i + unit] for i in range(0, len(items), unit)]
+    base, extra = divmod(len(units), world)
     start = rank * base + min(rank, extra)
-    return list(items[start : start + base + (1 if rank < extra else 0)])
+    return [x for u in units[start : start + base + (1 if rank < extra else 0)] for x in u]

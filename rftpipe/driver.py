@@ -85,7 +85,10 @@ def plan_step(rt: Runtime, step: int) -> StepPlan:
     return StepPlan(
         step=step,
         global_ids=[prompts[i].prompt_id for i in window],
-        mine=[prompts[i] for i in rank_slice(window, rt.dist.rank, rt.dist.world)],
+        mine=[
+            prompts[i]
+            for i in rank_slice(window, rt.dist.rank, rt.dist.world, rt.cfg.rollout.groups_per_call)
+        ],
         sampler={"consumed_before": consumed, "consumed_after": consumed + len(window)},
     )
 

@@ -41,6 +41,17 @@ def test_rank_slices_partition_the_window(world: int) -> None:
     assert sum(parts, []) == window
 
 
+@pytest.mark.parametrize(("world", "unit"), [(1, 2), (2, 2), (3, 2), (2, 3), (4, 4)])
+def test_rank_slices_keep_whole_units(world: int, unit: int) -> None:
+    window = list(range(11))
+    parts = [rank_slice(window, r, world, unit) for r in range(world)]
+    assert sum(parts, []) == window
+    units = {tuple(window[i : i + unit]) for i in range(0, len(window), unit)}
+    for part in parts:  # each share is a run of whole units of the global order
+        cut = [tuple(part[i : i + unit]) for i in range(0, len(part), unit)]
+        assert set(cut) <= units
+
+
 def test_file_source_with_column_mapping_and_truncation(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     rows = [{"q": "short", "a": "1", "id": 7}, {"q": "x" * 200, "a": "2", "id": 9}]

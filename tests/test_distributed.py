@@ -18,8 +18,16 @@ from rftpipe.engines.train import build_micro_batch, response_logprobs
 from rftpipe.models import load_causal_lm, prepare_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-# A KL term in the loss puts the sharded reference role through the pipeline too.
-FSDP = ("train.backend=fsdp2", "total_steps=3", "kl.mode=loss", "kl.coef=0.1")
+# A KL term in the loss puts the sharded reference role through the pipeline too. Two
+# groups share each (padded) generate call, and ranks get whole calls: 4 ranks, 1 call each.
+FSDP = (
+    "train.backend=fsdp2",
+    "total_steps=3",
+    "kl.mode=loss",
+    "kl.coef=0.1",
+    "data.prompts_per_step=8",
+    "rollout.groups_per_call=2",
+)
 
 
 def _rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

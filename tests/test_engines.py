@@ -85,6 +85,23 @@ def test_rollout_logprobs_are_pre_filter_and_seeded(tiny) -> None:
     assert all(x < 0 for row in a.logprobs for x in row)
 
 
+def test_batched_groups_left_pad_and_score_like_the_trainer(tiny) -> None:
+    model, tok = tiny
+    cfg = RolloutConfig(n=3, max_new_tokens=5, temperature=1.0)
+    engine = HFGenerateEngine(model, cfg, tok.eos_token_id, tok.pad_token_id)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41]]  # unequal lengths: the short one is padded
+    a = engine.generate_groups(prompts, 3, seed=9)
+    assert [len(g.tokens) for g in a] == [3, 3]
+    assert engine.generate_groups(prompts, 3, seed=9) == a  # the call's seed fixes it all
+    for prompt, group in zip(prompts, a, strict=True):
+        mb = build_micro_batch([prompt] * 3, group.tokens, pad_id=0)
+        with torch.no_grad():
+            lp, _ = response_logprobs(model, mb, 1.0, with_entropy=False)
+        for i, row in enumerate(group.logprobs):
+            # The padding never reaches the real tokens: same logprobs as an unpadded forward.
+            assert torch.allclose(lp[i, : len(row)], torch.tensor(row), atol=1e-4)
+
+
 def _engine(role: str = "actor"):
     from rftpipe.config.schema import TrainConfig
     from rftpipe.dist import Dist

@@ -47,6 +47,8 @@ def overrides(a: argparse.Namespace, steps: int) -> list[str]:
         f"total_steps={steps}",
         f"data.prompts_per_step={a.prompts}",
         f"rollout.n={a.n}",
+        # All groups of a step in one generate call, as TRL batches its step.
+        f"rollout.groups_per_call={a.prompts}",
         f"rollout.max_new_tokens={a.tokens}",
         f"rollout.min_new_tokens={a.tokens}",
         "rollout.temperature=1.0",
@@ -180,21 +182,18 @@ def summarize(a: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -
     out["ratio_completions_per_s"] = med(pairs)
     out["ratio_per_pair"] = [round(x, 3) for x in pairs]
     fl = results["floor"]
-    gen, gen_b = med(r["generate_s"] for r in fl), med(r["generate_batched_s"] for r in fl)
+    gen = med(r["generate_s"] for r in fl)
     train = med(r["train_s"] for r in fl)
     out["floor"] = {
         "generate_s": gen,
-        "generate_batched_s": gen_b,
         "train_s": train,
         "fwd_bwd_s": med(r["fwd_bwd_s"] for r in fl),
         "naive_fwd_bwd_s": med(r["naive_fwd_bwd_s"] for r in fl),
         "floor_s": gen + train,
-        "floor_batched_s": gen_b + train,
     }
     rf = results["rftpipe"]
     step = out["rftpipe"]["step_s"]
     out["overhead_above_floor"] = step / (gen + train) - 1
-    out["overhead_above_batched_floor"] = step / (gen_b + train) - 1
     commit = med(r["commit_s"] for r in rf)
     interval = rf[0]["checkpoint_interval"]
     costs = [r["checkpoint_cost_s"] for r in rf if r["checkpoint_cost_s"] is not None]
@@ -227,13 +226,11 @@ def report(s: dict[str, Any]) -> str:
         f"{s['ratio_completions_per_s']:13.2f}x  (median of pairs {s['ratio_per_pair']})",
         f"{'generated tokens/s':22}{r['tokens_per_s']:12.1f}{t['tokens_per_s']:12.1f}",
         f"{'peak RSS GiB':22}{r['peak_rss_gib']:12.2f}{t['peak_rss_gib']:12.2f}",
-        f"floor: generate {f['generate_s']:.2f} s (per group, as rftpipe samples) + train "
-        f"{f['train_s']:.2f} s = {f['floor_s']:.2f} s; one batched generate of all groups "
-        f"{f['generate_batched_s']:.2f} s",
+        f"floor: generate {f['generate_s']:.2f} s + train {f['train_s']:.2f} s "
+        f"= {f['floor_s']:.2f} s",
         f"train forward/backward {f['fwd_bwd_s']:.2f} s (shared prompt) vs naive full-sequence "
         f"{f['naive_fwd_bwd_s']:.2f} s",
-        f"rftpipe overhead above the floor: {100 * s['overhead_above_floor']:.1f} % "
-        f"({100 * s['overhead_above_batched_floor']:.1f} % above the batched-generate floor)",
+        f"rftpipe overhead above the floor: {100 * s['overhead_above_floor']:.1f} %",
         f"commit {1000 * d['commit_s']:.1f} ms/step = {100 * d['commit_share']:.2f} % of step "
         f"time; with checkpoints ({d['checkpoint_cost_s'] or 0:.2f} s each, every "
         f"{d['checkpoint_interval']} steps): {100 * d['durability_share']:.2f} %",
@@ -436,16 +433,13 @@ def bench_floor(a: argparse.Namespace) -> dict[str, Any]:
     model = load_causal_lm(model_dir, "float32")
     engine = SingleDeviceEngine(model, cfg.train, Dist())
     gen = HFGenerateEngine(model, cfg.rollout, tok.eos_token_id, tok.pad_token_id)
-    t_gen, t_gen_batched, t_train, t_fwd_bwd, t_naive = [], [], [], [], []
+    t_gen, t_train, t_fwd_bwd, t_naive = [], [], [], []
     for s in range(a.floor_steps):
         prompts = order[s * a.prompts : (s + 1) * a.prompts]
         t0 = time.perf_counter()
-        groups = [
-            gen.generate_group(p.token_ids, a.n, derive_seed(a.seed, s + 1, "rollout", p.prompt_id))
-            for p in prompts
-        ]
+        seed = derive_seed(a.seed, s + 1, "rollout", prompts[0].prompt_id)
+        groups = gen.generate_groups([p.token_ids for p in prompts], a.n, seed)
         t_gen.append(time.perf_counter() - t0)
-        t_gen_batched.append(_batched_generate(model, tok, prompts, a))
         p_ids = [list(p.token_ids) for p in prompts for _ in range(a.n)]
         r_ids = [t for g in groups for t in g.tokens]
         old, mask = pad_ragged([lp for g in groups for lp in g.logprobs], torch.float32)
@@ -469,32 +463,10 @@ def bench_floor(a: argparse.Namespace) -> dict[str, Any]:
     med = statistics.median
     return {
         "generate_s": med(t_gen[1:]),
-        "generate_batched_s": med(t_gen_batched[1:]),
         "train_s": med(t_train[1:]),
         "fwd_bwd_s": med(t_fwd_bwd[1:]),
         "naive_fwd_bwd_s": med(t_naive[1:]),
     }
-
-
-def _batched_generate(model, tok, prompts, a: argparse.Namespace) -> float:  # noqa: ANN001
-    """All groups in one left-padded generate call (how TRL batches a step)."""
-    import torch
-
-    rows = [list(p.token_ids) for p in prompts for _ in range(a.n)]
-    width = max(map(len, rows))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            max_new_tokens=a.tokens,
-            min_new_tokens=a.tokens,
-            pad_token_id=tok.pad_token_id,
-        )
-    return time.perf_counter() - t0
 
 
 def _naive_train(model, p_ids, r_ids, old, adv, mask) -> float:  # noqa: ANN001

@@ -133,9 +133,16 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus filter (1.0: off). Logprobs are recorded before filtering."""
 
+    groups_per_call: int = 1
+    """Groups generated together in one (left-padded) call. Calls are cut from the step's
+    global prompt order and ranks get whole calls, so samples stay identical on any world
+    size; spread the work evenly with prompts_per_step a multiple of this x ranks."""
+
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.groups_per_call < 1:
+            raise ValueError(f"groups_per_call must be >= 1, got {self.groups_per_call}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:

@@ -33,7 +33,11 @@ class GroupOutput:
 class RolloutEngine(Protocol):
     weight_version: int
 
-    def generate_group(self, prompt_ids: Sequence[int], n: int, seed: int) -> GroupOutput: ...
+    def generate_groups(
+        self, prompts: Sequence[Sequence[int]], n: int, seed: int
+    ) -> list[GroupOutput]:
+        """n samples of each prompt from one call whose randomness `seed` fully determines."""
+        ...
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]: ...
 
@@ -47,11 +51,12 @@ class RolloutEngine(Protocol):
 
 
 class HFGenerateEngine:
-    """Generates with `model.generate`, one group per call.
+    """Generates with `model.generate`, `rollout.groups_per_call` groups per call.
 
-    One group per call keeps every row of the batch the same prompt, so no padding enters
-    the numerics and a group's tokens are identical on any world size. The engine shares
-    the trainer's module when colocated on one device, which makes a weight sync free.
+    Which groups share a call is fixed by the step's global prompt order (see the rollout
+    stage), so padding and batch shape, and with them the samples, are the same on any
+    world size. The engine shares the trainer's module when colocated on one device, which
+    makes a weight sync free.
     """
 
     def __init__(
@@ -76,21 +81,30 @@ class HFGenerateEngine:
             return_dict_in_generate=True,
         )
 
-    @torch.no_grad()
     def generate_group(self, prompt_ids: Sequence[int], n: int, seed: int) -> GroupOutput:
-        ids = torch.tensor([list(prompt_ids)] * n, dtype=torch.long)
+        return self.generate_groups([prompt_ids], n, seed)[0]
+
+    @torch.no_grad()
+    def generate_groups(
+        self, prompts: Sequence[Sequence[int]], n: int, seed: int
+    ) -> list[GroupOutput]:
+        rows = [list(p) for p in prompts for _ in range(n)]
+        width = max(len(r) for r in rows)
+        # Left padding; a single group has none, so its numerics never see padding.
+        ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         was_training = self.model.training
         self.model.eval()
         # Sampling draws from the global generator: fork it so the derived seed fully
-        # determines this group and nothing leaks into the caller's RNG stream.
+        # determines this call and nothing leaks into the caller's RNG stream.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             out = self.model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=self.gen_cfg
+                input_ids=ids, attention_mask=mask, generation_config=self.gen_cfg
             )
         self.model.train(was_training)
-        new = out.sequences[:, ids.shape[1] :]
-        logits = torch.stack(out.logits, dim=1).float() / self.cfg.temperature  # (n, T, V)
+        new = out.sequences[:, width:]
+        logits = torch.stack(out.logits, dim=1).float() / self.cfg.temperature  # (rows, T, V)
         lp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
         tokens, logprobs, reasons = [], [], []
         for row, row_lp in zip(new.tolist(), lp.tolist(), strict=True):
@@ -98,7 +112,14 @@ class HFGenerateEngine:
             tokens.append(row[:end])
             logprobs.append(row_lp[:end])
             reasons.append("stop" if end <= len(row) and row[end - 1] == self.eos_id else "length")
-        return GroupOutput(tokens=tokens, logprobs=logprobs, finish_reasons=reasons)
+        return [
+            GroupOutput(
+                tokens=tokens[g * n : (g + 1) * n],
+                logprobs=logprobs[g * n : (g + 1) * n],
+                finish_reasons=reasons[g * n : (g + 1) * n],
+            )
+            for g in range(len(prompts))
+        ]
 
     @torch.no_grad()
     def greedy(

@@ -144,39 +144,27 @@ def root_forward_logprobs(
     return lp, ent
 
 
-def shared_prefix_logprobs(
-    model: torch.nn.Module,
-    prompt: Sequence[int],
-    responses: Sequence[Sequence[int]],
-    temperature: float,
-    with_entropy: bool,
-    entropy_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(k, T) response logprobs of k samples of one prompt, computing the prompt once.
+def _shared_prefix_hidden(
+    decoder: torch.nn.Module, prompt_embeds: torch.Tensor, rest_embeds: torch.Tensor
+) -> torch.Tensor:
+    """(k, T, H) hidden states predicting the k responses of one prompt, the prompt run once.
 
     The prompt's forward runs once with its KV cache kept in the autograd graph; the cache is
     repeated for the k samples, which then attend to it at their true positions. Gradients
     flow back through the shared prefix, so the result equals k full forwards. Right padding
     needs no mask: a causal model never lets a later (padding) token reach an earlier one.
+    `rest_embeds` (k, T-1, H) holds each response but its last token.
     """
-    decoder = model.get_decoder()
-    device = model.get_input_embeddings().weight.device
-    k, t_max = len(responses), max(1, max(len(r) for r in responses))
-    out = decoder(input_ids=torch.tensor([list(prompt)], device=device), use_cache=True)
+    k, n_prompt = rest_embeds.shape[0], prompt_embeds.shape[1]
+    out = decoder(inputs_embeds=prompt_embeds, use_cache=True)
     hidden = out.last_hidden_state[:, -1:].expand(k, 1, -1)  # predicts response token 0
-    resp = torch.zeros((k, t_max), dtype=torch.long)
-    for i, r in enumerate(responses):
-        resp[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
-    resp = resp.to(device)
-    if t_max > 1:
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(k)
-        pos = torch.arange(len(prompt), len(prompt) + t_max - 1, device=device).expand(k, -1)
-        rest = decoder(
-            input_ids=resp[:, :-1], past_key_values=cache, position_ids=pos, use_cache=True
-        )
-        hidden = torch.cat([hidden, rest.last_hidden_state], dim=1)
-    return _head_logprobs(model, hidden, resp, temperature, with_entropy, entropy_grad)
+    if rest_embeds.shape[1] == 0:
+        return hidden
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(k)
+    pos = torch.arange(n_prompt, n_prompt + rest_embeds.shape[1], device=rest_embeds.device)
+    rest = decoder(inputs_embeds=rest_embeds, past_key_values=cache, position_ids=pos.expand(k, -1))
+    return torch.cat([hidden, rest.last_hidden_state], dim=1)
 
 
 def grouped_logprobs(
@@ -187,22 +175,41 @@ def grouped_logprobs(
     with_entropy: bool,
     entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, T) logprobs for rows in any order: rows sharing a prompt share its forward."""
+    """(B, T) logprobs for rows in any order: rows sharing a prompt share its forward.
+
+    One embedding lookup and one LM-head call serve all groups, so the (vocab x hidden)
+    gradients of the (tied) embedding and head are formed once per micro-batch, not once
+    per group and decoder call.
+    """
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault(tuple(p), []).append(i)
+    embed = model.get_input_embeddings()
+    device = embed.weight.device
     t_max = max(1, max(len(r) for r in responses))
-    lp: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
-    ent: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
-    for prompt, rows in groups.items():
-        g_lp, g_ent = shared_prefix_logprobs(
-            model, prompt, [responses[i] for i in rows], temperature, with_entropy, entropy_grad
-        )
-        for j, i in enumerate(rows):
-            lp[i] = torch.nn.functional.pad(g_lp[j], (0, t_max - g_lp.shape[1]))
-            if g_ent is not None:
-                ent[i] = torch.nn.functional.pad(g_ent[j], (0, t_max - g_ent.shape[1]))
-    return torch.stack(lp), (torch.stack(ent) if with_entropy else None)
+    resp = torch.zeros((len(responses), t_max), dtype=torch.long)
+    for i, r in enumerate(responses):
+        resp[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+    resp = resp.to(device)
+    # Each group's prompt, then every row's response but its last token (right-padded).
+    pieces = [torch.tensor(p, dtype=torch.long) for p in groups]
+    flat = torch.cat([*(x.to(device) for x in pieces), resp[:, :-1].reshape(-1)])
+    emb = embed(flat)
+    prompt_emb = emb[: sum(len(p) for p in groups)].split([len(p) for p in groups])
+    rest_emb = emb[len(flat) - resp[:, :-1].numel() :].view(len(responses), t_max - 1, -1)
+    decoder = model.get_decoder()
+    parts, order = [], []
+    for rows, p_emb in zip(groups.values(), prompt_emb, strict=True):
+        t_g = max(1, max(len(responses[i]) for i in rows))
+        idx = torch.tensor(rows, device=device)
+        h = _shared_prefix_hidden(decoder, p_emb[None], rest_emb[idx, : t_g - 1])
+        parts.append(torch.nn.functional.pad(h, (0, 0, 0, t_max - t_g)))
+        order += rows
+    # Back from group order to row order, then one head call over every row.
+    inverse = torch.empty(len(order), dtype=torch.long, device=device)
+    inverse[torch.tensor(order, device=device)] = torch.arange(len(order), device=device)
+    hidden = torch.cat(parts)[inverse]
+    return _head_logprobs(model, hidden, resp, temperature, with_entropy, entropy_grad)
 
 
 Role = Literal["actor", "reference"]

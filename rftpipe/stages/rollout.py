@@ -44,28 +44,32 @@ class RolloutInputs:
 
 def run(cfg: RolloutConfig, engine: RolloutEngine, tokenizer, inp: RolloutInputs) -> pa.Table:
     cols: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
-    for p in inp.prompts:
-        seed = derive_seed(inp.run_seed, inp.step, "rollout", p.prompt_id)
-        group = engine.generate_group(p.token_ids, cfg.n, seed)
-        for k, (toks, lps, reason) in enumerate(
-            zip(group.tokens, group.logprobs, group.finish_reasons, strict=True)
-        ):
-            row = {
-                "step": inp.step,
-                "prompt_id": p.prompt_id,
-                "sample_idx": k,
-                "rank": inp.rank,
-                "prompt": p.text,
-                "prompt_token_ids": list(p.token_ids),
-                "response": tokenizer.decode(toks, skip_special_tokens=True),
-                "response_token_ids": toks,
-                "response_length": len(toks),
-                "finish_reason": reason,
-                "logprobs": lps,
-                "answer": p.answer,
-                "metadata": json.dumps(p.metadata, sort_keys=True, default=str),
-                "weight_version": engine.weight_version,
-            }
-            for name, value in row.items():
-                cols[name].append(value)
+    g = cfg.groups_per_call
+    # This rank holds whole calls of the global order (rank_slice by units of g), so cutting
+    # its prompts by g gives the same calls, and so the same samples, on any world size.
+    for call in (inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)):
+        seed = derive_seed(inp.run_seed, inp.step, "rollout", call[0].prompt_id)
+        groups = engine.generate_groups([p.token_ids for p in call], cfg.n, seed)
+        for p, group in zip(call, groups, strict=True):
+            for k, (toks, lps, reason) in enumerate(
+                zip(group.tokens, group.logprobs, group.finish_reasons, strict=True)
+            ):
+                row = {
+                    "step": inp.step,
+                    "prompt_id": p.prompt_id,
+                    "sample_idx": k,
+                    "rank": inp.rank,
+                    "prompt": p.text,
+                    "prompt_token_ids": list(p.token_ids),
+                    "response": tokenizer.decode(toks, skip_special_tokens=True),
+                    "response_token_ids": toks,
+                    "response_length": len(toks),
+                    "finish_reason": reason,
+                    "logprobs": lps,
+                    "answer": p.answer,
+                    "metadata": json.dumps(p.metadata, sort_keys=True, default=str),
+                    "weight_version": engine.weight_version,
+                }
+                for name, value in row.items():
+                    cols[name].append(value)
     return pa.Table.from_pydict(cols, schema=ROLLOUT_SCHEMA)
