@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 
 from rftpipe.dist import Dist
 from rftpipe.engines.train import TrainEngine
@@ -82,8 +83,6 @@ class Writer:
         self._group: Any = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_write_s = 0.0
-        """Wall seconds the previous background write took (rank 0: including its commit)."""
 
     def submit(
         self, root: Path, step: int, engine: TrainEngine, extra: dict[str, Any], keep_last: int
@@ -99,8 +98,6 @@ class Writer:
         dist.barrier()
         torch.save(extra, tmp / f"extra-r{dist.rank}.pt")
         state = engine.checkpoint_state()
-        import torch.distributed as tdist
-
         if tdist.is_initialized() and self._group is None:
             self._group = tdist.new_group(backend="gloo")
         dist.barrier()  # every rank's extras exist before rank 0 can commit
@@ -130,7 +127,6 @@ class Writer:
     ) -> None:
         import torch.distributed.checkpoint as dcp
 
-        t0 = time.perf_counter()
         try:
             # Returns on rank 0 only after every rank's files are written and synced.
             dcp.save(state, checkpoint_id=str(tmp), process_group=self._group)
@@ -139,7 +135,6 @@ class Writer:
                 _commit(root, step, tmp, self.dist.world, keep_last)
         except BaseException as exc:  # surfaced by wait() in the main thread
             self._error = exc
-        self.last_write_s = time.perf_counter() - t0
 
 
 def _commit(root: Path, step: int, tmp: Path, world: int, keep_last: int) -> None:

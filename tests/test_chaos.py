@@ -6,7 +6,6 @@ exactly once per epoch, and the event log must show every fault point was hit.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TINY, final_weights, submit, trajectories
+from helpers import ROOT, TINY, events, final_weights, submit, trajectories
 
 from rftpipe.faults import FAULT_POINTS
 
@@ -42,11 +41,6 @@ SCHEDULE: list[tuple[str, int]] = [
 ]
 
 
-def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _kill_at_random_instant(run_dir: Path, rng: random.Random) -> int:
     """Start a resume, wait until its worker has started, then SIGKILL it after a random delay."""
     cmd = [
@@ -61,12 +55,12 @@ def _kill_at_random_instant(run_dir: Path, rng: random.Random) -> int:
         str(run_dir),
         *STEPS,
     ]
-    starts = sum(e["event"] == "start" for e in _events(run_dir))
+    starts = sum(e["event"] == "start" for e in events(run_dir))
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     deadline = time.time() + 120
-    while sum(e["event"] == "start" for e in _events(run_dir)) == starts and proc.poll() is None:
+    while sum(e["event"] == "start" for e in events(run_dir)) == starts and proc.poll() is None:
         assert time.time() < deadline, "worker never started"
         time.sleep(0.05)
     time.sleep(rng.uniform(0.0, 1.5))
@@ -89,11 +83,11 @@ def test_chaos_resume_is_bitwise_identical(tmp_path: Path) -> None:
     final = submit(run, *STEPS)
     assert final.returncode == 0, final.stderr
 
-    hit = {e["point"] for e in _events(run) if e["event"] == "fault"}
+    hit = {e["point"] for e in events(run) if e["event"] == "fault"}
     assert hit == set(FAULT_POINTS), f"missed fault points: {set(FAULT_POINTS) - hit}"
-    events = _events(run)
-    assert sum(e["event"] == "start" for e in events) >= len(SCHEDULE) + 6
-    assert any(e["event"] == "replay" for e in events), "no train step was replayed"
+    log = events(run)
+    assert sum(e["event"] == "start" for e in log) >= len(SCHEDULE) + 6
+    assert any(e["event"] == "replay" for e in log), "no train step was replayed"
 
     a, b = trajectories(ref), trajectories(run)
     assert a.num_rows == b.num_rows == 10 * 4 * 4
@@ -123,7 +117,7 @@ def test_resume_exactly_at_epoch_boundary(tmp_path: Path) -> None:
         env={"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "24"},
     )
     assert killed.returncode != 0
-    last = [e for e in _events(run) if e["event"] == "commit"][-1]
+    last = [e for e in events(run) if e["event"] == "commit"][-1]
     assert (last["step"], last["stage"]) == (5, "sync")
     assert submit(run, "total_steps=7").returncode == 0
     assert trajectories(run).equals(trajectories(ref))

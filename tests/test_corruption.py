@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import final_weights, submit, trajectories
+from helpers import events, final_weights, submit, trajectories
 
 pytestmark = pytest.mark.slow
 STEPS = ("total_steps=4",)
@@ -20,10 +19,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("corrupt") / "ref"
     assert submit(run, *STEPS).returncode == 0
     return run
-
-
-def _events(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
 
 
 def _same_as_reference(run: Path, reference: Path) -> None:
@@ -53,7 +48,7 @@ def test_corrupt_newest_stage_is_redone_with_identical_rows(
         shard.write_bytes(bytes(flipped))
     res = submit(run, *STEPS)
     assert res.returncode == 0, res.stderr
-    redo = [e for e in _events(run) if e["event"] == "redo_corrupt_stage"]
+    redo = [e for e in events(run) if e["event"] == "redo_corrupt_stage"]
     assert [(e["step"], e["stage"]) for e in redo] == [(2, "score")]
     assert pq.read_table(shard).equals(original)
     _same_as_reference(run, reference)
@@ -70,7 +65,7 @@ def test_corrupt_older_stage_repair_rolls_back_and_recomputes(
     assert refused.returncode == 2 and str(shard) in refused.stderr
     repaired = submit(run, config=None, extra=("--repair",))
     assert repaired.returncode == 0, repaired.stderr
-    assert any(e["event"] == "repair" and e["from_step"] == 3 for e in _events(run))
+    assert any(e["event"] == "repair" and e["from_step"] == 3 for e in events(run))
     assert list((run / "quarantine").glob("*/stages/step=000003"))
     _same_as_reference(run, reference)
 
@@ -84,7 +79,7 @@ def test_corrupt_newest_checkpoint_falls_back_and_replays(reference: Path, tmp_p
     (run / "export").rename(run / "export-old")
     res = submit(run, config=None)
     assert res.returncode == 0, res.stderr
-    ev = _events(run)
+    ev = events(run)
     assert any(e["event"] == "corrupt_checkpoint" for e in ev)
     assert any(e["event"] == "replay" for e in ev)
     _same_as_reference(run, reference)

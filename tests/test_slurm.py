@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, final_weights, submit, trajectories
+from helpers import ROOT, events, final_weights, submit, trajectories
 
 from tools import slurm_local
 
@@ -72,11 +72,7 @@ def _job_id(run: Path) -> str:
 
 
 def _events(run: Path, kind: str | None = None) -> list[dict]:
-    lines = (
-        (run / "events.jsonl").read_text().splitlines() if (run / "events.jsonl").exists() else []
-    )
-    out = [json.loads(x) for x in lines]
-    return [e for e in out if kind is None or e["event"] == kind]
+    return [e for e in events(run) if kind is None or e["event"] == kind]
 
 
 def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:

@@ -192,11 +192,11 @@ def grouped_logprobs(
         resp[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
     resp = resp.to(device)
     # Each group's prompt, then every row's response but its last token (right-padded).
-    pieces = [torch.tensor(p, dtype=torch.long) for p in groups]
-    flat = torch.cat([*(x.to(device) for x in pieces), resp[:, :-1].reshape(-1)])
+    prompt_ids = torch.tensor([t for p in groups for t in p], dtype=torch.long, device=device)
+    flat = torch.cat([prompt_ids, resp[:, :-1].reshape(-1)])
     emb = embed(flat)
-    prompt_emb = emb[: sum(len(p) for p in groups)].split([len(p) for p in groups])
-    rest_emb = emb[len(flat) - resp[:, :-1].numel() :].view(len(responses), t_max - 1, -1)
+    prompt_emb = emb[: len(prompt_ids)].split([len(p) for p in groups])
+    rest_emb = emb[len(prompt_ids) :].view(len(responses), t_max - 1, -1)
     decoder = model.get_decoder()
     parts, order = [], []
     for rows, p_emb in zip(groups.values(), prompt_emb, strict=True):
@@ -206,9 +206,7 @@ def grouped_logprobs(
         parts.append(torch.nn.functional.pad(h, (0, 0, 0, t_max - t_g)))
         order += rows
     # Back from group order to row order, then one head call over every row.
-    inverse = torch.empty(len(order), dtype=torch.long, device=device)
-    inverse[torch.tensor(order, device=device)] = torch.arange(len(order), device=device)
-    hidden = torch.cat(parts)[inverse]
+    hidden = torch.cat(parts)[torch.argsort(torch.tensor(order, device=device))]
     return _head_logprobs(model, hidden, resp, temperature, with_entropy, entropy_grad)
 
 
@@ -443,11 +441,10 @@ class _EngineBase:
     def load_checkpoint(self, path: Path) -> None:
         """Restore in place; DCP reshards from whatever world size wrote `path`."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         self._require_actor("load_checkpoint")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = self.checkpoint_state()  # the layout to load into, resharded by DCP
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(
             self.model,
