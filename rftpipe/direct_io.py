@@ -1,0 +1,140 @@
+"""Checkpoint files written with O_DIRECT, checksummed as they are written.
+
+Why: a background checkpoint of SmolLM2-135M with AdamW state is 1.6 GB. Written through
+the page cache, the kernel's copy and writeback cost the rollout it overlaps about 6 s of
+CPU on a 2-core VM (the rollout took twice as long); with O_DIRECT the same write cost it
+about 1 s. Bytes gather in a page-aligned buffer that goes to disk in whole chunks; only
+the unaligned tail of a file takes the buffered path, and every file is fsynced at close.
+Where the filesystem refuses O_DIRECT (tmpfs, some FUSE mounts) the file is written
+buffered instead, with the same checksums and fsync.
+
+The xxh3-128 digest of each file is taken from the bytes on their way to disk, so the
+commit manifest needs no second read of a file the page cache no longer holds.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import io
+import mmap
+import os
+import threading
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+
+import xxhash
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+CHUNK = 8 << 20
+"""Bytes per O_DIRECT write: a multiple of any device's logical block size."""
+
+
+class DirectFile(io.RawIOBase):
+    """A sequential, write-only file (what DCP and torch.save need: write, tell, fileno)."""
+
+    def __init__(self, path: Path, direct: bool = True) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        try:
+            self._fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
+        except OSError as exc:
+            if not self.direct or exc.errno != errno.EINVAL:
+                raise
+            self.direct = False
+            self._fd = os.open(path, flags, 0o644)
+        self._buf = mmap.mmap(-1, CHUNK)  # anonymous maps are page-aligned
+        self._view = memoryview(self._buf)
+        self._fill = 0
+        self._pos = 0
+        self._hash = xxhash.xxh3_128()
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, b) -> int:  # noqa: ANN001 (any buffer)
+        data = memoryview(b).cast("B")
+        self._hash.update(data)
+        off, n = 0, len(data)
+        while off < n:
+            k = min(CHUNK - self._fill, n - off)
+            self._view[self._fill : self._fill + k] = data[off : off + k]
+            self._fill += k
+            off += k
+            if self._fill == CHUNK:
+                self._write_all(self._view)
+                self._fill = 0
+        self._pos += n
+        return n
+
+    def _write_all(self, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            done += os.write(self._fd, view[done:])
+
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if self._fill:
+                if self.direct:  # the tail is not block-sized: finish it through the cache
+                    mode = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+                    fcntl.fcntl(self._fd, fcntl.F_SETFL, mode & ~os.O_DIRECT)
+                self._write_all(self._view[: self._fill])
+                self._fill = 0
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._view.release()
+            self._buf.close()
+            super().close()
+
+
+class DirectFileSystem(FileSystem):
+    """DCP's local file system with O_DIRECT writes; remembers each file's size and digest."""
+
+    def __init__(self, direct: bool = True) -> None:
+        super().__init__()
+        self.direct = direct
+        self._lock = threading.Lock()  # DCP may write files from several threads
+        self.written: dict[str, tuple[int, str]] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        f = DirectFile(Path(path), self.direct)
+        try:
+            yield f
+        finally:
+            f.close()
+        with self._lock:
+            self.written[str(Path(path).resolve())] = (f.tell(), f.digest())
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            info = self.written.pop(str(Path(path).resolve()), None)
+            if info is not None:
+                self.written[str(Path(new_path).resolve())] = info
+
+
+def storage_writer(path: Path, direct: bool = True) -> tuple[FileSystemWriter, DirectFileSystem]:
+    """A DCP writer for `path` that writes through `DirectFileSystem`, and that file system."""
+    writer = FileSystemWriter(str(path), sync_files=False)  # DirectFile fsyncs at close
+    fs = DirectFileSystem(direct)
+    writer.fs = fs
+    return writer, fs
