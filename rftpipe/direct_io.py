@@ -2,8 +2,8 @@
 
 Why: a background checkpoint of SmolLM2-135M with AdamW state is 1.6 GB. Written through
 the page cache, the kernel's copy and writeback cost the rollout it overlaps about 6 s of
-CPU on a 2-core VM (the rollout took twice as long); with O_DIRECT the same write cost it
-about 1 s. Bytes gather in a page-aligned buffer that goes to disk in whole chunks; only
+CPU on a 2-core VM (the rollout took twice as long); written with O_DIRECT through DCP it
+cost ~2-2.7 s, and ~1 s with the writer thread at nice 19 (see `checkpoint.Writer`). Bytes gather in a page-aligned buffer that goes to disk in whole chunks; only
 the unaligned tail of a file takes the buffered path, and every file is fsynced at close.
 Where the filesystem refuses O_DIRECT (tmpfs, some FUSE mounts) the file is written
 buffered instead, with the same checksums and fsync.
