@@ -6,6 +6,7 @@ stage receives exactly the pieces it uses.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from dataclasses import dataclass
@@ -57,6 +58,29 @@ def configure_threads(cfg: RunConfig, dist: Dist) -> None:
     torch.set_num_threads(threads)
 
 
+#: glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def retain_host_memory() -> bool:
+    """Make glibc malloc keep freed memory for reuse; False where the C library is not glibc.
+
+    By default glibc serves every block above its mmap threshold (at most 32 MB) with a fresh
+    mapping and unmaps it on free, so the same large tensors re-fault their pages in at every
+    step. Without mmap, large blocks come from the heap and return to it; a huge trim
+    threshold stops the heap top from shrinking. Thread arenas still fall back to mmap for
+    blocks larger than their heaps, so no allocation can fail because of this.
+    """
+    try:
+        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
+            return False
+    except (ValueError, OSError):
+        return False
+    libc = ctypes.CDLL(None)
+    ok = libc.mallopt(_M_MMAP_MAX, 0) == 1
+    return ok and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+
+
 def check_fingerprints(
     run: RunDir, model_fp: str, data_fp: str, allow_mismatch: bool, dist: Dist
 ) -> None:
@@ -88,6 +112,8 @@ def build(
     stop: StopFlag | NoStop | None = None,
 ) -> Runtime:
     configure_threads(cfg, dist)
+    if cfg.launch.retain_host_memory and not retain_host_memory():
+        log.info("launch.retain_host_memory: not glibc, the allocator is left as it is")
     model_dir = models.resolve_model_path(cfg.model.path)
     tokenizer = models.load_tokenizer(model_dir)
     prompts = load_prompts(cfg.data, tokenizer)

@@ -47,6 +47,24 @@ def test_refused_o_direct_falls_back_to_buffered(tmp_path: Path, monkeypatch) ->
     assert not f.direct and (tmp_path / "g.bin").read_bytes() == b"x" * 5000
 
 
+def test_failed_background_chunk_write_is_raised_to_the_writer(tmp_path: Path, monkeypatch) -> None:
+    """A chunk goes to disk on a helper thread; its failure (disk full) must not be lost."""
+    real_write = os.write
+
+    def disk_full(fd, data):  # noqa: ANN001 (os.write's signature)
+        if len(data) == CHUNK:
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", disk_full)
+    f = DirectFile(tmp_path / "h.bin")
+    with pytest.raises(OSError, match="No space left"):
+        for _ in range(4):  # the second chunk waits for the first one's write
+            f.write(b"y" * CHUNK)
+        f.close()
+    f.close()  # closing after the failure releases everything and raises nothing new
+
+
 def test_dcp_through_direct_writer_round_trips_and_records_digests(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -123,3 +125,33 @@ def test_slurm_submit_without_srun_is_a_clear_error(tmp_path, capsys, monkeypatc
 def test_local_run_refuses_several_nodes(tmp_path, capsys) -> None:
     assert submit_main(["--cluster", "local", "--nodes", "2", "--run-dir", str(tmp_path)]) == 2
     assert "--nodes" in capsys.readouterr().err
+
+
+_REFAULT = """
+import resource, sys, torch
+from rftpipe.runtime import retain_host_memory
+if sys.argv[1] == "retain":
+    assert retain_host_memory()
+x = torch.ones(25_000_000)  # 100 MB
+del x
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+y = torch.ones(12_500_000)  # 50 MB: above glibc's largest mmap threshold (32 MB)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(
+    not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"), reason="glibc only"
+)
+def test_retained_host_memory_is_reused_without_page_faults() -> None:
+    """A freed 100 MB tensor's pages serve the next 50 MB one; by default they are unmapped
+    and the next tensor faults ~12k fresh pages in."""
+
+    def faults(mode: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _REFAULT, mode], capture_output=True, text=True, check=True
+        )
+        return int(out.stdout.split()[-1])
+
+    assert faults("default") > 10_000
+    assert faults("retain") < 1_000

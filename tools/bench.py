@@ -317,6 +317,12 @@ def child_main(a: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
+    if a.child == "floor":
+        from rftpipe.runtime import retain_host_memory
+
+        # The floor runs rftpipe's compute under the allocator policy rftpipe's worker uses
+        # (launch.retain_host_memory); TRL runs as its users run it.
+        retain_host_memory()
     res = bench_trl(a) if a.child == "trl" else bench_floor(a)
     Path(a.child_out).write_text(json.dumps(res))
     return 0
