@@ -62,6 +62,9 @@ class DirectFile(io.RawIOBase):
         self._io = ThreadPoolExecutor(1, thread_name_prefix="rftpipe-direct-io")
         self._pending: Future | None = None
         self._failed = False
+        self.error: OSError | None = None
+        """The first failed write: torch.save, writing through this file, reports it only
+        as a garbled zip position ("unexpected pos"), so the caller reads it here."""
 
     def writable(self) -> bool:
         return True
@@ -73,6 +76,13 @@ class DirectFile(io.RawIOBase):
         return self._pos
 
     def write(self, b) -> int:  # noqa: ANN001 (any buffer)
+        try:
+            return self._write(b)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def _write(self, b) -> int:  # noqa: ANN001
         data = memoryview(b).cast("B")
         self._hash.update(data)
         off, n = 0, len(data)
@@ -123,6 +133,9 @@ class DirectFile(io.RawIOBase):
                 self._fill = 0
             if not self._failed:
                 os.fsync(self._fd)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
         finally:
             self._io.shutdown(wait=True)  # a write still in flight after an error
             os.close(self._fd)
@@ -143,6 +156,9 @@ class DirectFileSystem(FileSystem):
         self.direct = direct
         self._lock = threading.Lock()  # DCP may write files from several threads
         self.written: dict[str, tuple[int, str]] = {}
+        self.write_error: OSError | None = None
+        """The first write that failed in any file (e.g. disk full), for the caller to report
+        instead of the zip-position error torch.save makes of it."""
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
@@ -154,7 +170,12 @@ class DirectFileSystem(FileSystem):
         try:
             yield f
         finally:
-            f.close()
+            try:
+                f.close()
+            finally:
+                if f.error is not None:
+                    with self._lock:
+                        self.write_error = self.write_error or f.error
         with self._lock:
             self.written[str(Path(path).resolve())] = (f.tell(), f.digest())
 

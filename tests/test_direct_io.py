@@ -65,6 +65,28 @@ def test_failed_background_chunk_write_is_raised_to_the_writer(tmp_path: Path, m
     f.close()  # closing after the failure releases everything and raises nothing new
 
 
+def test_disk_full_inside_torch_save_is_reported_as_such(tmp_path: Path, monkeypatch) -> None:
+    """torch.save swallows its file object's write error and reports a zip offset instead;
+    the file system keeps the real cause for the checkpoint writer to raise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    real_write = os.write
+    calls = []
+
+    def disk_full(fd, data):  # noqa: ANN001 (os.write's signature)
+        calls.append(len(data))
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", disk_full)
+    writer, fs = storage_writer(tmp_path / "ck")
+    with pytest.raises(CheckpointException, match="unexpected pos"):
+        dcp.save({f"t{i}": torch.randn(3_000_000) for i in range(4)}, storage_writer=writer)
+    assert isinstance(fs.write_error, OSError) and fs.write_error.errno == 28
+
+
 def test_dcp_through_direct_writer_round_trips_and_records_digests(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 

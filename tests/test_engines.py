@@ -233,3 +233,28 @@ def test_background_checkpoint_failure_surfaces_and_commits_nothing(tmp_path) ->
         writer.wait()
     assert list_committed(tmp_path) == []
     assert writer.wait() == 0.0  # the failure is reported once
+
+
+def test_background_checkpoint_disk_full_names_the_cause(tmp_path, monkeypatch) -> None:
+    """A failed write inside torch.save reaches the user as the OS error, not as torch's
+    "unexpected pos" zip message, and nothing is committed."""
+    import os
+
+    from rftpipe.checkpoint import Writer, list_committed
+    from rftpipe.dist import Dist
+
+    a = _engine()
+    _update(a)
+    real_write = os.write
+
+    def disk_full(fd, data):  # noqa: ANN001 (os.write's signature)
+        if len(data) > 1 << 20:  # a checkpoint chunk, not the small metadata writes
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", disk_full)
+    writer = Writer(Dist())
+    writer.submit(tmp_path, 1, a, {}, keep_last=2)
+    with pytest.raises(RuntimeError, match="checkpoint write failed: .*No space left on device"):
+        writer.wait()
+    assert list_committed(tmp_path) == []

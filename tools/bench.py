@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -129,6 +130,7 @@ def bench_rftpipe(a: argparse.Namespace, work: Path, i: int) -> dict[str, Any]:
             resume_s = b - t_resume
     proc.kill()
     proc.wait()
+    shutil.rmtree(run_dir)  # ~3 GB of checkpoints per run; keep one run's worth at a time
     return {
         # Plain steps at their mean, checkpoints at their measured cost over the interval.
         "step_s": statistics.mean(plain) + statistics.median(ckpt_cost) / interval,
