@@ -83,6 +83,8 @@ class DirectFile(io.RawIOBase):
             raise
 
     def _write(self, b) -> int:  # noqa: ANN001
+        if self.error is not None:  # a file with a hole takes no more bytes
+            raise self.error
         data = memoryview(b).cast("B")
         self._hash.update(data)
         off, n = 0, len(data)

@@ -62,6 +62,8 @@ def test_failed_background_chunk_write_is_raised_to_the_writer(tmp_path: Path, m
         for _ in range(4):  # the second chunk waits for the first one's write
             f.write(b"y" * CHUNK)
         f.close()
+    with pytest.raises(OSError, match="No space left"):
+        f.write(b"z")  # nothing is appended after the hole
     f.close()  # closing after the failure releases everything and raises nothing new
 
 
