@@ -61,10 +61,10 @@ class DirectFile(io.RawIOBase):
         # One writer thread keeps the chunks in file order; it inherits the caller's nice.
         self._io = ThreadPoolExecutor(1, thread_name_prefix="rftpipe-direct-io")
         self._pending: Future | None = None
-        self._failed = False
-        self.error: OSError | None = None
-        """The first failed write: torch.save, writing through this file, reports it only
-        as a garbled zip position ("unexpected pos"), so the caller reads it here."""
+        self.error: BaseException | None = None
+        """The first failed write; the file has a hole from then on and takes no more bytes.
+        torch.save, writing through this file, reports it only as a garbled zip position
+        ("unexpected pos"), so the caller reads it here."""
 
     def writable(self) -> bool:
         return True
@@ -76,14 +76,7 @@ class DirectFile(io.RawIOBase):
         return self._pos
 
     def write(self, b) -> int:  # noqa: ANN001 (any buffer)
-        try:
-            return self._write(b)
-        except OSError as exc:
-            self.error = self.error or exc
-            raise
-
-    def _write(self, b) -> int:  # noqa: ANN001
-        if self.error is not None:  # a file with a hole takes no more bytes
+        if self.error is not None:
             raise self.error
         data = memoryview(b).cast("B")
         self._hash.update(data)
@@ -108,11 +101,10 @@ class DirectFile(io.RawIOBase):
     def _wait(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            try:
-                pending.result()  # re-raises a failed write here
-            except BaseException:
-                self._failed = True  # the file has a hole: close() writes nothing more
-                raise
+            exc = pending.exception()
+            if exc is not None:
+                self.error = self.error or exc
+                raise exc
 
     def _write_all(self, view: memoryview) -> None:
         done = 0
@@ -127,13 +119,13 @@ class DirectFile(io.RawIOBase):
             return
         try:
             self._wait()
-            if self._fill and not self._failed:
+            if self._fill and self.error is None:
                 if self.direct:  # the tail is not block-sized: finish it through the cache
                     mode = fcntl.fcntl(self._fd, fcntl.F_GETFL)
                     fcntl.fcntl(self._fd, fcntl.F_SETFL, mode & ~os.O_DIRECT)
                 self._write_all(self._view[: self._fill])
                 self._fill = 0
-            if not self._failed:
+            if self.error is None:
                 os.fsync(self._fd)
         except OSError as exc:
             self.error = self.error or exc
@@ -158,7 +150,7 @@ class DirectFileSystem(FileSystem):
         self.direct = direct
         self._lock = threading.Lock()  # DCP may write files from several threads
         self.written: dict[str, tuple[int, str]] = {}
-        self.write_error: OSError | None = None
+        self.write_error: BaseException | None = None
         """The first write that failed in any file (e.g. disk full), for the caller to report
         instead of the zip-position error torch.save makes of it."""
 

@@ -216,8 +216,8 @@ def _sample(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """One token per row by inverse-CDF sampling: one uniform draw per row.
 
     `torch.multinomial` on CPU draws an exponential per vocabulary entry (rows x 49k per
-    token), about a seventh of the whole decode loop on the benchmark batch. The cumulative sum is in
-    float64 so the tail of a 49k-entry vocabulary keeps its mass.
+    token), about a seventh of the whole decode loop on the benchmark batch. The cumulative
+    sum is in float64 so the tail of a 49k-entry vocabulary keeps its mass.
     """
     cdf = probs.double().cumsum(dim=-1)
     u = torch.rand(probs.shape[0], 1, generator=gen, dtype=torch.float64, device=probs.device)
