@@ -198,15 +198,16 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 
 def wait(job_id: str, run_dir: Path, poll_s: float = 5.0) -> str:
     """Block until the job has ended for good (requeues included); stream committed steps."""
-    from rftpipe.store import RunDir
+    from rftpipe.stages import FINAL
+    from rftpipe.store import RunDir, StageStore
 
-    run = RunDir(run_dir)
+    store = StageStore(RunDir(run_dir))
     seen = 0
     while True:
         state = job_state(job_id)
-        steps = run.committed_steps()
-        if steps and steps[-1] > seen:
-            seen = steps[-1]
+        newest = store.newest_complete_step(FINAL)
+        if newest > seen:
+            seen = newest
             print(f"job {job_id}: {state}, step {seen} committed", flush=True)
         if state in TERMINAL:
             return state

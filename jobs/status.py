@@ -15,7 +15,8 @@ from pathlib import Path
 from jobs import slurm
 from rftpipe.config.loader import load_config
 from rftpipe.config.schema import RunConfig
-from rftpipe.store import RunDir
+from rftpipe.stages import FINAL, ORDER
+from rftpipe.store import RunDir, StageStore
 
 
 def describe(run_dir: Path) -> dict:
@@ -23,8 +24,9 @@ def describe(run_dir: Path) -> dict:
     if not run.config_path.exists():
         raise SystemExit(f"rftpipe: error: run_dir: {run.root} has no config.yaml")
     cfg = load_config(RunConfig, run.active_config_path())
-    steps = run.committed_steps()
-    last = run.last_commit()
+    store = StageStore(run)
+    done = store.newest_complete_step(FINAL)
+    last = store.newest_commit(ORDER)
     jobs_file = run.root / "slurm" / "jobs.txt"
     job_ids = jobs_file.read_text().split() if jobs_file.exists() else []
     events = []
@@ -33,10 +35,10 @@ def describe(run_dir: Path) -> dict:
     interesting = {"start", "stop", "requeue_decision", "user_error", "checkpoint", "repair"}
     return {
         "run_dir": str(run.root),
-        "steps_committed": steps[-1] if steps else 0,
+        "steps_committed": done,
         "total_steps": cfg.total_steps,
         "last_commit": list(last) if last else None,
-        "finished": bool(steps) and steps[-1] >= cfg.total_steps,
+        "finished": done >= cfg.total_steps,
         "jobs": {j: slurm.job_state(j) for j in job_ids},
         "recent_events": [e for e in events if e.get("event") in interesting][-5:],
     }

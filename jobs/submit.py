@@ -20,7 +20,8 @@ from jobs import slurm
 from rftpipe.config.loader import diff_keys, dump_yaml, load_config, to_dict
 from rftpipe.config.schema import RESUME_SAFE_KEYS, RunConfig
 from rftpipe.errors import UserError
-from rftpipe.store import RunDir, atomic_write_bytes
+from rftpipe.stages import FINAL
+from rftpipe.store import RunDir, StageStore, atomic_write_bytes
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "grpo_smollm2_addition.yaml"
 
@@ -180,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.wait:
         return 0
     state = slurm.wait(job.job_id, run_dir)
-    done = RunDir(run_dir).committed_steps()
-    finished = bool(done) and done[-1] >= cfg.total_steps
-    print(f"job {job.job_id} ended: {state}; {done[-1] if done else 0}/{cfg.total_steps} steps")
+    done = StageStore(RunDir(run_dir)).newest_complete_step(FINAL)
+    finished = done >= cfg.total_steps
+    print(f"job {job.job_id} ended: {state}; {done}/{cfg.total_steps} steps")
     return 0 if finished else 1
 
 

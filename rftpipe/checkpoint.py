@@ -1,14 +1,21 @@
 """Checkpoints through torch.distributed.checkpoint, committed by a directory rename.
 
-``checkpoints/step-N/`` holds the engine's files (DCP for model and optimizer), ``extra.pt`` with the
-small Stateful pieces (scheduler, KL controller, sampler, RNG), and ``COMMITTED.json``
-listing every file's checksum. The directory is written as ``.tmp-step-N`` and renamed when
-complete, so a listing never sees a half-written checkpoint. Old ones are deleted only after
-a newer one has committed, and the list is rebuilt from disk at every start.
+``checkpoints/step=N/`` holds DCP files for every tensor state (model, optimizer),
+``extra-rK.pt`` with the small Stateful pieces (LR scheduler, KL controller), and
+``COMMITTED.json`` listing every file's size and checksum, plus block checksums of the DCP
+data files. The directory is written as ``.tmp-step=N`` and renamed when complete, so a
+listing never sees a half-written checkpoint. Old ones are deleted only after a newer one has
+committed, and the list is rebuilt from disk at every start.
+
+State goes through one interface: every part is a Stateful (``state_dict`` /
+``load_state_dict``). Values that hold tensors are written by DCP (sharded, resharded on
+load); the rest must be plain, world-size independent data and goes into the extras, read
+back with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import shutil
@@ -16,26 +23,37 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as tdist
+import xxhash
 
 from rftpipe import direct_io
 from rftpipe.dist import Dist
-from rftpipe.engines.train import TrainEngine
 from rftpipe.faults import events, fault
+from rftpipe.store import (
+    CHECKPOINT_COMMIT_FILE as COMMIT_FILE,
+)
 from rftpipe.store import (
     TMP_PREFIX,
     CorruptionError,
     atomic_write_json,
     checksum_file,
+    committed_checkpoints,
     fsync_dir,
     read_json,
+    step_name,
+    verify_file,
 )
 
 log = logging.getLogger(__name__)
-COMMIT_FILE = "COMMITTED.json"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,26 +64,32 @@ class Checkpoint:
 
 def list_committed(root: Path) -> list[Checkpoint]:
     """Committed checkpoints, oldest first (only complete, renamed directories count)."""
-    if not root.exists():
-        return []
-    out = [
-        Checkpoint(step=int(p.name.split("-")[1]), path=p)
-        for p in root.glob("step-*")
-        if (p / COMMIT_FILE).exists()
-    ]
-    return sorted(out, key=lambda c: c.step)
+    return [Checkpoint(step=s, path=p) for s, p in committed_checkpoints(root)]
 
 
 def verify(ckpt: Checkpoint) -> None:
-    manifest = read_json(ckpt.path / COMMIT_FILE)
-    for name, info in manifest["files"].items():
-        f = ckpt.path / name
-        if (
-            not f.exists()
-            or f.stat().st_size != info["bytes"]
-            or checksum_file(f) != info["xxh3_128"]
-        ):
-            raise CorruptionError(f, "checkpoint file missing, truncated or with a bad checksum")
+    """Check every file of a checkpoint in full (for `tools.inspect verify`; a restart
+    verifies what it loads while loading it instead, see `load`)."""
+    for name, info in read_json(ckpt.path / COMMIT_FILE)["files"].items():
+        verify_file(ckpt.path / name, info)
+
+
+def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(values holding tensors, for DCP; plain values, for the extras)."""
+    tensors, plain = {}, {}
+    for k, v in state.items():
+        (tensors if _has_tensor(v) else plain)[k] = v
+    return tensors, plain
+
+
+def _has_tensor(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, dict):
+        return any(_has_tensor(x) for x in v.values())
+    if isinstance(v, list | tuple):
+        return any(_has_tensor(x) for x in v)
+    return False
 
 
 class Writer:
@@ -85,27 +109,33 @@ class Writer:
         self._group: Any = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.last_wait_s = 0.0
+        """Seconds the last `wait()` blocked (the checkpoint's cost to the next train stage)."""
 
-    def submit(
-        self, root: Path, step: int, engine: TrainEngine, extra: dict[str, Any], keep_last: int
-    ) -> float:
-        """Start writing checkpoint `step`; returns the seconds the caller was blocked."""
+    def submit(self, root: Path, step: int, parts: dict[str, Stateful], keep_last: int) -> float:
+        """Start writing checkpoint `step` of the named Statefuls; returns the seconds the
+        caller was blocked."""
         t0 = time.perf_counter()
         self.wait()
         dist = self.dist
-        tmp = root / f"{TMP_PREFIX}step-{step:06d}"
+        tmp = root / f"{TMP_PREFIX}{step_name(step)}"
         if dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        torch.save(extra, tmp / f"extra-r{dist.rank}.pt")
-        state = engine.checkpoint_state()
+        tensors: dict[str, Any] = {}
+        extras: dict[str, Any] = {"step": step}
+        for name, part in parts.items():
+            t, plain = _split(part.state_dict())
+            tensors.update({f"{name}.{k}": v for k, v in t.items()})
+            extras[name] = plain
+        torch.save(extras, tmp / f"extra-r{dist.rank}.pt")
         if tdist.is_initialized() and self._group is None:
             self._group = tdist.new_group(backend="gloo")
         dist.barrier()  # every rank's extras exist before rank 0 can commit
         self._thread = threading.Thread(
             target=self._write,
-            args=(root, step, tmp, state, keep_last),
+            args=(root, step, tmp, tensors, keep_last),
             name=f"rftpipe-checkpoint-{step}",
             daemon=True,  # an abandoned write leaves a temp dir, never a false commit
         )
@@ -114,15 +144,17 @@ class Writer:
 
     def wait(self) -> float:
         """Block until the pending write (if any) has finished; re-raise its failure."""
+        self.last_wait_s = 0.0
         if self._thread is None:
             return 0.0
         t0 = time.perf_counter()
         self._thread.join()
         self._thread = None
+        self.last_wait_s = time.perf_counter() - t0
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"checkpoint write failed: {err}") from err
-        return time.perf_counter() - t0
+        return self.last_wait_s
 
     def _write(
         self, root: Path, step: int, tmp: Path, state: dict[str, Any], keep_last: int
@@ -142,36 +174,33 @@ class Writer:
                 if fs.write_error is None:
                     raise
                 raise fs.write_error from exc  # "No space left on device", not a zip offset
+            # Each rank's digests of the files it wrote, so rank 0 never reads them back.
+            digests = {Path(k).name: v.as_dict() for k, v in fs.written.items()}
+            atomic_write_json(tmp / f"digests-r{self.dist.rank}.json", digests)
+            if self._group is not None:
+                tdist.barrier(group=self._group)
             fault("ckpt_mid_write")
             if self.dist.is_main:
-                _commit(root, step, tmp, self.dist.world, keep_last, fs.written)
+                _commit(root, step, tmp, self.dist.world, keep_last)
         except BaseException as exc:  # surfaced by wait() in the main thread
             self._error = exc
 
 
-def _commit(
-    root: Path,
-    step: int,
-    tmp: Path,
-    world: int,
-    keep_last: int,
-    written: dict[str, tuple[int, str]],
-) -> None:
-    """`written`: size and digest of the files this rank wrote (already fsynced); the rest
-    (other ranks' shards, the extras) are synced and read back here."""
-    files = {}
+def _commit(root: Path, step: int, tmp: Path, world: int, keep_last: int) -> None:
+    """List every file with its digest: the DCP files from the writers' own digests, the
+    small rest (extras, digest records) read back here."""
+    files: dict[str, Any] = {}
+    for r in range(world):
+        files.update(read_json(tmp / f"digests-r{r}.json"))
     for f in sorted(tmp.iterdir()):
-        size = f.stat().st_size
-        known = written.get(str(f.resolve()))
-        if known is not None and known[0] == size:
-            files[f.name] = {"bytes": size, "xxh3_128": known[1]}
+        if f.name in files:
             continue
         with open(f, "rb+") as fh:
             os.fsync(fh.fileno())
-        files[f.name] = {"bytes": size, "xxh3_128": checksum_file(f)}
+        files[f.name] = {"bytes": f.stat().st_size, "xxh3_128": checksum_file(f)}
     atomic_write_json(tmp / COMMIT_FILE, {"step": step, "world_size": world, "files": files})
     fault("ckpt_before_rename")
-    os.replace(tmp, root / f"step-{step:06d}")
+    os.replace(tmp, root / step_name(step))
     fsync_dir(root)
     events().write("checkpoint", step=step)
     _retain(root, keep_last)
@@ -187,8 +216,51 @@ def _retain(root: Path, keep_last: int) -> None:
         shutil.rmtree(trash)
 
 
-def load(ckpt: Checkpoint, engine: TrainEngine) -> dict[str, Any]:
-    """Restore the engine in place (resharding to this world size); return the extras."""
-    engine.load_checkpoint(ckpt.path)
-    # Rank-local extras hold only world-independent state, so rank 0's copy serves any world size.
-    return torch.load(ckpt.path / "extra-r0.pt", weights_only=True)
+def load(ckpt: Checkpoint, parts: dict[str, Stateful]) -> None:
+    """Restore the named Statefuls in place (resharding to this world size).
+
+    Each file is verified as it is read, never in a pass of its own: the small ones
+    (DCP's metadata, which DCP unpickles, and the extras) before they are deserialized, the
+    DCP data block by block (`direct_io.VerifyingReader`). On `CorruptionError` the parts
+    may hold a mix of old and loaded state: the caller loads an older checkpoint or rebuilds.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    files = read_json(ckpt.path / COMMIT_FILE)["files"]
+    for name in (".metadata", "extra-r0.pt"):
+        if name not in files:
+            raise CorruptionError(ckpt.path / name, "not listed in COMMITTED.json")
+    verify_file(ckpt.path / ".metadata", files[".metadata"])
+    extras_bytes = (ckpt.path / "extra-r0.pt").read_bytes()
+    if len(extras_bytes) != files["extra-r0.pt"]["bytes"] or (
+        xxhash.xxh3_128_hexdigest(extras_bytes) != files["extra-r0.pt"]["xxh3_128"]
+    ):
+        raise CorruptionError(ckpt.path / "extra-r0.pt", "checkpoint extras with a bad checksum")
+    # Rank-local extras hold only world-independent state, so rank 0's serves any world size.
+    extras = torch.load(io.BytesIO(extras_bytes), weights_only=True)
+    states = {name: part.state_dict() for name, part in parts.items()}
+    tensors = {f"{name}.{k}": v for name, st in states.items() for k, v in _split(st)[0].items()}
+    try:
+        dcp.load(tensors, storage_reader=direct_io.VerifyingReader(ckpt.path, files))
+    except BaseException as exc:  # DCP wraps every rank's failure in a CheckpointException
+        corrupt = _find_corruption(exc)
+        if corrupt is None:
+            raise
+        raise corrupt from exc
+    for name, part in parts.items():
+        loaded = {k: tensors[f"{name}.{k}"] for k in _split(states[name])[0]}
+        part.load_state_dict({**loaded, **extras[name]})
+
+
+def _find_corruption(exc: BaseException) -> CorruptionError | None:
+    """The CorruptionError behind a DCP failure (on this rank or, collectively, another)."""
+    if isinstance(exc, CorruptionError):
+        return exc
+    # CheckpointException.failures: rank -> (exception, traceback summary).
+    for failure, _tb in getattr(exc, "failures", {}).values():
+        found = _find_corruption(failure)
+        if found is not None:
+            return found
+    if exc.__cause__ is not None:
+        return _find_corruption(exc.__cause__)
+    return None

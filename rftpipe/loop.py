@@ -27,6 +27,7 @@ from rftpipe.metrics import (
     wandb_mode,
 )
 from rftpipe.preemption import NoStop, StopFlag
+from rftpipe.stages import FINAL
 from rftpipe.store import RunDir, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
@@ -42,22 +43,21 @@ def train_run(
     stop: StopFlag | NoStop | None = None,
 ) -> int:
     rt = runtime.build(cfg, run, dist, allow_mismatch, stop)
-    done = run.committed_steps()
-    if done and done[-1] > cfg.total_steps:
+    last_done = rt.store.newest_complete_step(FINAL)
+    if last_done > cfg.total_steps:
         raise UserError(
-            f"total_steps: {cfg.total_steps} is below the {done[-1]} steps already committed"
+            f"total_steps: {cfg.total_steps} is below the {last_done} steps already committed"
         )
     ckpt_step = resume.prepare(rt, repair)
     if dist.is_main:
         run.promote_pending_config()
-    done = run.committed_steps()
-    last_done = done[-1] if done else 0
+    last_done = rt.store.newest_complete_step(FINAL)
     if ckpt_step == cfg.total_steps:
         log.info("run already complete: %d/%d steps", last_done, cfg.total_steps)
         finish(rt)
         return 0
     trackers = make_trackers(rt, last_done)
-    trackers.log_committed(run, range(1, last_done + 1))
+    trackers.log_committed(rt.store, range(1, last_done + 1))
     evaluate.maybe_eval(rt, "before", ckpt_step)
     bar = progress(cfg, dist, last_done)
     t_replay = time.perf_counter()
@@ -67,6 +67,7 @@ def train_run(
             replay = step <= last_done
             timings: dict[str, float] = {}
             metrics = run_step(rt, step, timings)
+            timings["checkpoint_wait"] = rt.ckpt_writer.last_wait_s
             maybe_checkpoint(rt, step, timings)
             ran += 1
             if replay:
@@ -83,7 +84,7 @@ def train_run(
                     )
                 continue
             if dist.is_main:
-                m = step_metrics(run, step)
+                m = step_metrics(rt.store, step)
                 trackers.log(
                     {
                         **m,

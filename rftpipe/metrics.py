@@ -16,16 +16,17 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow.parquet as pq
 
-from rftpipe.store import STAGES, RunDir, atomic_write_bytes
+from rftpipe.stages import ORDER
+from rftpipe.store import RunDir, StageStore, atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
 
-def step_metrics(run: RunDir, step: int) -> dict[str, Any]:
+def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
     """rollout/*, advantage/*, train/* and perf/* metrics of a committed step."""
     files = [
-        run.stage_dir(step, "advantage") / s["file"]
-        for s in run.manifest(step, "advantage")["shards"]
+        store.run.stage_dir(step, "advantage") / s["file"]
+        for s in store.manifest(step, "advantage")["shards"]
     ]
     cols = ["reward", "response_length", "finish_reason", "advantages"]
     reward_cols = [c for c in pq.read_schema(files[0]).names if c.startswith("reward_")]
@@ -47,10 +48,10 @@ def step_metrics(run: RunDir, step: int) -> dict[str, Any]:
     }
     for c in reward_cols:
         out[f"rollout/{c}"] = float(np.concatenate([t.column(c).to_numpy() for t in rows]).mean())
-    out.update(run.manifest(step, "train")["metrics"])
-    out["train/kl_coef"] = run.manifest(step, "advantage").get("kl_coef", 0.0)
-    for stage in STAGES:
-        out[f"perf/{stage}_s"] = run.manifest(step, stage).get("seconds", 0.0)
+    out.update(store.manifest(step, "train")["metrics"])
+    out["train/kl_coef"] = store.manifest(step, "advantage").get("kl_coef", 0.0)
+    for stage in ORDER:
+        out[f"perf/{stage}_s"] = store.manifest(step, stage).get("seconds", 0.0)
     return out
 
 
@@ -195,7 +196,7 @@ class Trackers:
         for t in self.trackers:
             t.log(metrics, step)
 
-    def log_committed(self, run: RunDir, steps: range) -> None:
+    def log_committed(self, store: StageStore, steps: range) -> None:
         """Offer committed steps again; each tracker logs only what it lacks, so steps a kill
         kept from (or cost) a tracker end up logged exactly once. The JSONL line, when there
         is one, is what the other trackers missed; otherwise the step's files are."""
@@ -203,7 +204,7 @@ class Trackers:
             if all(t.has(step) for t in self.trackers):
                 continue
             rec = self.jsonl.records.get(step) if self.jsonl else None
-            self.log(rec if rec is not None else step_metrics(run, step), step)
+            self.log(rec if rec is not None else step_metrics(store, step), step)
 
     def close(self) -> None:
         for t in self.trackers:

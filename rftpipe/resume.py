@@ -1,13 +1,15 @@
-"""Restart logic: clean leftovers, check every committed file, restore the newest checkpoint.
+"""Restart: clean leftovers, check what the restart will read, restore the newest checkpoint.
 
-Rules:
-- uncommitted temp files and unlisted shards are deleted;
-- a corrupt file in the *newest* committed stage: that stage alone is redone (seeds are
-  derived, so its rows come out identical);
-- corruption anywhere older: refuse (exit 2, naming the path) unless ``--repair``, which
-  moves the corrupt step and everything after it to ``RUN/quarantine/`` and resumes from
-  the newest checkpoint before it;
-- a corrupt newest checkpoint falls back to the previous one (more train steps replayed).
+The work is proportional to what the restart needs, not to the run's length:
+- leftovers exist only around the step in progress (`StageStore.clean_uncommitted`);
+- verified here: the newest committed stage (a corrupt one is redone: seeds are derived, so
+  its rows come out identical) and the committed stages that replay will read (the newest
+  data stage of every step after the checkpoint); corruption there that is not the newest
+  stage refuses to start (exit 2, naming the path) unless ``--repair``, which moves that
+  step and everything after it to ``RUN/quarantine/`` and recomputes them;
+- the checkpoint is verified block by block while it loads; a corrupt one falls back to the
+  previous one (more train steps replayed), or to the initial weights;
+- everything older is checked by ``python -m tools.inspect RUN verify``, off the critical path.
 """
 
 from __future__ import annotations
@@ -20,32 +22,44 @@ import time
 from rftpipe import checkpoint
 from rftpipe.errors import UserError
 from rftpipe.faults import events
-from rftpipe.runtime import Runtime
-from rftpipe.stages import sync
-from rftpipe.store import STAGES, CorruptionError, RunDir, Stage, fsync_dir, verify_shard
+from rftpipe.pipeline import PIPELINE
+from rftpipe.runtime import Runtime, rebuild_actor
+from rftpipe.stages import FINAL, ORDER, sync
+from rftpipe.store import CorruptionError, RunDir, StageStore, fsync_dir, list_steps
 
 log = logging.getLogger(__name__)
 
 
-def committed_stages(run: RunDir) -> list[tuple[int, Stage]]:
-    root = run.root / "stages"
-    steps = sorted(int(p.name.split("=")[1]) for p in root.glob("step=*")) if root.exists() else []
-    return [(s, st) for s in steps for st in STAGES if run.is_committed(s, st)]
+def replay_reads(store: StageStore, after: int) -> list[tuple[int, str]]:
+    """(step, stage) whose rows a restart from checkpoint `after` reads: in each later step,
+    the newest committed stage with rows before the first stage that runs or replays with
+    them (the executor reads nothing else)."""
+    out = []
+    for step in (s for s in list_steps(store.run.stages) if s > after):
+        newest = None
+        for stage in PIPELINE:
+            if not store.is_committed(step, stage.name) or stage.replay_reads_rows:
+                break
+            if store.manifest(step, stage.name)["shards"]:
+                newest = stage.name
+        if newest is not None:
+            out.append((step, newest))
+    return out
 
 
-def check_files(run: RunDir, repair: bool) -> None:
-    """Verify every committed shard and published trajectory file (rank 0 only)."""
-    stages = committed_stages(run)
-    for step, stage in stages:
-        if stage == "train":
-            continue
+def check_files(store: StageStore, ckpt_step: int, repair: bool) -> None:
+    """Verify the newest commit and what replay reads (rank 0 only); see the module doc."""
+    newest = store.newest_commit(ORDER)
+    if newest is None:
+        return
+    todo = replay_reads(store, ckpt_step)
+    if newest not in todo:
+        todo.append(newest)
+    for step, stage in todo:
         try:
-            if stage == "sync":
-                _verify_trajectories(run, step)
-            else:
-                run.verify_stage(step, stage)
+            store.verify(step, stage)
         except CorruptionError as exc:
-            if (step, stage) == stages[-1]:
+            if (step, stage) == newest:
                 events().write("redo_corrupt_stage", step=step, stage=stage, path=str(exc.path))
                 log.warning(
                     "newest committed stage %s of step %d is corrupt (%s); redoing it",
@@ -53,28 +67,23 @@ def check_files(run: RunDir, repair: bool) -> None:
                     step,
                     exc,
                 )
-                run.uncommit_stage(step, stage)
+                store.uncommit(step, stage)
                 return
             if not repair:
                 raise UserError(
-                    f"corrupt committed file {exc.path} ({str(exc).split(': ', 1)[1]}); "
+                    f"corrupt committed file {exc.path} ({exc.why}); "
                     "rerun with --repair to roll the run back before it"
                 ) from exc
-            quarantine_from(run, step)
+            quarantine_from(store.run, step)
             return
-
-
-def _verify_trajectories(run: RunDir, step: int) -> None:
-    for info in run.manifest(step, "sync")["shards"]:
-        verify_shard(run.trajectory_dir(step), info)
 
 
 def quarantine_from(run: RunDir, step: int) -> None:
     """Move step `step` and everything after it (stages, trajectories, checkpoints) aside."""
-    dest = run.root / "quarantine" / time.strftime("%Y%m%d-%H%M%S")
+    dest = run.quarantine / time.strftime("%Y%m%d-%H%M%S")
     dest.mkdir(parents=True, exist_ok=True)
-    moves = [p for p in (run.root / "stages").glob("step=*") if int(p.name.split("=")[1]) >= step]
-    moves += [p for p in run.trajectories.glob("step=*") if int(p.name.split("=")[1]) >= step]
+    moves = [run.step_dir(s) for s in list_steps(run.stages) if s >= step]
+    moves += [run.trajectory_dir(s) for s in list_steps(run.trajectories) if s >= step]
     moves += [c.path for c in checkpoint.list_committed(run.checkpoints) if c.step >= step]
     for p in sorted(moves):
         target = dest / p.parent.name / p.name
@@ -87,31 +96,40 @@ def quarantine_from(run: RunDir, step: int) -> None:
 
 
 def restore(rt: Runtime) -> int:
-    """Load the newest intact checkpoint; return its step (0: start from the initial weights)."""
+    """Load the newest intact checkpoint; return its step (0: the initial weights)."""
+    parts = {"engine": rt.train_engine, "kl_controller": rt.kl_ctrl}
+    dirty = False
     for ckpt in reversed(checkpoint.list_committed(rt.run.checkpoints)):
         try:
-            checkpoint.verify(ckpt)
+            checkpoint.load(ckpt, parts)
+            return ckpt.step
         except CorruptionError as exc:
+            dirty = True
             events().write("corrupt_checkpoint", step=ckpt.step, path=str(exc.path))
             log.warning(
                 "checkpoint %s is corrupt (%s); falling back to an older one", ckpt.path, exc
             )
+            rt.dist.barrier()
             if rt.dist.is_main:
                 shutil.rmtree(ckpt.path)
-            continue
-        extra = checkpoint.load(ckpt, rt.train_engine)
-        rt.kl_ctrl.load_state_dict(extra["kl_controller"])
-        rt.train_engine.load_state_dict(extra["engine"])
-        return ckpt.step
+            rt.dist.barrier()
+    if dirty:
+        # A failed load may have written part of the state: start again from the model.
+        rebuild_actor(rt)
     return 0
 
 
 def prepare(rt: Runtime, repair: bool) -> int:
     """Make the run directory consistent and restore state; returns the checkpoint step."""
+    store = rt.store
     if rt.dist.is_main:
-        removed = rt.run.clean_uncommitted()
-        check_files(rt.run, repair)
-        events().write("start", removed=len(removed), last_commit=str(rt.run.last_commit()))
+        removed = store.clean_uncommitted(FINAL)
+        done = checkpoint.list_committed(rt.run.checkpoints)
+        check_files(store, done[-1].step if done else 0, repair)
+        newest = store.newest_commit(ORDER)
+        if newest is not None and store.manifest(*newest).get("published"):
+            store.publish(*newest)  # killed between its commit and its publication
+        events().write("start", removed=len(removed), last_commit=str(newest))
     rt.dist.barrier()
     step = restore(rt)
     # The engine now serves the restored weights; later rollouts record their version.

@@ -25,7 +25,7 @@ from rftpipe.engines.train import TRAIN_ENGINES, TrainEngine
 from rftpipe.errors import UserError
 from rftpipe.preemption import NoStop, StopFlag
 from rftpipe.rewards import RewardFn, resolve_all
-from rftpipe.store import RunDir, atomic_write_json, read_json
+from rftpipe.store import RUN_LAYOUT_VERSION, RunDir, StageStore, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 class Runtime:
     cfg: RunConfig
     run: RunDir
+    store: StageStore
+    """Commits and reads of the run's stages."""
     dist: Dist
     tokenizer: Any
     prompts: PromptSet
@@ -88,6 +90,12 @@ def check_fingerprints(
     if not run.run_json.exists():
         return
     info = read_json(run.run_json)
+    if info.get("schema_version") != RUN_LAYOUT_VERSION:
+        raise UserError(
+            f"run_dir: {run.root} was written with run layout {info.get('schema_version')}, "
+            f"this rftpipe writes layout {RUN_LAYOUT_VERSION}; resume it with the rftpipe "
+            "that created it, or start a new run directory"
+        )
     for key, new in (("model_fingerprint", model_fp), ("data_fingerprint", data_fp)):
         old = info.get(key)
         if old is None or old == new:
@@ -125,16 +133,47 @@ def build(
         atomic_write_json(
             run.run_json,
             {
-                "schema_version": 1,
+                "schema_version": RUN_LAYOUT_VERSION,
                 "model_fingerprint": models.model_fingerprint(model_dir),
                 "data_fingerprint": prompts.fingerprint(),
                 "num_prompts": len(prompts),
             },
         )
+    engine, rollout = build_actor(cfg, model_dir, dist, tokenizer)
+    reference = (
+        TRAIN_ENGINES[cfg.train.backend](
+            models.load_causal_lm(model_dir, cfg.model.dtype), cfg.train, dist, role="reference"
+        )
+        if cfg.kl.mode != "none"
+        else None
+    )
+    return Runtime(
+        cfg=cfg,
+        run=run,
+        store=StageStore(run),
+        dist=dist,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        rewards=rewards,
+        train_engine=engine,
+        reference=reference,
+        rollout_engine=rollout,
+        kl_ctrl=new_kl_controller(cfg),
+        model_dir=model_dir,
+        stop=stop or NoStop(),
+        ckpt_writer=checkpoint.Writer(dist, cfg.checkpoint.direct_io),
+    )
+
+
+def build_actor(
+    cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any
+) -> tuple[TrainEngine, HFGenerateEngine]:
+    """The actor at its initial weights, and the rollout engine that samples from it."""
     model = models.load_causal_lm(model_dir, cfg.model.dtype)
     updates = cfg.total_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
-    backend = TRAIN_ENGINES[cfg.train.backend]
-    engine = backend(model, cfg.train, dist, role="actor", total_updates=updates)
+    engine = TRAIN_ENGINES[cfg.train.backend](
+        model, cfg.train, dist, role="actor", total_updates=updates
+    )
     # Colocated single-device training shares its module with the rollout engine; a sharded
     # trainer hands full weights to a per-rank rollout copy at every sync.
     rollout_model = (
@@ -145,28 +184,16 @@ def build(
     rollout = HFGenerateEngine(
         rollout_model, cfg.rollout, tokenizer.eos_token_id, tokenizer.pad_token_id
     )
-    reference = (
-        backend(
-            models.load_causal_lm(model_dir, cfg.model.dtype), cfg.train, dist, role="reference"
-        )
-        if cfg.kl.mode != "none"
-        else None
-    )
-    kl_ctrl = make_kl_controller(
-        cfg.kl.controller, init_coef=cfg.kl.coef, target=cfg.kl.target, horizon=cfg.kl.horizon
-    )
-    return Runtime(
-        cfg=cfg,
-        run=run,
-        dist=dist,
-        tokenizer=tokenizer,
-        prompts=prompts,
-        rewards=rewards,
-        train_engine=engine,
-        reference=reference,
-        rollout_engine=rollout,
-        kl_ctrl=kl_ctrl,
-        model_dir=model_dir,
-        stop=stop or NoStop(),
-        ckpt_writer=checkpoint.Writer(dist, cfg.checkpoint.direct_io),
-    )
+    return engine, rollout
+
+
+def new_kl_controller(cfg: RunConfig) -> Any:
+    k = cfg.kl
+    return make_kl_controller(k.controller, init_coef=k.coef, target=k.target, horizon=k.horizon)
+
+
+def rebuild_actor(rt: Runtime) -> None:
+    """Back to the initial actor, optimizer, scheduler and KL controller (after a failed
+    checkpoint load left them partly overwritten)."""
+    rt.train_engine, rt.rollout_engine = build_actor(rt.cfg, rt.model_dir, rt.dist, rt.tokenizer)
+    rt.kl_ctrl = new_kl_controller(rt.cfg)

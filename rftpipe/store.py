@@ -1,29 +1,34 @@
-"""The run directory: atomic files, stage manifests and the published trajectory dataset.
+"""The run directory: its path layout, atomic files, and stage commits that know no stage names.
 
-Layout (one shard per rank, ``K`` = rank)::
+Layout (one spelling of a step everywhere, ``step=N``, unpadded, so pyarrow, pandas, polars
+and DuckDB all read the hive key as an integer; ``K`` = rank)::
 
-    RUN/config.yaml                         resolved config (resume-safe keys may change)
-    RUN/config.next.yaml                    a resume's config until its checks pass
-    RUN/run.json                            fingerprints of config, model and data
+    RUN/config.yaml                        resolved config (resume-safe keys may change)
+    RUN/config.next.yaml                   a resume's config until its checks pass
+    RUN/run.json                           fingerprints of config, model and data
     RUN/stages/step=N/STAGE/part-rK.parquet a stage's rows from rank K
-    RUN/stages/step=N/STAGE/part-rK.json    that shard's row count and checksum
-    RUN/stages/step=N/STAGE/MANIFEST.json   the commit marker: all shards, checksums, weights
-    RUN/trajectories/step=N/part-rK.parquet the user-facing dataset (appears by dir rename)
-    RUN/checkpoints/step-N/                 see rftpipe.checkpoint
-    RUN/events.jsonl, RUN/metrics.jsonl     diagnostics and per-step metrics
+    RUN/stages/step=N/STAGE/part-rK.json   that shard's row count and checksum
+    RUN/stages/step=N/STAGE/MANIFEST.json  the commit marker: all shards, checksums, extras
+    RUN/trajectories/step=N/part-rK.parquet the published dataset (a publishing stage's shards)
+    RUN/checkpoints/step=N/                see rftpipe.checkpoint
+    RUN/events.jsonl, RUN/metrics.jsonl    diagnostics and per-step metrics
 
 Every file is written under a temporary name, fsynced and renamed; a stage exists only
 once its MANIFEST.json exists, and nothing reads a shard that no manifest lists.
+`RunDir` is the layout alone; `StageStore` writes, commits, publishes, verifies and reads
+stages by whatever names the pipeline gives them.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -31,13 +36,13 @@ import xxhash
 
 from rftpipe.faults import events, fault
 
-Stage = Literal["rollout", "score", "advantage", "train", "sync"]
-STAGES: tuple[Stage, ...] = ("rollout", "score", "advantage", "train", "sync")
-#: Stages that write Parquet shards under their stage dir; train commits only its manifest,
-#: and sync's shards are the published trajectory files.
-SHARDED: tuple[Stage, ...] = ("rollout", "score", "advantage")
 TRAJECTORY_SCHEMA_VERSION = "1"
+RUN_LAYOUT_VERSION = 2
+"""Version 2: every step directory is spelled ``step=N`` (1 mixed three spellings)."""
 TMP_PREFIX = ".tmp-"
+MANIFEST = "MANIFEST.json"
+CHECKPOINT_COMMIT_FILE = "COMMITTED.json"
+"""A checkpoint directory's commit marker: every file with its size and checksum."""
 
 
 class CorruptionError(Exception):
@@ -46,6 +51,11 @@ class CorruptionError(Exception):
     def __init__(self, path: Path, why: str) -> None:
         super().__init__(f"{path}: {why}")
         self.path = path
+        self.why = why
+
+    def __reduce__(self) -> tuple[type, tuple[Path, str]]:
+        # DCP gathers every rank's failure to all ranks (pickled), so this must round-trip.
+        return (CorruptionError, (self.path, self.why))
 
 
 def fsync_dir(path: Path) -> None:
@@ -105,6 +115,14 @@ class ShardInfo:
     bytes: int
     xxh3_128: str
 
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "rows": self.rows,
+            "bytes": self.bytes,
+            "xxh3_128": self.xxh3_128,
+        }
+
 
 def write_parquet_atomic(path: Path, table: pa.Table, metadata: dict[str, str]) -> ShardInfo:
     """Write one Parquet shard atomically and return its checksum record."""
@@ -127,9 +145,13 @@ def write_parquet_atomic(path: Path, table: pa.Table, metadata: dict[str, str]) 
 
 def verify_shard(dir_: Path, info: dict[str, Any]) -> None:
     """Raise CorruptionError unless the shard matches its manifest entry."""
-    path = dir_ / info["file"]
+    verify_file(dir_ / info["file"], info)
+
+
+def verify_file(path: Path, info: dict[str, Any]) -> None:
+    """Raise CorruptionError unless `path` has the size and xxh3-128 that `info` records."""
     if not path.exists():
-        raise CorruptionError(path, "listed in the manifest but missing")
+        raise CorruptionError(path, "listed in its manifest but missing")
     size = path.stat().st_size
     if size != info["bytes"]:
         raise CorruptionError(path, f"size {size} != {info['bytes']} in the manifest (truncated?)")
@@ -137,13 +159,36 @@ def verify_shard(dir_: Path, info: dict[str, Any]) -> None:
         raise CorruptionError(path, "checksum disagrees with the manifest")
 
 
+def step_name(step: int) -> str:
+    """The one spelling of a step directory."""
+    return f"step={step}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a ``step=N`` name; None for anything else (temp files, strays)."""
+    key, sep, value = name.partition("=")
+    return int(value) if key == "step" and sep and value.isdigit() else None
+
+
+def list_steps(folder: Path) -> list[int]:
+    """Steps with a ``step=N`` entry in `folder`, ascending (names only: no per-step stat)."""
+    if not folder.exists():
+        return []
+    return sorted(s for s in (parse_step(n) for n in os.listdir(folder)) if s is not None)
+
+
+def committed_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of the committed checkpoints under `root`, oldest first."""
+    out = [(s, root / step_name(s)) for s in list_steps(root)]
+    return [(s, p) for s, p in out if (p / CHECKPOINT_COMMIT_FILE).exists()]
+
+
 class RunDir:
-    """Paths and commit markers of one run directory."""
+    """The path layout of one run directory; reads and writes nothing itself."""
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root).resolve()
 
-    # -- paths -------------------------------------------------------------------------------
     @property
     def config_path(self) -> Path:
         return self.root / "config.yaml"
@@ -174,6 +219,10 @@ class RunDir:
         return self.root / "metrics.jsonl"
 
     @property
+    def stages(self) -> Path:
+        return self.root / "stages"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 
@@ -181,87 +230,169 @@ class RunDir:
     def trajectories(self) -> Path:
         return self.root / "trajectories"
 
-    def stage_dir(self, step: int, stage: Stage) -> Path:
-        return self.root / "stages" / f"step={step:06d}" / stage
+    @property
+    def staging(self) -> Path:
+        """Where a step's dataset is assembled before it appears by one rename."""
+        return self.root / ".staging"
 
-    def manifest_path(self, step: int, stage: Stage) -> Path:
-        return self.stage_dir(step, stage) / "MANIFEST.json"
+    @property
+    def quarantine(self) -> Path:
+        return self.root / "quarantine"
 
-    def shard_path(self, step: int, stage: Stage, rank: int) -> Path:
+    def step_dir(self, step: int) -> Path:
+        return self.stages / step_name(step)
+
+    def stage_dir(self, step: int, stage: str) -> Path:
+        return self.step_dir(step) / stage
+
+    def manifest_path(self, step: int, stage: str) -> Path:
+        return self.stage_dir(step, stage) / MANIFEST
+
+    def shard_path(self, step: int, stage: str, rank: int) -> Path:
         return self.stage_dir(step, stage) / f"part-r{rank}.parquet"
 
     def trajectory_dir(self, step: int) -> Path:
-        return self.trajectories / f"step={step}"
+        return self.trajectories / step_name(step)
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints / step_name(step)
+
+
+class StageStore:
+    """Commits, publication and reads of stages; the stage names and their order are the
+    caller's (the pipeline's), never this class's."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
 
     # -- commit markers ----------------------------------------------------------------------
-    def is_committed(self, step: int, stage: Stage) -> bool:
-        return self.manifest_path(step, stage).exists()
+    def is_committed(self, step: int, stage: str) -> bool:
+        return self.run.manifest_path(step, stage).exists()
 
-    def manifest(self, step: int, stage: Stage) -> dict[str, Any]:
-        return read_json(self.manifest_path(step, stage))
+    def manifest(self, step: int, stage: str) -> dict[str, Any]:
+        return read_json(self.run.manifest_path(step, stage))
 
-    def committed_steps(self) -> list[int]:
-        """Steps whose sync stage committed (the step is complete)."""
-        root = self.root / "stages"
-        if not root.exists():
-            return []
-        steps = [int(p.name.split("=")[1]) for p in root.glob("step=*")]
-        return sorted(s for s in steps if self.is_committed(s, "sync"))
+    def complete_steps(self, final_stage: str) -> list[int]:
+        """Steps whose final stage committed, ascending."""
+        return [s for s in list_steps(self.run.stages) if self.is_committed(s, final_stage)]
 
-    def last_commit(self) -> tuple[int, Stage] | None:
-        """The newest committed (step, stage), in pipeline order."""
-        root = self.root / "stages"
-        if not root.exists():
-            return None
-        steps = sorted((int(p.name.split("=")[1]) for p in root.glob("step=*")), reverse=True)
-        for step in steps:
-            for stage in reversed(STAGES):
+    def newest_complete_step(self, final_stage: str) -> int:
+        """The newest step whose final stage committed (0: none); looks at the newest only."""
+        for step in reversed(list_steps(self.run.stages)):
+            if self.is_committed(step, final_stage):
+                return step
+        return 0
+
+    def newest_commit(self, order: Sequence[str]) -> tuple[int, str] | None:
+        """The newest committed (step, stage), stages ranked by `order`."""
+        for step in reversed(list_steps(self.run.stages)):
+            for stage in reversed(order):
                 if self.is_committed(step, stage):
                     return step, stage
         return None
 
-    # -- commit --------------------------------------------------------------------------------
+    # -- writing and committing ----------------------------------------------------------------
     def write_shard(
-        self, step: int, stage: Stage, rank: int, table: pa.Table, metadata: dict[str, str]
+        self, step: int, stage: str, rank: int, table: pa.Table, metadata: dict[str, str]
     ) -> None:
         """Write this rank's shard plus its checksum record (still uncommitted)."""
-        path = self.shard_path(step, stage, rank)
+        path = self.run.shard_path(step, stage, rank)
         info = write_parquet_atomic(path, table, metadata)
-        atomic_write_json(path.with_suffix(".json"), _shard_dict(info))
+        atomic_write_json(path.with_suffix(".json"), info.as_dict())
 
-    def commit_stage(self, step: int, stage: Stage, world: int, extra: dict[str, Any]) -> None:
-        """Write the stage manifest from every rank's checksum record (rank 0 only)."""
-        d = self.stage_dir(step, stage)
-        shards = (
-            [read_json(d / f"part-r{r}.json") for r in range(world)] if stage != "train" else []
-        )
-        manifest = {"step": step, "stage": stage, "world_size": world, "shards": shards, **extra}
+    def commit(
+        self, step: int, stage: str, world: int, extra: dict[str, Any], *, publish: bool = False
+    ) -> None:
+        """Write the stage manifest from every rank's checksum record (rank 0 only).
+
+        A stage that wrote no shards commits a manifest with none. With `publish`, its
+        shards become the step's dataset right after the commit (see `publish`).
+        """
+        d = self.run.stage_dir(step, stage)
+        records = [d / f"part-r{r}.json" for r in range(world)]
+        present = [p.exists() for p in records]
+        if any(present) and not all(present):
+            missing = [r for r, ok in enumerate(present) if not ok]
+            raise RuntimeError(f"step {step} {stage}: ranks {missing} wrote no shard")
+        shards = [read_json(p) for p in records] if all(present) else []
+        manifest = {
+            "step": step,
+            "stage": stage,
+            "world_size": world,
+            "shards": shards,
+            "published": publish,
+            **extra,
+        }
         fault("manifest_before_rename")
-        atomic_write_json(self.manifest_path(step, stage), manifest, fault_mid="manifest_mid_write")
+        atomic_write_json(
+            self.run.manifest_path(step, stage), manifest, fault_mid="manifest_mid_write"
+        )
         events().write("commit", step=step, stage=stage)
         fault("stage_after_commit")
+        if publish:
+            self.publish(step, stage)
 
-    def read_stage(self, step: int, stage: Stage, rank: int) -> pa.Table:
-        """Read this rank's committed shard, verifying it against the manifest."""
+    def publish(self, step: int, stage: str) -> None:
+        """Make a committed stage's shards the step's dataset, all at once (a dir rename).
+
+        The files are hard links to the committed shards (no second copy on disk; a copy
+        where the file system has no hard links). Idempotent: a restart that finds the
+        newest commit unpublished calls it again.
+        """
+        final = self.run.trajectory_dir(step)
+        if final.exists():
+            return
+        staging = self.run.staging / step_name(step)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for info in self.manifest(step, stage)["shards"]:
+            _link_or_copy(self.run.stage_dir(step, stage) / info["file"], staging / info["file"])
+        fsync_dir(staging)
+        self.run.trajectories.mkdir(parents=True, exist_ok=True)
+        fault("publish_before_rename")
+        os.replace(staging, final)
+        fsync_dir(self.run.trajectories)
+
+    def uncommit(self, step: int, stage: str) -> None:
+        """Drop a stage (its manifest first, so it is never half-visible) and its dataset."""
+        mp = self.run.manifest_path(step, stage)
+        if mp.exists():
+            published = read_json(mp).get("published", False)
+            mp.unlink()
+            fsync_dir(mp.parent)
+            if published:
+                shutil.rmtree(self.run.trajectory_dir(step), ignore_errors=True)
+        shutil.rmtree(self.run.stage_dir(step, stage), ignore_errors=True)
+
+    # -- reading and verifying -------------------------------------------------------------------
+    def verify(self, step: int, stage: str) -> None:
+        """Check every shard of a committed stage (and its published copy) against its manifest."""
         m = self.manifest(step, stage)
-        d = self.stage_dir(step, stage)
-        info = m["shards"][rank]
+        for info in m["shards"]:
+            verify_shard(self.run.stage_dir(step, stage), info)
+        if m.get("published") and self.run.trajectory_dir(step).exists():
+            for info in m["shards"]:
+                verify_shard(self.run.trajectory_dir(step), info)
+
+    def read(self, step: int, stage: str, rank: int) -> pa.Table:
+        """One committed shard, verified against the manifest as it is read."""
+        d = self.run.stage_dir(step, stage)
+        info = self.manifest(step, stage)["shards"][rank]
         verify_shard(d, info)
         return pq.read_table(d / info["file"])
 
-    def read_stage_for(
-        self, step: int, stage: Stage, rank: int, world: int, prompt_ids: list[int]
+    def read_for(
+        self, step: int, stage: str, rank: int, world: int, prompt_ids: list[int]
     ) -> pa.Table:
         """This rank's rows of a committed stage, even if it was written at another world size.
 
         A run resumed on fewer or more ranks re-deals the committed rows by prompt: groups
         stay whole and keep the order of this rank's prompt list.
         """
-        if self.manifest(step, stage)["world_size"] == world:
-            return self.read_stage(step, stage, rank)
-        m = self.manifest(step, stage)
-        tables = [self.read_stage(step, stage, r) for r in range(m["world_size"])]
-        table = pa.concat_tables(tables)
+        written = self.manifest(step, stage)["world_size"]
+        if written == world:
+            return self.read(step, stage, rank)
+        table = pa.concat_tables([self.read(step, stage, r) for r in range(written)])
         order = {pid: i for i, pid in enumerate(prompt_ids)}
         keys = [
             (order.get(p, -1), k)
@@ -274,82 +405,44 @@ class RunDir:
         idx = sorted((i for i, key in enumerate(keys) if key[0] >= 0), key=lambda i: keys[i])
         return table.take(pa.array(idx, pa.int64()))
 
-    def verify_stage(self, step: int, stage: Stage) -> None:
-        m = self.manifest(step, stage)
-        for info in m["shards"]:
-            verify_shard(self.stage_dir(step, stage), info)
-
-    def uncommit_stage(self, step: int, stage: Stage) -> None:
-        """Drop a stage (its manifest first, so it is never half-visible)."""
-        mp = self.manifest_path(step, stage)
-        if mp.exists():
-            mp.unlink()
-            fsync_dir(mp.parent)
-        shutil.rmtree(self.stage_dir(step, stage), ignore_errors=True)
-        if stage == "sync":
-            shutil.rmtree(self.trajectory_dir(step), ignore_errors=True)
-
-    # -- trajectories --------------------------------------------------------------------------
-    def staging_dir(self, step: int) -> Path:
-        return self.root / ".staging" / f"trajectories-step={step}"
-
-    def publish_trajectories(self, step: int, world: int) -> None:
-        """Make step N's trajectory files visible at once by renaming their directory."""
-        final = self.trajectory_dir(step)
-        staging = self.staging_dir(step)
-        for r in range(world):
-            if not (staging / f"part-r{r}.parquet").exists():
-                raise RuntimeError(f"rank {r} did not stage its trajectories for step {step}")
-        if final.exists():
-            # Killed after the rename but before the sync commit: the rows are the same
-            # (derived seeds), so only a file that differs from the new manifest is swapped.
-            for f in staging.iterdir():
-                info = read_json(self.stage_dir(step, "sync") / f.with_suffix(".json").name)
-                dst = final / f.name
-                if not dst.exists() or checksum_file(dst) != info["xxh3_128"]:
-                    os.replace(f, dst)
-            shutil.rmtree(staging)
-            return
-        self.trajectories.mkdir(parents=True, exist_ok=True)
-        fault("publish_before_rename")
-        os.replace(staging, final)
-        fsync_dir(self.trajectories)
-
-    def stage_trajectories(
-        self, step: int, rank: int, table: pa.Table, metadata: dict[str, str]
-    ) -> None:
-        """Write this rank's trajectory file into the staging dir (published by rename).
-
-        `step` is left out of the file: it is the hive partition key of the directory, and
-        a column of the same name would make pandas and pyarrow refuse to read the dataset.
-        """
-        path = self.staging_dir(step) / f"part-r{rank}.parquet"
-        info = write_parquet_atomic(path, table.drop_columns(["step"]), metadata)
-        atomic_write_json(self.stage_dir(step, "sync") / f"part-r{rank}.json", _shard_dict(info))
-
     # -- cleanup -------------------------------------------------------------------------------
-    def clean_uncommitted(self) -> list[Path]:
-        """Remove temp files and shards of uncommitted stages; return what was removed."""
+    def clean_uncommitted(self, final_stage: str) -> list[Path]:
+        """Remove temp files and uncommitted stages; return what was removed.
+
+        Work is bounded by what can be uncommitted, not by the run's length: temp files live
+        only in the run root, the checkpoint folder, the staging folder and the stage dirs of
+        steps after the newest complete one (a committed stage is never written again).
+        """
+        run = self.run
         removed: list[Path] = []
-        for tmp in self.root.rglob(f"{TMP_PREFIX}*"):
-            if tmp.is_dir():
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                tmp.unlink(missing_ok=True)
-            removed.append(tmp)
-        root = self.root / "stages"
-        for step_dir in sorted(root.glob("step=*")) if root.exists() else []:
-            for stage_dir in step_dir.iterdir():
-                if stage_dir.is_dir() and not (stage_dir / "MANIFEST.json").exists():
-                    shutil.rmtree(stage_dir)
+        folders = [run.root, run.checkpoints, run.trajectories]
+        last = self.newest_complete_step(final_stage)
+        open_steps = [s for s in list_steps(run.stages) if s > last]
+        for step in open_steps:
+            for stage_dir in run.step_dir(step).iterdir():
+                if not (stage_dir / MANIFEST).exists():
                     removed.append(stage_dir)
-        staging = self.root / ".staging"
-        if staging.exists():
-            # Staged trajectories are never read before publishing, and sync re-stages them.
-            removed.append(staging)
-            shutil.rmtree(staging)
+                else:
+                    folders.append(stage_dir)
+        for folder in folders:
+            removed += [p for p in folder.glob(f"{TMP_PREFIX}*")] if folder.exists() else []
+        if run.staging.exists():
+            # Staged datasets are never read before their rename, and publish restages them.
+            removed.append(run.staging)
+        for p in removed:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
         return removed
 
 
-def _shard_dict(info: ShardInfo) -> dict[str, Any]:
-    return {"file": info.file, "rows": info.rows, "bytes": info.bytes, "xxh3_128": info.xxh3_128}
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK):
+            raise
+        shutil.copy2(src, dst)
+        with open(dst, "rb+") as f:
+            os.fsync(f.fileno())

@@ -182,9 +182,11 @@ def test_reward_function_that_raises(base_run: Path, tmp_path: Path) -> None:
     )
 
 
-def test_corrupt_older_file_refuses(base_run: Path, tmp_path: Path) -> None:
+def test_corrupt_older_file_that_replay_reads_refuses(base_run: Path, tmp_path: Path) -> None:
     def corrupt(run: Path) -> None:
-        shard = run / "stages" / "step=000001" / "score" / "part-r0.parquet"
+        # Without the step-2 checkpoint the restart replays steps 1-2 from their advantage rows.
+        shutil.rmtree(run / "checkpoints" / "step=2")
+        shard = run / "stages" / "step=1" / "advantage" / "part-r0.parquet"
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
@@ -194,5 +196,5 @@ def test_corrupt_older_file_refuses(base_run: Path, tmp_path: Path) -> None:
         tmp_path,
         "total_steps=3",
         mutate=corrupt,
-        needles=("step=000001/score/part-r0.parquet", "--repair"),
+        needles=("step=1/advantage/part-r0.parquet", "--repair"),
     )

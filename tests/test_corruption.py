@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import events, final_weights, submit, trajectories
+from helpers import ROOT, events, final_weights, submit, trajectories
 
 pytestmark = pytest.mark.slow
 STEPS = ("total_steps=4",)
@@ -37,7 +39,7 @@ def test_corrupt_newest_stage_is_redone_with_identical_rows(
         run, *STEPS, env={"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "6"}
     )
     assert res.returncode != 0
-    shard = run / "stages" / "step=000002" / "score" / "part-r0.parquet"
+    shard = run / "stages" / "step=2" / "score" / "part-r0.parquet"
     original = pq.read_table(shard)
     data = shard.read_bytes()
     if damage == "truncate":
@@ -59,21 +61,55 @@ def test_corrupt_older_stage_repair_rolls_back_and_recomputes(
 ) -> None:
     run = tmp_path / "run"
     shutil.copytree(reference, run)
-    shard = run / "stages" / "step=000003" / "rollout" / "part-r0.parquet"
+    # Without the step-4 checkpoint, the restart replays steps 3-4 from their advantage rows.
+    shutil.rmtree(run / "checkpoints" / "step=4")
+    shard = run / "stages" / "step=3" / "advantage" / "part-r0.parquet"
     shard.write_bytes(shard.read_bytes()[:100])
     refused = submit(run, config=None)
     assert refused.returncode == 2 and str(shard) in refused.stderr
     repaired = submit(run, config=None, extra=("--repair",))
     assert repaired.returncode == 0, repaired.stderr
     assert any(e["event"] == "repair" and e["from_step"] == 3 for e in events(run))
-    assert list((run / "quarantine").glob("*/stages/step=000003"))
+    assert list((run / "quarantine").glob("*/stages/step=3"))
     _same_as_reference(run, reference)
+
+
+def test_restart_reads_no_stage_before_its_checkpoint_and_verify_finds_it(
+    reference: Path, tmp_path: Path
+) -> None:
+    """Restart work does not grow with the run: a corrupt stage older than the checkpoint is
+    never read by it; `tools.inspect verify` (off the critical path) reports it."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shard = run / "stages" / "step=1" / "rollout" / "part-r0.parquet"
+    shard.write_bytes(shard.read_bytes()[:100])
+    res = submit(run, "total_steps=5", config=None)
+    assert res.returncode == 0, res.stderr
+    verify = subprocess.run(
+        [sys.executable, "-m", "tools.inspect", str(run), "verify"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    assert str(shard) in verify.stdout
+    shard.unlink()
+    shutil.copy2(reference / "stages" / "step=1" / "rollout" / "part-r0.parquet", shard)
+    clean = subprocess.run(
+        [sys.executable, "-m", "tools.inspect", str(run), "verify"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert clean.returncode == 0, clean.stdout + clean.stderr
 
 
 def test_corrupt_newest_checkpoint_falls_back_and_replays(reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(reference, run)
-    newest = sorted((run / "checkpoints").glob("step-*"))[-1]
+    newest = sorted((run / "checkpoints").glob("step=*"))[-1]
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-10])
     (run / "export").rename(run / "export-old")

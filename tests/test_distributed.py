@@ -101,7 +101,7 @@ def _train_alone(table: Path, out: Path, world: int, nan_rank: int = -1) -> dict
 
 
 def test_train_stage_alone_on_fixed_inputs(dp_runs: dict[int, Path], tmp_path: Path) -> None:
-    table = dp_runs[1] / "stages" / "step=000001" / "advantage" / "part-r0.parquet"
+    table = dp_runs[1] / "stages" / "step=1" / "advantage" / "part-r0.parquet"
     res = {w: _train_alone(table, tmp_path / f"w{w}", w) for w in (1, 2, 4)}
     for w in (2, 4):
         for a, b in zip(res[1]["metrics"], res[w]["metrics"], strict=True):
@@ -119,7 +119,7 @@ def test_train_stage_alone_on_fixed_inputs(dp_runs: dict[int, Path], tmp_path: P
 
 
 def test_sharded_reference_with_uneven_rows(dp_runs: dict[int, Path], tmp_path: Path) -> None:
-    table = dp_runs[1] / "stages" / "step=000001" / "advantage" / "part-r0.parquet"
+    table = dp_runs[1] / "stages" / "step=1" / "advantage" / "part-r0.parquet"
     _train_alone(table, tmp_path, 2)
     model = load_causal_lm(prepare_tiny(), "float32")
     rows = pq.read_table(table).to_pylist()
@@ -140,7 +140,7 @@ def test_sharded_reference_with_uneven_rows(dp_runs: dict[int, Path], tmp_path: 
 def test_invalid_batch_on_one_rank_is_skipped_by_all(
     dp_runs: dict[int, Path], tmp_path: Path
 ) -> None:
-    table = dp_runs[1] / "stages" / "step=000001" / "advantage" / "part-r0.parquet"
+    table = dp_runs[1] / "stages" / "step=1" / "advantage" / "part-r0.parquet"
     res = _train_alone(table, tmp_path / "nan", 2, nan_rank=1)
     skipped = [m["train/skipped_micro_batches"] for m in res["metrics"]]
     assert all(s > 0 for s in skipped), skipped

@@ -48,7 +48,7 @@ def mid_step_copy(run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints", "export"))
     shutil.rmtree(copy / "trajectories" / f"step={STEPS}")
     for stage in ("train", "sync"):
-        shutil.rmtree(copy / "stages" / f"step={STEPS:06d}" / stage)
+        shutil.rmtree(copy / "stages" / f"step={STEPS}" / stage)
     return copy
 
 
@@ -59,7 +59,7 @@ def frame(run: Path) -> pd.DataFrame:
 
 
 def manifest(run: Path, step: int, stage: str) -> dict[str, Any] | None:
-    p = run / "stages" / f"step={step:06d}" / stage / "MANIFEST.json"
+    p = run / "stages" / f"step={step}" / stage / "MANIFEST.json"
     return json.loads(p.read_text()) if p.exists() else None
 
 

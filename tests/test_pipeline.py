@@ -103,7 +103,7 @@ def test_sync_rollout_logprobs_match_trained_weights(tiny_run: Path, tmp_path: P
     ckpts = {c.step: c for c in checkpoint.list_committed(tiny_run / "checkpoints")}
     t = trajectories(tiny_run).to_pandas()
     for s in (2, 4):
-        checkpoint.load(ckpts[s], engine)
+        checkpoint.load(ckpts[s], {"engine": engine})
         rows = t[t.step == s + 1]
         assert (rows.weight_version == s).all()
         mb = build_micro_batch(list(rows.prompt_token_ids), list(rows.response_token_ids), pad_id=0)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from rftpipe.store import CorruptionError, RunDir, atomic_write_json, read_json
+from rftpipe.store import CorruptionError, RunDir, StageStore, atomic_write_json, read_json
 
 
 def _table(n: int = 3) -> pa.Table:
@@ -15,21 +15,23 @@ def _table(n: int = 3) -> pa.Table:
 
 
 def test_commit_and_read_back(tmp_path: Path) -> None:
-    run = RunDir(tmp_path)
-    run.write_shard(1, "rollout", 0, _table(), {"k": "v"})
-    assert not run.is_committed(1, "rollout")
-    run.commit_stage(1, "rollout", 1, {"extra": 5})
-    m = run.manifest(1, "rollout")
+    store = StageStore(RunDir(tmp_path))
+    store.write_shard(1, "rollout", 0, _table(), {"k": "v"})
+    assert not store.is_committed(1, "rollout")
+    store.commit(1, "rollout", 1, {"extra": 5})
+    m = store.manifest(1, "rollout")
     assert m["shards"][0]["rows"] == 3 and m["extra"] == 5
-    assert run.read_stage(1, "rollout", 0).column("x").to_pylist() == [0, 1, 2]
-    assert run.last_commit() == (1, "rollout")
+    assert store.read(1, "rollout", 0).column("x").to_pylist() == [0, 1, 2]
+    assert store.newest_commit(("rollout", "score")) == (1, "rollout")
+    assert (tmp_path / "stages" / "step=1" / "rollout" / "MANIFEST.json").exists()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
 def test_corruption_is_detected(tmp_path: Path, damage: str) -> None:
     run = RunDir(tmp_path)
-    run.write_shard(1, "score", 0, _table(50), {})
-    run.commit_stage(1, "score", 1, {})
+    store = StageStore(run)
+    store.write_shard(1, "score", 0, _table(50), {})
+    store.commit(1, "score", 1, {})
     shard = run.shard_path(1, "score", 0)
     data = shard.read_bytes()
     if damage == "truncate":
@@ -39,17 +41,18 @@ def test_corruption_is_detected(tmp_path: Path, damage: str) -> None:
     else:
         shard.unlink()
     with pytest.raises(CorruptionError, match="part-r0.parquet"):
-        run.read_stage(1, "score", 0)
+        store.read(1, "score", 0)
 
 
 def test_cleanup_removes_only_uncommitted(tmp_path: Path) -> None:
     run = RunDir(tmp_path)
-    run.write_shard(1, "rollout", 0, _table(), {})
-    run.commit_stage(1, "rollout", 1, {})
-    run.write_shard(1, "score", 0, _table(), {})  # never committed
+    store = StageStore(run)
+    store.write_shard(1, "rollout", 0, _table(), {})
+    store.commit(1, "rollout", 1, {})
+    store.write_shard(1, "score", 0, _table(), {})  # never committed
     (run.stage_dir(1, "rollout") / ".tmp-part-r0.parquet.123").write_bytes(b"half")
-    removed = run.clean_uncommitted()
-    assert run.is_committed(1, "rollout") and run.shard_path(1, "rollout", 0).exists()
+    removed = store.clean_uncommitted("sync")
+    assert store.is_committed(1, "rollout") and run.shard_path(1, "rollout", 0).exists()
     assert not run.stage_dir(1, "score").exists()
     assert len(removed) == 2
 

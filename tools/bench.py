@@ -94,7 +94,9 @@ def sync_times(run_dir: Path) -> tuple[list[float], dict[int, float]]:
     """Wall seconds between consecutive step commits, and rollout-begin times by step."""
     ev = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     syncs = [e["t"] for e in ev if e["event"] == "commit" and e["stage"] == "sync"]
-    begins = {e["step"]: e["t"] for e in ev if e["event"] == "rollout_begin"}
+    begins = {
+        e["step"]: e["t"] for e in ev if e["event"] == "stage_begin" and e["stage"] == "rollout"
+    }
     return [b - a for a, b in zip(syncs, syncs[1:], strict=False)], begins
 
 

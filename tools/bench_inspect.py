@@ -95,7 +95,7 @@ def write_run(root: Path, steps: int, rows: int, seed: int = 0) -> None:
             if stage == "train":
                 names = ("kl", "clip_frac", "entropy", "pg_loss", "grad_norm")
                 m["metrics"] = {f"train/{k}": float(rng.random()) for k in names}
-            sd = root / "stages" / f"step={step:06d}" / stage
+            sd = root / "stages" / f"step={step}" / stage
             sd.mkdir(parents=True)
             (sd / "MANIFEST.json").write_text(json.dumps(m))
 

@@ -7,6 +7,12 @@
     python -m tools.inspect RUN_DIR export --format csv|jsonl --out FILE [sample filters]
     python -m tools.inspect RUN_DIR plot --out PNG [--data-out CSV]
     python -m tools.inspect RUN_DIR compare RUN_B [--out PNG]
+    python -m tools.inspect RUN_DIR verify [--json]
+
+`verify` checks every committed file of the run against its manifest (every stage shard,
+every published trajectory file, every file of every committed checkpoint) and exits 1 if
+any is missing, truncated or altered. A restart checks only what it reads; this is the
+full audit, for a quiet moment or a cron job.
 
 Only committed data is read: a step counts once its trajectories are published
 (RUN/trajectories/step=N appears by an atomic rename) and its train MANIFEST.json exists,
@@ -42,7 +48,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from rftpipe.store import STAGES, RunDir
+from rftpipe.stages import ORDER as STAGES
+from rftpipe.store import (
+    CHECKPOINT_COMMIT_FILE,
+    CorruptionError,
+    RunDir,
+    StageStore,
+    committed_checkpoints,
+    list_steps,
+    read_json,
+    verify_file,
+)
 
 PROG = "inspect"
 
@@ -80,7 +96,7 @@ def open_run(path: Path | str) -> Run:
     fragments: dict[int, list[ds.Fragment]] = {}
     for frag in dataset.get_fragments():
         step = ds.get_partition_keys(frag.partition_expression).get("step")
-        if step is not None and rundir.is_committed(int(step), "train"):
+        if step is not None and StageStore(rundir).is_committed(int(step), "train"):
             fragments.setdefault(int(step), []).append(frag)
     if not fragments:
         raise InspectError(f"{path} has no committed steps")
@@ -245,11 +261,12 @@ def summarize(run: Run | Path | str, *, threads: int | None = None) -> list[dict
         row["rollout/stop_frac"] = st.stops / n if n else None
         row["advantage/mean"] = st.adv.mean if st.adv.n else None
         row["advantage/std"] = _none_if_nan(st.adv.std) if st.adv.n else None
-        row.update(run.rundir.manifest(step, "train").get("metrics", {}))
+        store = StageStore(run.rundir)
+        row.update(store.manifest(step, "train").get("metrics", {}))
         for stage in STAGES:
             # A stage without its manifest has not committed: its timing does not exist yet.
-            committed = run.rundir.is_committed(step, stage)
-            secs = run.rundir.manifest(step, stage).get("seconds") if committed else None
+            committed = store.is_committed(step, stage)
+            secs = store.manifest(step, stage).get("seconds") if committed else None
             row[f"perf/{stage}_s"] = secs
         rows.append(row)
     return rows
@@ -576,6 +593,42 @@ def _add_filters(p: argparse.ArgumentParser, default_limit: int | None) -> None:
     p.add_argument("--limit", type=int, default=default_limit, metavar="N")
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Check every committed stage and checkpoint; print each corrupt file; exit 1 if any."""
+    if not args.run_dir.is_dir():
+        raise InspectError(f"no run directory at {args.run_dir}")
+    rundir = RunDir(args.run_dir)
+    store = StageStore(rundir)
+    bad: list[dict[str, str]] = []
+    checked = {"stages": 0, "checkpoints": 0}
+    for step in list_steps(rundir.stages):
+        for stage in STAGES:
+            if not store.is_committed(step, stage):
+                continue
+            checked["stages"] += 1
+            try:
+                store.verify(step, stage)
+            except CorruptionError as exc:
+                bad.append({"path": str(exc.path), "why": exc.why})
+    for _, path in committed_checkpoints(rundir.checkpoints):
+        checked["checkpoints"] += 1
+        for name, info in read_json(path / CHECKPOINT_COMMIT_FILE)["files"].items():
+            try:
+                verify_file(path / name, info)
+            except CorruptionError as exc:
+                bad.append({"path": str(exc.path), "why": exc.why})
+    if args.json:
+        print(json.dumps({"checked": checked, "corrupt": bad}, indent=1))
+    else:
+        for b in bad:
+            print(f"corrupt: {b['path']} ({b['why']})")
+        print(
+            f"checked {checked['stages']} committed stages and {checked['checkpoints']} "
+            f"checkpoints: {len(bad)} corrupt file(s)"
+        )
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tools.inspect",
@@ -603,6 +656,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("run_b", type=Path)
     s.add_argument("--out", type=Path, help="PNG overlaying both runs' reward and length")
     s.set_defaults(func=cmd_compare)
+    s = sub.add_parser("verify", help="check every committed file against its manifest")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_verify)
     return p
 
 

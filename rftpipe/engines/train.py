@@ -13,7 +13,6 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
@@ -271,21 +270,15 @@ class TrainEngine(Protocol):
         """Full weights for the rollout engine (a shared module when colocated)."""
         ...
 
-    def checkpoint_state(self) -> dict:
-        """Model and optimizer state as DCP saves it (views of the live tensors, not copies)."""
-        ...
-
-    def save_checkpoint(self, path: Path) -> None:
-        """Model and optimizer state into `path` (collective; resharding-friendly)."""
-        ...
-
-    def load_checkpoint(self, path: Path) -> None: ...
-
     def state_dict(self) -> dict:
-        """Small world-size-independent state (the LR scheduler) for the checkpoint extras."""
+        """The actor's whole training state, as one Stateful: ``model`` and ``optim`` (views
+        of the live, possibly sharded tensors, which DCP writes and reshards) and
+        ``scheduler`` (plain, world-size independent)."""
         ...
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict) -> None:
+        """Apply a state of `state_dict`'s shape (after DCP loaded into its tensors)."""
+        ...
 
 
 def lr_lambda(cfg: TrainConfig, total_updates: int) -> Callable[[int], float]:
@@ -435,37 +428,23 @@ class _EngineBase:
     def lr_scheduler_step(self) -> None:
         self.scheduler.step()
 
-    def checkpoint_state(self) -> dict:
+    def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        self._require_actor("checkpoint_state")
+        self._require_actor("state_dict")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
 
-    def save_checkpoint(self, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self.checkpoint_state(), checkpoint_id=str(path))
-
-    def load_checkpoint(self, path: Path) -> None:
-        """Restore in place; DCP reshards from whatever world size wrote `path`."""
-        import torch.distributed.checkpoint as dcp
+    def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        self._require_actor("load_checkpoint")
-        state = self.checkpoint_state()  # the layout to load into, resharded by DCP
-        dcp.load(state, checkpoint_id=str(path))
+        self._require_actor("load_state_dict")
         set_state_dict(
             self.model,
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
         )
-
-    def state_dict(self) -> dict:
-        return {"scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
 
 

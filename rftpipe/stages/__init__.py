@@ -1,0 +1,12 @@
+"""The five stages of a step, one module each with one public `run`.
+
+`ORDER` is the pipeline's order of stage names; the last one marks a step complete. It lives
+here, free of torch, so that launch tools (``jobs.status``) and the run-directory tools can
+read progress without importing the stages themselves.
+"""
+
+from typing import Literal
+
+StageName = Literal["rollout", "score", "advantage", "train", "sync"]
+ORDER: tuple[StageName, ...] = ("rollout", "score", "advantage", "train", "sync")
+FINAL: StageName = ORDER[-1]

@@ -1,0 +1,150 @@
+"""The five stages of a PPO step as durable executor stages, in pipeline order.
+
+Each adapter only connects a stage module's one public `run` to the run's parts; what is
+written, committed and read back is the executor's business (`rftpipe.executor`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from rftpipe.executor import Rows, Stage, StageOutput, StepPlan
+from rftpipe.faults import events, fault
+from rftpipe.runtime import Runtime
+from rftpipe.stages import ORDER, StageName, advantage, rollout, score, sync, train
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _NoSideEffects:
+    """A stage whose whole result is its committed rows: a committed one is only read."""
+
+    def replay(self, rt: Runtime, plan: StepPlan, rows: Rows, manifest: dict[str, Any]) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutStage(_NoSideEffects):
+    """1. n samples per prompt, grouped, with their sampling logprobs."""
+
+    name: StageName = "rollout"
+    publish: bool = False
+    replay_reads_rows: bool = False
+
+    def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
+        inp = rollout.RolloutInputs(
+            step=plan.step, rank=rt.dist.rank, run_seed=rt.cfg.seed, prompts=plan.mine
+        )
+        table = rollout.run(rt.cfg.rollout, rt.rollout_engine, rt.tokenizer, inp)
+        return StageOutput(
+            rows=table, extra={"sampler": plan.sampler, "prompt_ids": plan.global_ids}
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreStage(_NoSideEffects):
+    """2. One column per reward function and their weighted sum."""
+
+    name: StageName = "score"
+    publish: bool = False
+    replay_reads_rows: bool = False
+
+    def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
+        return StageOutput(rows=score.run(rt.cfg.reward, rt.rewards, rows()))
+
+
+@dataclass(frozen=True, slots=True)
+class AdvantageStage(_NoSideEffects):
+    """3. Reference logprobs (if a KL term is on) and per-token advantages."""
+
+    name: StageName = "advantage"
+    publish: bool = False
+    replay_reads_rows: bool = False
+
+    def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
+        kl_coef = float(rt.kl_ctrl.coef)
+        cfg = advantage.AdvantageStageConfig(
+            advantage=rt.cfg.advantage, kl=rt.cfg.kl, kl_coef=kl_coef
+        )
+        ref = (
+            None
+            if rt.reference is None
+            # Under the sampling temperature, as the rollout recorded its own logprobs.
+            else partial(rt.reference.compute_logprobs, temperature=rt.cfg.rollout.temperature)
+        )
+        table = advantage.run(cfg, rows(), ref, rt.dist.all_reduce_sum)
+        return StageOutput(rows=table, extra={"kl_coef": kl_coef})
+
+
+@dataclass(frozen=True, slots=True)
+class TrainStage:
+    """4. PPO epochs x mini-batches on the committed rows; replayed after a restart until
+    the weights catch up with the newest committed step."""
+
+    name: StageName = "train"
+    publish: bool = False
+    replay_reads_rows: bool = True
+
+    def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
+        return StageOutput(rows=None, extra={"metrics": self._train(rt, plan, rows)})
+
+    def replay(self, rt: Runtime, plan: StepPlan, rows: Rows, manifest: dict[str, Any]) -> None:
+        rt.stop.check(rt.dist, f"step {plan.step} train replay")
+        fault("train_mid_replay")
+        metrics = self._train(rt, plan, rows)
+        same = metrics == manifest["metrics"]
+        events().write("replay", step=plan.step, identical=same)
+        if not same:
+            # Same inputs and seeds must give the same update; a difference means the
+            # environment changed (thread count, library version), which the user must know.
+            log.warning("replayed train step %d differs from its committed metrics", plan.step)
+
+    def _train(self, rt: Runtime, plan: StepPlan, rows: Rows) -> dict[str, float]:
+        # The previous step's checkpoint may still be reading the weights this stage updates.
+        rt.ckpt_writer.wait()
+        # The controller's coefficient for this step is the one its advantage stage recorded.
+        kl_coef = float(rt.store.manifest(plan.step, "advantage")["kl_coef"])
+        n = rt.cfg.rollout.n
+        inp = train.TrainInputs(
+            step=plan.step,
+            run_seed=rt.cfg.seed,
+            table=rows(),
+            kl_coef=kl_coef,
+            global_samples=[(p, k) for p in plan.global_ids for k in range(n)],
+            temperature=rt.cfg.rollout.temperature,
+        )
+        metrics = train.run(rt.cfg.train, rt.cfg.kl, rt.train_engine, rt.dist, inp)
+        rt.kl_ctrl.update(metrics["train/kl"], n_steps=len(plan.global_ids) * n)
+        return metrics
+
+
+@dataclass(frozen=True, slots=True)
+class SyncStage:
+    """5. The rollout engine takes the new weights; the step's rows become its dataset."""
+
+    name: StageName = "sync"
+    publish: bool = True
+    replay_reads_rows: bool = False
+
+    def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
+        sync.run(rt.rollout_engine, rt.train_engine, version=plan.step)
+        # `step` is the hive key of the dataset's directory: a column of the same name would
+        # make pandas and pyarrow refuse to read it.
+        return StageOutput(rows=rows().drop_columns(["step"]), extra={"weight_version": plan.step})
+
+    def replay(self, rt: Runtime, plan: StepPlan, rows: Rows, manifest: dict[str, Any]) -> None:
+        sync.run(rt.rollout_engine, rt.train_engine, version=plan.step)
+
+
+PIPELINE: tuple[Stage, ...] = (
+    RolloutStage(),
+    ScoreStage(),
+    AdvantageStage(),
+    TrainStage(),
+    SyncStage(),
+)
+assert tuple(s.name for s in PIPELINE) == ORDER
