@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rftpipe.errors import UserError
+from rftpipe.slurm_job import job_info
 
 #: Seconds between Slurm's USR2 and the time limit (it must fit one stage plus a commit).
 DEFAULT_SIGNAL_DELAY_S = 90
@@ -155,6 +156,8 @@ class Submitted:
 
 
 def submit(args: argparse.Namespace, run_dir: Path) -> Submitted:
+    # Imported here, on the login node: submitit pickles the function by reference, so
+    # rftpipe.worker must stay torch-free at import (its torch imports are inside main).
     from rftpipe.worker import slurm_task
 
     ex = make_executor(args, run_dir)
@@ -184,8 +187,6 @@ def squeue_state(job_id: str) -> str | None:
 
 def scontrol_state(job_id: str) -> str | None:
     """The job's state from slurmctld's memory (kept `MinJobAge` seconds after it ends)."""
-    from rftpipe.preemption import job_info
-
     return job_info(job_id).get("JobState")
 
 

@@ -8,11 +8,12 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ROOT
 
 from jobs.slurm import sbatch_extras, time_minutes
 from jobs.submit import main as submit_main
 from rftpipe.errors import UserError
-from rftpipe.preemption import decide_requeue
+from rftpipe.slurm_job import decide_requeue
 
 USR2, TERM = signal.SIGUSR2, signal.SIGTERM
 
@@ -125,6 +126,40 @@ def test_slurm_submit_without_srun_is_a_clear_error(tmp_path, capsys, monkeypatc
 def test_local_run_refuses_several_nodes(tmp_path, capsys) -> None:
     assert submit_main(["--cluster", "local", "--nodes", "2", "--run-dir", str(tmp_path)]) == 2
     assert "--nodes" in capsys.readouterr().err
+
+
+_LOGIN_NODE = """
+import sys
+from pathlib import Path
+
+import jobs.slurm, jobs.status, jobs.submit
+import rftpipe.worker  # jobs.slurm.submit imports it to hand submitit the task function
+
+run = sys.argv[1]
+assert jobs.submit.main(["--cluster", "slurm", "--dry-run", "--run-dir", run]) == 0
+assert jobs.submit.main(["--cluster", "slurm", "--create-only", "--run-dir", run]) == 0
+(Path(run) / "slurm").mkdir()
+(Path(run) / "slurm" / "jobs.txt").write_text("4242\\n")
+# No Slurm client on PATH: the state falls through squeue to scontrol_state (as for a job
+# that has left the queue): the path that reads job state through rftpipe.slurm_job.
+assert jobs.status.main([run, "--json"]) == 0
+print("HEAVY:", *sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+
+
+def test_launch_layer_imports_no_torch(tmp_path, monkeypatch) -> None:
+    """What a login node runs (imports, --dry-run, --create-only, status) imports no torch:
+    it would cost seconds there. Each step runs for real, in one fresh interpreter."""
+    _path_without_srun(tmp_path, monkeypatch)
+    out = subprocess.run(
+        [sys.executable, "-c", _LOGIN_NODE, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    assert '"4242": "GONE"' in out.stdout
+    assert out.stdout.splitlines()[-1] == "HEAVY:"
 
 
 _REFAULT = """
