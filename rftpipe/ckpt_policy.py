@@ -30,6 +30,9 @@ from typing import Any, Literal
 
 __all__ = [
     "CheckpointController",
+    "FixedSchedule",
+    "YoungDalySchedule",
+    "make_schedule",
     "IntervalCosts",
     "RunHistory",
     "daly_period_s",
@@ -552,3 +555,58 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ------------------------------------------------------------------------ schedules
+
+
+class FixedSchedule:
+    """Checkpoint after every multiple of `interval` (policy ``fixed``)."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval_steps = interval
+
+    def record(self, step: int, step_s: float, train_s: float) -> None:
+        """Nothing to learn from measurements."""
+
+    def due(self, step: int) -> bool:
+        return step % self.interval_steps == 0
+
+    def interval(self) -> int:
+        return self.interval_steps
+
+    def mark_checkpoint(self, step: int) -> None:
+        """Nothing to remember: the decision is a function of the step."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Stateless."""
+
+
+class YoungDalySchedule(CheckpointController):
+    """:class:`CheckpointController` fed one record per newly computed step (policy
+    ``young_daly``): the step right after a checkpoint measures that checkpoint's cost (its
+    seconds minus the median step), every other step measures a plain step."""
+
+    def record(self, step: int, step_s: float, train_s: float) -> None:
+        if self.last_checkpoint and step == self.last_checkpoint + 1:
+            if self.step_s is not None:
+                self.observe_checkpoint(step_s - self.step_s)
+            return
+        self.observe_step(step_s, train_s)
+
+
+def make_schedule(cfg: Any, events_path: Path) -> FixedSchedule | YoungDalySchedule:
+    """The configured schedule (`cfg`: a `CheckpointConfig`); the MTBF is the prior pooled
+    with this run's own interruptions so far."""
+    if cfg.policy == "fixed":
+        return FixedSchedule(cfg.interval)
+    mtbf = pooled_mtbf_s(read_history(events_path), cfg.mtbf_hours * HOUR_S)
+    return YoungDalySchedule(
+        mtbf_s=mtbf,
+        initial_interval=cfg.interval,
+        min_interval=cfg.min_interval,
+        max_interval=cfg.max_interval,
+    )

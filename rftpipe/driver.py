@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from rftpipe import checkpoint
 from rftpipe.data import SamplerState, global_window, rank_slice
 from rftpipe.executor import StepPlan, StepState, execute, no_rows
@@ -47,15 +49,31 @@ def plan_step(rt: Runtime, step: int) -> StepPlan:
     )
 
 
+def stateful_parts(rt: Runtime) -> dict[str, checkpoint.Stateful]:
+    """Everything a checkpoint holds, by name (the trainer's own counters are the steps)."""
+    return {
+        "engine": rt.train_engine,
+        "kl_controller": rt.kl_ctrl,
+        "ckpt_schedule": rt.ckpt_schedule,
+    }
+
+
 def maybe_checkpoint(rt: Runtime, step: int, timings: dict[str, float]) -> None:
-    """Start a background checkpoint after `step` if one is due and not already there."""
-    cfg = rt.cfg
-    if step % cfg.checkpoint.interval and step != cfg.total_steps:
+    """Start a background checkpoint after `step` if the schedule (or the last step) says so.
+
+    `timings` holds the step's measured seconds, or nothing for a replayed step (which ran
+    only its train stage and must not teach the schedule). The schedule's inputs are
+    all-reduced (max), so every rank takes the same decision.
+    """
+    if "step" in timings:
+        t = rt.dist.all_reduce_max(torch.tensor([timings["step"], timings.get("train", 0.0)]))
+        rt.ckpt_schedule.record(step, float(t[0]), float(t[1]))
+    if step != rt.cfg.total_steps and not rt.ckpt_schedule.due(step):
         return
     done = checkpoint.list_committed(rt.run.checkpoints)
     if done and done[-1].step >= step:
         return
-    parts = {"engine": rt.train_engine, "kl_controller": rt.kl_ctrl}
+    rt.ckpt_schedule.mark_checkpoint(step)
     timings["checkpoint"] = rt.ckpt_writer.submit(
-        rt.run.checkpoints, step, parts, cfg.checkpoint.keep_last
+        rt.run.checkpoints, step, stateful_parts(rt), rt.cfg.checkpoint.keep_last
     )

@@ -60,13 +60,20 @@ def train_run(
     trackers.log_committed(rt.store, range(1, last_done + 1))
     evaluate.maybe_eval(rt, "before", ckpt_step)
     bar = progress(cfg, dist, last_done)
-    t_replay = time.perf_counter()
+    t_replay = t_prev = time.perf_counter()
     ran = 0
     try:
         for step in range(ckpt_step + 1, cfg.total_steps + 1):
             replay = step <= last_done
             timings: dict[str, float] = {}
             metrics = run_step(rt, step, timings)
+            now = time.perf_counter()
+            if "rollout" in timings:
+                # A whole step computed in this process, end to end (the previous step's
+                # checkpoint hand-off and logging included): what the checkpoint schedule
+                # learns from. Replayed and half-resumed steps are left out.
+                timings["step"] = now - t_prev
+            t_prev = now
             timings["checkpoint_wait"] = rt.ckpt_writer.last_wait_s
             maybe_checkpoint(rt, step, timings)
             ran += 1
@@ -91,6 +98,7 @@ def train_run(
                         "perf/commit_s": timings.get("commit", 0.0),
                         "perf/checkpoint_s": timings.get("checkpoint", 0.0),
                         "perf/checkpoint_wait_s": timings.get("checkpoint_wait", 0.0),
+                        "perf/checkpoint_interval": rt.ckpt_schedule.interval(),
                     },
                     step,
                 )

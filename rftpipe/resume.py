@@ -20,6 +20,7 @@ import shutil
 import time
 
 from rftpipe import checkpoint
+from rftpipe.driver import stateful_parts
 from rftpipe.errors import UserError
 from rftpipe.faults import events
 from rftpipe.pipeline import PIPELINE
@@ -97,7 +98,7 @@ def quarantine_from(run: RunDir, step: int) -> None:
 
 def restore(rt: Runtime) -> int:
     """Load the newest intact checkpoint; return its step (0: the initial weights)."""
-    parts = {"engine": rt.train_engine, "kl_controller": rt.kl_ctrl}
+    parts = stateful_parts(rt)
     dirty = False
     for ckpt in reversed(checkpoint.list_committed(rt.run.checkpoints)):
         try:

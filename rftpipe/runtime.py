@@ -17,6 +17,7 @@ import torch
 
 from rftpipe import checkpoint, models
 from rftpipe.algos.kl_controller import make_kl_controller
+from rftpipe.ckpt_policy import FixedSchedule, YoungDalySchedule, make_schedule
 from rftpipe.config.schema import RunConfig
 from rftpipe.data import PromptSet, load_prompts
 from rftpipe.dist import Dist
@@ -51,6 +52,8 @@ class Runtime:
     """Checked collectively at every stage boundary (signals under Slurm)."""
     ckpt_writer: checkpoint.Writer
     """Background checkpoint writes, overlapped with the next step's rollout."""
+    ckpt_schedule: FixedSchedule | YoungDalySchedule
+    """When to checkpoint (`checkpoint.policy`); saved with each checkpoint."""
 
 
 def configure_threads(cfg: RunConfig, dist: Dist) -> None:
@@ -162,6 +165,7 @@ def build(
         model_dir=model_dir,
         stop=stop or NoStop(),
         ckpt_writer=checkpoint.Writer(dist, cfg.checkpoint.direct_io),
+        ckpt_schedule=make_schedule(cfg.checkpoint, run.events_path),
     )
 
 
@@ -197,3 +201,4 @@ def rebuild_actor(rt: Runtime) -> None:
     checkpoint load left them partly overwritten)."""
     rt.train_engine, rt.rollout_engine = build_actor(rt.cfg, rt.model_dir, rt.dist, rt.tokenizer)
     rt.kl_ctrl = new_kl_controller(rt.cfg)
+    rt.ckpt_schedule = make_schedule(rt.cfg.checkpoint, rt.run.events_path)

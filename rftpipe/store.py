@@ -25,6 +25,7 @@ import errno
 import json
 import os
 import shutil
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,6 +182,37 @@ def committed_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """(step, dir) of the committed checkpoints under `root`, oldest first."""
     out = [(s, root / step_name(s)) for s in list_steps(root)]
     return [(s, p) for s, p in out if (p / CHECKPOINT_COMMIT_FILE).exists()]
+
+
+def prefetch_newest_checkpoint(root: Path) -> threading.Thread | None:
+    """Ask the kernel to read the newest committed checkpoint into the page cache, on a
+    daemon thread, and return that thread (None when there is no checkpoint).
+
+    Why: a restart after a preemption usually lands on a node whose page cache holds none
+    of the checkpoint, and until the model is built (imports, tokenizer, data: seconds of
+    CPU) the disk is idle. Started first thing, the read runs during that start-up, and the
+    load that verifies and deserializes the checkpoint then reads from memory.
+    """
+    done = committed_checkpoints(root)
+    if not done:
+        return None
+
+    def advise(folder: Path) -> None:
+        for f in sorted(folder.iterdir()):
+            try:
+                fd = os.open(f, os.O_RDONLY)
+            except OSError:
+                continue  # vanished (retention) or unreadable: the load will say so
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except (OSError, AttributeError):
+                pass  # an advisory hint: a file system without it just loads cold
+            finally:
+                os.close(fd)
+
+    t = threading.Thread(target=advise, args=(done[-1][1],), name="rftpipe-prefetch", daemon=True)
+    t.start()
+    return t
 
 
 class RunDir:

@@ -16,7 +16,7 @@ from rftpipe.config.loader import load_config
 from rftpipe.config.schema import RunConfig
 from rftpipe.errors import UserError
 from rftpipe.faults import EventLog, events, set_event_log
-from rftpipe.store import RunDir
+from rftpipe.store import RunDir, prefetch_newest_checkpoint
 
 log = logging.getLogger("rftpipe")
 
@@ -56,6 +56,7 @@ def setup_logging(level: str, rank: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     run = RunDir(args.run_dir)
+    prefetch_newest_checkpoint(run.checkpoints)
     stop = None
     if args.slurm:
         from rftpipe.preemption import StopFlag

@@ -63,6 +63,18 @@ def committed_hash(run_dir: Path) -> str:
     return h.hexdigest()
 
 
+def stage_history(run_dir: Path) -> dict[tuple[int, str], list[str]]:
+    """Per (step, stage), in log order across every process: 'begin' for each time the
+    stage started computing, 'commit' for its commit (replays of train are not 'begin')."""
+    out: dict[tuple[int, str], list[str]] = {}
+    for e in events(run_dir):
+        if e["event"] == "stage_begin":
+            out.setdefault((e["step"], e["stage"]), []).append("begin")
+        elif e["event"] == "commit":
+            out.setdefault((e["step"], e["stage"]), []).append("commit")
+    return out
+
+
 def events(run_dir: Path) -> list[dict]:
     """The run's event log (one JSON object per line), empty before the first start."""
     path = run_dir / "events.jsonl"

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TINY, events, final_weights, submit, trajectories
+from helpers import ROOT, TINY, events, final_weights, stage_history, submit, trajectories
 
 from rftpipe.faults import FAULT_POINTS
+from rftpipe.stages import ORDER
 
 pytestmark = pytest.mark.slow
 STEPS = ("total_steps=10",)
@@ -88,6 +89,18 @@ def test_chaos_resume_is_bitwise_identical(tmp_path: Path) -> None:
     log = events(run)
     assert sum(e["event"] == "start" for e in log) >= len(SCHEDULE) + 6
     assert any(e["event"] == "replay" for e in log), "no train step was replayed"
+
+    # No committed stage ever ran again: after its commit, a stage only is read back (or,
+    # for train, replayed). Uncommitted ones may run several times, and did here.
+    history = stage_history(run)
+    assert set(history) == {(s, st) for s in range(1, 11) for st in ORDER}
+    for key, seq in history.items():
+        assert seq.count("commit") <= 1, (key, seq)
+        if "commit" in seq:
+            assert "begin" not in seq[seq.index("commit") + 1 :], (key, seq)
+        assert (run / "stages" / f"step={key[0]}" / key[1] / "MANIFEST.json").exists()
+    reruns = [k for k, seq in history.items() if seq.count("begin") > 1]
+    assert {st for _, st in reruns} >= {"rollout", "train"}, reruns
 
     a, b = trajectories(ref), trajectories(run)
     assert a.num_rows == b.num_rows == 10 * 4 * 4

@@ -153,7 +153,7 @@ def _engine(role: str = "actor"):
 
     model = load_causal_lm(prepare_tiny(), "float32")
     # A schedule whose LR changes at every update, so a lost scheduler state shows.
-    cfg = TrainConfig(lr=1e-2, micro_batch_size=2, lr_schedule="cosine", warmup_steps=2)
+    cfg = TrainConfig(lr=1e-2, micro_batch_size=2, lr_schedule="cosine", warmup_steps=3)
     return SingleDeviceEngine(model, cfg, Dist(rank=0, world=1), role=role, total_updates=4)
 
 
