@@ -266,6 +266,10 @@ class TrainEngine(Protocol):
 
     def lr_scheduler_step(self) -> None: ...
 
+    def current_lr(self) -> float:
+        """The learning rate the next optimizer step will use."""
+        ...
+
     def rollout_weights(self) -> torch.nn.Module | dict[str, torch.Tensor]:
         """Full weights for the rollout engine (a shared module when colocated)."""
         ...
@@ -427,6 +431,9 @@ class _EngineBase:
 
     def lr_scheduler_step(self) -> None:
         self.scheduler.step()
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict

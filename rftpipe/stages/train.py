@@ -96,6 +96,7 @@ def _run(
 ) -> dict[str, float]:
     rows = inp.table.to_pylist()
     sums = dict.fromkeys(_SUMS, 0.0)
+    lr = engine.current_lr()  # the step's first update; the scheduler moves it per update
     for epoch in range(cfg.ppo_epochs):
         plan = minibatch_plan(inp, epoch, cfg.mini_batches)
         counts = torch.tensor(
@@ -117,7 +118,7 @@ def _run(
             sums["updates"] += 1
             engine.lr_scheduler_step()
             fault("train_mid_step")
-    return _finish_metrics(sums, dist)
+    return {**_finish_metrics(sums, dist), "train/lr": lr}
 
 
 def _micro_step(
