@@ -198,3 +198,16 @@ def test_corrupt_older_file_that_replay_reads_refuses(base_run: Path, tmp_path: 
         mutate=corrupt,
         needles=("step=1/advantage/part-r0.parquet", "--repair"),
     )
+
+
+def test_resume_that_would_stretch_a_decaying_lr_schedule(tmp_path: Path) -> None:
+    """A cosine schedule spans total_steps, so extending such a run would change every
+    update's LR (replays included): refused before anything is written."""
+    run = tmp_path / "cos"
+    made = submit(run, "total_steps=2", "train.lr_schedule=cosine", extra=("--create-only",))
+    assert made.returncode == 0, made.stderr
+    before = (run / "config.yaml").read_bytes()
+    res = submit(run, "total_steps=4", config=None, extra=("--create-only",))
+    _expect_error(res, "total_steps", "lr_schedule=cosine", "2 -> 4")
+    assert (run / "config.yaml").read_bytes() == before
+    assert not (run / "config.next.yaml").exists()
