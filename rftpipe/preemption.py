@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import signal
 import subprocess
+from typing import TYPE_CHECKING
 
-import torch
-
-from rftpipe.dist import Dist
 from rftpipe.faults import events
 from rftpipe.slurm_job import SlurmJob, decide_requeue, job_info
+
+if TYPE_CHECKING:
+    from rftpipe.dist import Dist
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class StopFlag:
         """Raise `StopRequested` on every rank if any rank saw a stop signal."""
         # One all-reduce agrees on whether and why: USR2 outranks TERM (it asks for a requeue).
         mine = {0: 0, signal.SIGTERM: 1, signal.SIGUSR2: 2}[self.signum]
+        import torch  # here, not at import: the worker installs the handlers before torch loads
+
         agreed = int(dist.all_reduce_max(torch.tensor([mine]))[0])
         if agreed:
             signum = signal.SIGUSR2 if agreed == 2 else signal.SIGTERM

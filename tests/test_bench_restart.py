@@ -27,13 +27,16 @@ def test_read_events_from_offset_skips_a_torn_line(tmp_path: Path):
     path.write_text('{"t": 1.0, "event": "start"}\n')
     offset = path.stat().st_size
     with open(path, "a") as f:
-        f.write('{"t": 2.0, "event": "start"}\n{"t": 3.0, "event": "rollout_begin", "step": 5}\n')
-        f.write('{"t": 4.0, "event": "rollout_be')
+        f.write(
+            '{"t": 2.0, "event": "start"}\n{"t": 3.0, "event": "stage_begin", "step": 5, "stage": "rollout"}\n'
+        )
+        f.write('{"t": 4.0, "event": "stage_be')
     new = read_events(path, offset)
     assert [e["t"] for e in new] == [2.0, 3.0]
     assert first_event(new, "start") == 2.0
-    assert first_event(new, "rollout_begin", 5) == 3.0
-    assert first_event(new, "rollout_begin", 6) is None
+    assert first_event(new, "stage_begin", 5, stage="rollout") == 3.0
+    assert first_event(new, "stage_begin", 5, stage="score") is None
+    assert first_event(new, "stage_begin", 6, stage="rollout") is None
     assert read_events(tmp_path / "missing.jsonl") == []
 
 

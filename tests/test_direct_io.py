@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rftpipe.direct_io import CHUNK, DirectFile, storage_writer
+from rftpipe.direct_io import CHUNK, DirectFile, VerifyingReader, storage_writer
 from rftpipe.store import checksum_file
 
 
@@ -91,15 +91,24 @@ def test_disk_full_inside_torch_save_is_reported_as_such(tmp_path: Path, monkeyp
 
 def test_dcp_through_direct_writer_round_trips_and_records_digests(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
+    import xxhash
 
-    state = {"w": torch.randn(1000, 37), "b": torch.arange(11.0), "meta": {"step": 3}}
+    # 12 MB: two digest blocks, the second one short.
+    state = {"w": torch.randn(1000, 3000), "b": torch.arange(11.0), "meta": {"step": 3}}
     writer, fs = storage_writer(tmp_path / "ck")
     dcp.save(state, storage_writer=writer)
     files = sorted((tmp_path / "ck").iterdir())
     assert {f.name for f in files} == {".metadata", "__0_0.distcp"}
-    for f in files:  # every file DCP wrote, the renamed metadata included, has its digest
-        assert fs.written[str(f.resolve())] == (f.stat().st_size, checksum_file(f))
-    back = {"w": torch.zeros(1000, 37), "b": torch.zeros(11), "meta": {"step": 0}}
-    dcp.load(back, checkpoint_id=str(tmp_path / "ck"))
+    for f in files:  # every file DCP wrote, the renamed metadata included, has its digests
+        d = fs.written[str(f.resolve())]
+        assert (d.bytes, d.xxh3_128) == (f.stat().st_size, checksum_file(f))
+        data = f.read_bytes()
+        blocks = [xxhash.xxh3_64_hexdigest(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)]
+        assert list(d.blocks_xxh3_64) == blocks
+    assert len(fs.written[str(files[1].resolve())].blocks_xxh3_64) == 2
+    # Loaded through the verifying reader, from the digests the writer recorded.
+    listed = {Path(k).name: v.as_dict() for k, v in fs.written.items()}
+    back = {"w": torch.zeros(1000, 3000), "b": torch.zeros(11), "meta": {"step": 0}}
+    dcp.load(back, storage_reader=VerifyingReader(tmp_path / "ck", listed))
     assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
     assert back["meta"] == {"step": 3}

@@ -30,9 +30,11 @@ TRL is an optional extra (`pip install -e .[bench]`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -123,14 +125,16 @@ def bench_rftpipe(a: argparse.Namespace, work: Path, i: int) -> dict[str, Any]:
     # The restart: one more step on the same run directory, until its first new rollout.
     cmd_resume = [*cmd[: -len(overrides(a, a.steps))], *overrides(a, a.steps + 1)]
     t_resume = time.time()
-    proc = subprocess.Popen(cmd_resume, cwd=ROOT)
+    # Its own session: the kill must reach the worker too, not only jobs.submit.
+    proc = subprocess.Popen(cmd_resume, cwd=ROOT, start_new_session=True)
     resume_s = None
     while proc.poll() is None and resume_s is None:
         time.sleep(0.05)
         b = sync_times(run_dir)[1].get(a.steps + 1)
         if b is not None:
             resume_s = b - t_resume
-    proc.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     shutil.rmtree(run_dir)  # ~3 GB of checkpoints per run; keep one run's worth at a time
     return {

@@ -17,18 +17,18 @@ restart; reading a real model's checkpoint adds a constant, independent of N (to
 times a SmolLM2 restart).
 
 Each measurement spawns `python -m jobs.submit` in a new session and takes the wall time
-`t` of the worker's `rollout_begin` event (written just before the first stage it
+`t` of the worker's `stage_begin` event of the rollout stage (written just before the first stage it
 computes) minus the spawn time; `start` (written after the restart's cleanup and file
 checks, before the checkpoint restore) splits it into "to start" and the rest. Then the
 whole process group is killed.
 - Restart: `total_steps=N+1` on a fresh copy of the N-step run, timed to step N+1's
-  `rollout_begin`. A copy per repeat, not the built run itself: the restart changes the run
+  rollout `stage_begin`. A copy per repeat, not the built run itself: the restart changes the run
   as soon as it starts (promotes the new config, rewrites metrics.jsonl, appends events)
   and the tiny step N+1 may commit before the kill lands, so reusing one directory would
   make every repeat restart a different run. The copy is made (and synced) before the
   clock starts and deleted afterwards.
 - Cold start: `total_steps=1` on an empty run directory, timed to step 1's
-  `rollout_begin`. It includes the same interpreter, torch and model start-up, so
+  rollout `stage_begin`. It includes the same interpreter, torch and model start-up, so
   restart - cold is the cost of resuming, and restart / cold the ratio.
 Repeats are interleaved (cold, then every N, per round) so drift on the machine falls on
 all alike. The table reports medians over repeats; restart/cold and restart-cold are the
@@ -130,9 +130,15 @@ def read_events(path: Path, offset: int = 0) -> list[dict[str, Any]]:
     return out
 
 
-def first_event(events: list[dict[str, Any]], name: str, step: int | None = None) -> float | None:
+def first_event(
+    events: list[dict[str, Any]], name: str, step: int | None = None, stage: str | None = None
+) -> float | None:
     for e in events:
-        if e.get("event") == name and (step is None or e.get("step") == step):
+        if (
+            e.get("event") == name
+            and (step is None or e.get("step") == step)
+            and (stage is None or e.get("stage") == stage)
+        ):
             return e["t"]
     return None
 
@@ -218,9 +224,9 @@ def report(summary: dict[str, Any]) -> str:
             f"{r['ratio_to_cold']:>13.2f}x{r['overhead_s']:>16.2f}"
         )
     lines += [
-        f"cold start: {cold:.2f} s from spawn to step 1's rollout_begin "
+        f"cold start: {cold:.2f} s from spawn to step 1's rollout stage_begin "
         f"({summary['cold_to_start_s']:.2f} s to 'start')",
-        "restart: spawn to step N+1's rollout_begin; to start: to the 'start' event (after the",
+        "restart: spawn to step N+1's rollout stage_begin; to start: to the 'start' event (after the",
         "restart's file checks); medians over repeats, the last two paired per round",
     ]
     return "\n".join(lines)
@@ -260,14 +266,14 @@ class Spawned:
 def time_to_rollout(
     cmd: list[str], run_dir: Path, step: int, log: Path, timeout: float
 ) -> dict[str, float]:
-    """Spawn `cmd`, wait for `rollout_begin` of `step` in the run's new events, kill it."""
+    """Spawn `cmd`, wait for rollout `stage_begin` of `step` in the run's new events, kill it."""
     events_path = run_dir / "events.jsonl"
     offset = events_path.stat().st_size if events_path.exists() else 0
     sp = Spawned(cmd, log)
     try:
         while True:
             new = read_events(events_path, offset)
-            t_roll = first_event(new, "rollout_begin", step)
+            t_roll = first_event(new, "stage_begin", step, stage="rollout")
             if t_roll is not None:
                 t_start = first_event(new, "start")
                 return {
@@ -281,7 +287,7 @@ def time_to_rollout(
                 )
             if time.time() - sp.t0 > timeout:
                 raise SystemExit(
-                    f"no rollout_begin for step {step} after {timeout} s:\n{sp.tail()}"
+                    f"no rollout stage_begin for step {step} after {timeout} s:\n{sp.tail()}"
                 )
             time.sleep(0.02)
     finally:
