@@ -327,13 +327,12 @@ def build_run(runs: Path, n: int, overrides: list[str], reuse: bool) -> dict[str
 
 def complete(run_dir: Path, n: int) -> bool:
     """N committed steps, nothing beyond, and a committed checkpoint at step N."""
-    from rftpipe.checkpoint import list_committed
-    from rftpipe.store import RunDir
+    from rftpipe.stages import FINAL
+    from rftpipe.store import RunDir, StageStore, committed_checkpoints
 
     run = RunDir(run_dir)
-    done = run.committed_steps()
-    ckpts = list_committed(run.checkpoints)
-    return bool(done) and done[-1] == n and bool(ckpts) and ckpts[-1].step == n
+    ckpts = committed_checkpoints(run.checkpoints)
+    return StageStore(run).newest_complete_step(FINAL) == n and bool(ckpts) and ckpts[-1][0] == n
 
 
 # ----------------------------------------------------------------------------------- main
