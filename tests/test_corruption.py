@@ -85,25 +85,18 @@ def test_restart_reads_no_stage_before_its_checkpoint_and_verify_finds_it(
     shard.write_bytes(shard.read_bytes()[:100])
     res = submit(run, "total_steps=5", config=None)
     assert res.returncode == 0, res.stderr
-    verify = subprocess.run(
-        [sys.executable, "-m", "tools.inspect", str(run), "verify"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    )
+    verify = _inspect_verify(run)
     assert verify.returncode == 1, verify.stdout + verify.stderr
     assert str(shard) in verify.stdout
     shard.unlink()
     shutil.copy2(reference / "stages" / "step=1" / "rollout" / "part-r0.parquet", shard)
-    clean = subprocess.run(
-        [sys.executable, "-m", "tools.inspect", str(run), "verify"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    )
+    clean = _inspect_verify(run)
     assert clean.returncode == 0, clean.stdout + clean.stderr
+
+
+def _inspect_verify(run: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tools.inspect", str(run), "verify"]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
 
 
 def test_corrupt_newest_checkpoint_falls_back_and_replays(reference: Path, tmp_path: Path) -> None:
