@@ -21,7 +21,9 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -109,6 +111,8 @@ class Writer:
         self._group: Any = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._then: Callable[[], None] | None = None
+        self._what = "checkpoint write"
         self.last_wait_s = 0.0
         """Seconds the last `wait()` blocked (the checkpoint's cost to the next train stage)."""
 
@@ -142,18 +146,42 @@ class Writer:
         self._thread.start()
         return time.perf_counter() - t0
 
+    def run_later(self, work: Callable[[Any], None], then: Callable[[], None], what: str) -> None:
+        """Run `work(process_group)` in the background slot (a restart's deferred load);
+        `wait()` joins it and then calls `then()` on the caller's thread."""
+        self.wait()
+        if tdist.is_initialized() and self._group is None:
+            self._group = tdist.new_group(backend="gloo")
+
+        def run() -> None:
+            try:
+                work(self._group)
+            except BaseException as exc:  # surfaced by wait() in the main thread
+                self._error = exc
+
+        self._then, self._what = then, what
+        self._thread = threading.Thread(target=run, name="rftpipe-deferred-load", daemon=True)
+        self._thread.start()
+
     def wait(self) -> float:
-        """Block until the pending write (if any) has finished; re-raise its failure."""
+        """Block until the pending background work (if any) has finished; re-raise its
+        failure (a `CorruptionError` as itself, anything else as a RuntimeError)."""
         self.last_wait_s = 0.0
         if self._thread is None:
             return 0.0
         t0 = time.perf_counter()
         self._thread.join()
         self._thread = None
+        then, what = self._then, self._what
+        self._then, self._what = None, "checkpoint write"
         self.last_wait_s = time.perf_counter() - t0
         if self._error is not None:
             err, self._error = self._error, None
-            raise RuntimeError(f"checkpoint write failed: {err}") from err
+            if isinstance(err, CorruptionError):
+                raise err
+            raise RuntimeError(f"{what} failed: {err}") from err
+        if then is not None:
+            then()
         return self.last_wait_s
 
     def _write(
@@ -216,16 +244,22 @@ def _retain(root: Path, keep_last: int) -> None:
         shutil.rmtree(trash)
 
 
-def load(ckpt: Checkpoint, parts: dict[str, Stateful]) -> None:
+LATE_KEYS = frozenset({"optim"})
+"""State entries a restart needs only at its first train step (the optimizer's moments, two
+thirds of a checkpoint): with a `Writer` given, `load` reads them in the background while
+the first rollout runs, and the writer's `wait()`, which every train stage calls first,
+applies them."""
+
+
+def load(ckpt: Checkpoint, parts: dict[str, Stateful], later: Writer | None = None) -> None:
     """Restore the named Statefuls in place (resharding to this world size).
 
     Each file is verified as it is read, never in a pass of its own: the small ones
     (DCP's metadata, which DCP unpickles, and the extras) before they are deserialized, the
     DCP data block by block (`direct_io.VerifyingReader`). On `CorruptionError` the parts
     may hold a mix of old and loaded state: the caller loads an older checkpoint or rebuilds.
+    With `later`, the `LATE_KEYS` entries load in its background slot instead (see there).
     """
-    import torch.distributed.checkpoint as dcp
-
     files = read_json(ckpt.path / COMMIT_FILE)["files"]
     for name in (".metadata", "extra-r0.pt"):
         if name not in files:
@@ -238,18 +272,42 @@ def load(ckpt: Checkpoint, parts: dict[str, Stateful]) -> None:
         raise CorruptionError(ckpt.path / "extra-r0.pt", "checkpoint extras with a bad checksum")
     # Rank-local extras hold only world-independent state, so rank 0's serves any world size.
     extras = torch.load(io.BytesIO(extras_bytes), weights_only=True)
-    states = {name: part.state_dict() for name, part in parts.items()}
-    tensors = {f"{name}.{k}": v for name, st in states.items() for k, v in _split(st)[0].items()}
+    now: dict[str, dict[str, Any]] = {}
+    late: dict[str, dict[str, Any]] = {}
+    for name, part in parts.items():
+        tensors, _ = _split(part.state_dict())
+        now[name] = {k: v for k, v in tensors.items() if later is None or k not in LATE_KEYS}
+        late[name] = {k: v for k, v in tensors.items() if later is not None and k in LATE_KEYS}
+    _dcp_load(ckpt, files, now, None)
+    for name, part in parts.items():
+        part.load_state_dict({**now[name], **extras[name]})
+    if later is not None and any(late.values()):
+
+        def apply() -> None:
+            for name, part in parts.items():
+                if late[name]:
+                    part.load_state_dict(late[name])
+
+        later.run_later(partial(_dcp_load, ckpt, files, late), apply, f"checkpoint {ckpt.path}")
+
+
+def _dcp_load(
+    ckpt: Checkpoint, files: dict[str, Any], states: dict[str, dict[str, Any]], group: Any
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    flat = {f"{name}.{k}": v for name, st in states.items() for k, v in st.items()}
     try:
-        dcp.load(tensors, storage_reader=direct_io.VerifyingReader(ckpt.path, files))
+        dcp.load(
+            flat,
+            storage_reader=direct_io.VerifyingReader(ckpt.path, files),
+            process_group=group,
+        )
     except BaseException as exc:  # DCP wraps every rank's failure in a CheckpointException
         corrupt = _find_corruption(exc)
         if corrupt is None:
             raise
         raise corrupt from exc
-    for name, part in parts.items():
-        loaded = {k: tensors[f"{name}.{k}"] for k in _split(states[name])[0]}
-        part.load_state_dict({**loaded, **extras[name]})
 
 
 def _find_corruption(exc: BaseException) -> CorruptionError | None:

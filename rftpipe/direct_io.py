@@ -263,7 +263,9 @@ class VerifyingReader(FileSystemReader):
 
 
 class _BlockFile:
-    """Reads byte ranges of one checkpoint file, verifying each CHUNK block once."""
+    """Reads byte ranges of one checkpoint file in offset order, verifying each CHUNK block
+    once. The blocks last read stay in a buffer, so the many small items that share a block
+    (norms, biases, optimizer scalars) cost one read and one digest of it, not one each."""
 
     def __init__(self, path: Path, record: dict[str, Any] | None) -> None:
         if record is None or "blocks_xxh3_64" not in record:
@@ -272,8 +274,10 @@ class _BlockFile:
         self.size = int(record["bytes"])
         self.block = int(record["block_bytes"])
         self.digests: list[str] = record["blocks_xxh3_64"]
-        self.checked: set[int] = set()
         self._f: io.BufferedReader | None = None
+        self._buf = bytearray(self.block)
+        self._first = 0  # blocks [_first, _end) are in _buf, verified
+        self._end = 0
 
     def __enter__(self) -> _BlockFile:
         try:
@@ -292,31 +296,76 @@ class _BlockFile:
             self._f.close()
 
     def read(self, offset: int, length: int) -> memoryview:
-        """Bytes [offset, offset + length), read as whole blocks and verified."""
+        """Bytes [offset, offset + length), verified; valid until the next call."""
+        first, end = offset // self.block, (offset + max(length, 1) - 1) // self.block + 1
+        if not (self._first <= first and end <= self._end):
+            self._load(first, end)
+        lo = offset - self._first * self.block
+        return memoryview(self._buf)[lo : lo + length]
+
+    def _load(self, first: int, end: int) -> None:
+        """Make blocks [first, end) the buffer's window, reading only those not held."""
         assert self._f is not None
-        first, last = offset // self.block, (offset + max(length, 1) - 1) // self.block
-        start, end = first * self.block, min((last + 1) * self.block, self.size)
-        buf = bytearray(end - start)
-        view = memoryview(buf)
+        keep = max(0, self._end - first) if self._first <= first < self._end else 0
+        need = (end - first) * self.block
+        if need > len(self._buf):
+            grown = bytearray(need)
+            grown[: keep * self.block] = self._buf[(first - self._first) * self.block :][
+                : keep * self.block
+            ]
+            self._buf = grown
+        elif keep:
+            src = (first - self._first) * self.block
+            self._buf[: keep * self.block] = self._buf[src : src + keep * self.block]
+        view = memoryview(self._buf)
+        start = (first + keep) * self.block
+        stop = min(end * self.block, self.size)
         self._f.seek(start)
-        got = 0
-        while got < len(buf):
-            n = self._f.readinto(view[got:])
+        got = start
+        while got < stop:
+            n = self._f.readinto(view[got - first * self.block : stop - first * self.block])
             if not n:
                 raise CorruptionError(self.path, "file ended early")
             got += n
-        for b in range(first, last + 1):
-            if b in self.checked:
-                continue
+        for b in range(first + keep, end):
             lo = (b - first) * self.block
-            if xxhash.xxh3_64_hexdigest(view[lo : lo + self.block]) != self.digests[b]:
+            hi = min(lo + self.block, self.size - first * self.block)
+            if xxhash.xxh3_64_hexdigest(view[lo:hi]) != self.digests[b]:
                 raise CorruptionError(self.path, f"block {b} disagrees with COMMITTED.json")
-            self.checked.add(b)
-        return view[offset - start : offset - start + length]
+        self._first, self._end = first, end
+
+
+class _MemoryFile(io.RawIOBase):
+    """A read-only, seekable file over a memoryview: torch.load reads the verified bytes
+    where they are (io.BytesIO would copy them first)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = base + pos
+        return self._pos
+
+    def readinto(self, b) -> int:  # noqa: ANN001 (any writable buffer)
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        memoryview(b).cast("B")[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
 
 
 def _load_tensor(planner: LoadPlanner, item: ReadItem, blob: memoryview) -> None:
-    tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    tensor = torch.load(_MemoryFile(blob), map_location="cpu", weights_only=True)
     # The part of the stored chunk this item asks for (a resharded load asks for less).
     for dim, (off, n) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
         if n < tensor.size(dim):
@@ -330,7 +379,7 @@ def _load_tensor(planner: LoadPlanner, item: ReadItem, blob: memoryview) -> None
 
 def _load_bytes(planner: LoadPlanner, item: ReadItem, blob: memoryview) -> None:
     # What DefaultLoadPlanner.load_bytes does, minus its unrestricted unpickling.
-    value = torch.load(io.BytesIO(blob), weights_only=True)
+    value = torch.load(_MemoryFile(blob), weights_only=True)
     fqn = item.dest_index.fqn
     if isinstance(planner, DefaultLoadPlanner) and planner.flatten_state_dict:
         set_element(planner.original_state_dict, planner.mappings[fqn], value)

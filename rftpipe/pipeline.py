@@ -7,14 +7,17 @@ written, committed and read back is the executor's business (`rftpipe.executor`)
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from rftpipe.errors import UserError
 from rftpipe.executor import Rows, Stage, StageOutput, StepPlan
 from rftpipe.faults import events, fault
 from rftpipe.runtime import Runtime
 from rftpipe.stages import ORDER, StageName, advantage, rollout, score, sync, train
+from rftpipe.store import CorruptionError
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +107,12 @@ class TrainStage:
             log.warning("replayed train step %d differs from its committed metrics", plan.step)
 
     def _train(self, rt: Runtime, plan: StepPlan, rows: Rows) -> dict[str, float]:
-        # The previous step's checkpoint may still be reading the weights this stage updates.
-        rt.ckpt_writer.wait()
+        # The previous step's checkpoint may still be reading the weights this stage updates,
+        # or a restart still loading the optimizer state it needs.
+        try:
+            rt.ckpt_writer.wait()
+        except CorruptionError as exc:
+            _refuse_corrupt_late_load(rt, exc)
         # The controller's coefficient for this step is the one its advantage stage recorded.
         kl_coef = float(rt.store.manifest(plan.step, "advantage")["kl_coef"])
         n = rt.cfg.rollout.n
@@ -138,6 +145,20 @@ class SyncStage:
 
     def replay(self, rt: Runtime, plan: StepPlan, rows: Rows, manifest: dict[str, Any]) -> None:
         sync.run(rt.rollout_engine, rt.train_engine, version=plan.step)
+
+
+def _refuse_corrupt_late_load(rt: Runtime, exc: CorruptionError) -> None:
+    """The optimizer state that a restart loaded in the background is corrupt. The model
+    weights it sampled this step's rows with were verified, so those rows stand; the
+    checkpoint goes, and the next start falls back to the one before and replays."""
+    ckpt = exc.path.parent
+    events().write("corrupt_checkpoint", path=str(exc.path), deferred=True)
+    if rt.dist.is_main and ckpt.parent == rt.run.checkpoints:
+        shutil.rmtree(ckpt, ignore_errors=True)
+    raise UserError(
+        f"checkpoint {ckpt} is corrupt ({exc.path.name}: {exc.why}) and was removed; "
+        "start the run again to resume from the previous checkpoint"
+    ) from exc
 
 
 PIPELINE: tuple[Stage, ...] = (

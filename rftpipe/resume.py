@@ -102,7 +102,9 @@ def restore(rt: Runtime) -> int:
     dirty = False
     for ckpt in reversed(checkpoint.list_committed(rt.run.checkpoints)):
         try:
-            checkpoint.load(ckpt, parts)
+            # The optimizer's moments load while the first rollout runs (the first train
+            # stage waits for them): a restart's first new work starts sooner.
+            checkpoint.load(ckpt, parts, later=rt.ckpt_writer)
             return ckpt.step
         except CorruptionError as exc:
             dirty = True
