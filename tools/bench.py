@@ -12,7 +12,10 @@ the same learning rate, and the same thread count. rftpipe runs with durability 
 stage fsynced and committed, and checkpoints. The measured runs checkpoint every
 `--ckpt-every` steps (5: two checkpoints in 11 steps, each overlapping the next step), and
 each checkpoint's cost, how much longer the step it overlaps took than the median plain
-step, is amortised over the interval (`--ckpt-interval`, default: the config's, 20).
+step, is amortised over the interval the default config runs with: with its
+`checkpoint.policy=young_daly`, the interval that policy picks for the measured checkpoint
+cost, step and train-stage seconds and its MTBF prior (`--ckpt-interval N` fixes it
+instead). `--summarize BENCH_JSON` recomputes an earlier run's summary that way.
 
 Reported per side: seconds per step (rftpipe: the mean of its plain steps 2..N plus the
 amortised checkpoint cost; TRL: the mean of steps 2..N; then the median over runs),
@@ -43,8 +46,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "grpo_smollm2_addition.yaml"
 
@@ -71,6 +72,9 @@ def overrides(a: argparse.Namespace, steps: int) -> list[str]:
         "logging.tensorboard=false",
         "logging.progress=false",
         f"launch.threads={a.threads}",
+        # Measured runs checkpoint on a fixed short interval so two checkpoints fall inside
+        # them; the cost is then amortised over the interval the default config would use.
+        "checkpoint.policy=fixed",
         f"checkpoint.interval={a.ckpt_every}",
     ]
 
@@ -78,8 +82,29 @@ def overrides(a: argparse.Namespace, steps: int) -> list[str]:
 # ---------------------------------------------------------------------------- parent side
 
 
-def default_interval() -> int:
-    return yaml.safe_load(CONFIG.read_text())["checkpoint"]["interval"]
+def config_interval(
+    a: argparse.Namespace, ckpt_cost_s: float, step_s: float, train_s: float
+) -> int:
+    """The checkpoint interval the default config runs with on this machine: its fixed
+    `checkpoint.interval`, or, with `checkpoint.policy=young_daly`, what the policy picks for
+    these measured figures (`--ckpt-interval` overrides both)."""
+    from rftpipe.ckpt_policy import HOUR_S, young_daly_interval
+    from rftpipe.config.loader import load_config
+    from rftpipe.config.schema import RunConfig
+
+    if a.ckpt_interval:
+        return a.ckpt_interval
+    c = load_config(RunConfig, CONFIG).checkpoint
+    if c.policy == "fixed":
+        return c.interval
+    return young_daly_interval(
+        ckpt_cost_s,
+        step_s,
+        c.mtbf_hours * HOUR_S,
+        replay_step_s=train_s,
+        min_interval=c.min_interval,
+        max_interval=c.max_interval,
+    )
 
 
 def run_child(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, float, float]:
@@ -112,7 +137,6 @@ def bench_rftpipe(a: argparse.Namespace, work: Path, i: int) -> dict[str, Any]:
         raise SystemExit(f"rftpipe run {run_dir} failed with exit code {code}")
     gaps, begins = sync_times(run_dir)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    interval = a.ckpt_interval or default_interval()
     # gaps[k] is step k+2 (sync to sync). A checkpoint after step c blocks briefly, then is
     # written while step c+1 rolls out; its whole cost is how much longer step c+1 took.
     ckpt_steps = [r["step"] for r in rows if r["perf/checkpoint_s"] > 0 and r["step"] < a.steps]
@@ -137,6 +161,8 @@ def bench_rftpipe(a: argparse.Namespace, work: Path, i: int) -> dict[str, Any]:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     shutil.rmtree(run_dir)  # ~3 GB of checkpoints per run; keep one run's worth at a time
+    train_s = statistics.median(r["perf/train_s"] for r in rows[1:])
+    interval = config_interval(a, statistics.median(ckpt_cost), statistics.mean(plain), train_s)
     return {
         # Plain steps at their mean, checkpoints at their measured cost over the interval.
         "step_s": statistics.mean(plain) + statistics.median(ckpt_cost) / interval,
@@ -147,6 +173,7 @@ def bench_rftpipe(a: argparse.Namespace, work: Path, i: int) -> dict[str, Any]:
         "wall_s": wall,
         "commit_s": statistics.median(r["perf/commit_s"] for r in rows[1:]),
         "checkpoint_interval": interval,
+        "train_s": train_s,
         "checkpoint_cost_s": statistics.median(ckpt_cost),
         "checkpoint_block_s": [by_step[c]["perf/checkpoint_s"] for c in ckpt_steps],
         "checkpoint_wait_s": [
@@ -223,12 +250,15 @@ def summarize(a: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -
     step = out["rftpipe"]["step_s"]
     out["overhead_above_floor"] = step / (gen + train) - 1
     commit = med(r["commit_s"] for r in rf)
-    interval = rf[0]["checkpoint_interval"]
+    interval = med(r["checkpoint_interval"] for r in rf)
     costs = [r["checkpoint_cost_s"] for r in rf]
     ckpt = med(costs) / interval
+    replay_step = med(r.get("train_s", train) for r in rf)
     out["durability"] = {
         "commit_s": commit,
+        "checkpoint_policy": checkpoint_policy(a),
         "checkpoint_interval": interval,
+        "replay_per_preemption_s": interval / 2 * replay_step,
         "checkpoint_cost_s": med(costs),
         "checkpoint_block_s": med(x for r in rf for x in r["checkpoint_block_s"]),
         "checkpoint_wait_s": med(x for r in rf for x in r["checkpoint_wait_s"]),
@@ -239,6 +269,28 @@ def summarize(a: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -
         "resume_to_first_rollout_s": med(r["resume_s"] for r in rf if r["resume_s"] is not None),
     }
     return out
+
+
+def checkpoint_policy(a: argparse.Namespace) -> str:
+    from rftpipe.config.loader import load_config
+    from rftpipe.config.schema import RunConfig
+
+    c = load_config(RunConfig, CONFIG).checkpoint
+    if a.ckpt_interval:
+        return f"fixed {a.ckpt_interval} (--ckpt-interval)"
+    return c.policy if c.policy == "fixed" else f"young_daly (MTBF prior {c.mtbf_hours} h)"
+
+
+def reamortise(a: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -> None:
+    """Recompute each rftpipe run's amortised step time for the interval the default config
+    picks now (`--summarize` of an older bench.json); runs measured before their train-stage
+    seconds were recorded take the floor's train seconds as the replay cost."""
+    floor_train = statistics.median(r["train_s"] for r in results["floor"])
+    for r in results["rftpipe"]:
+        plain = r["step_s"] - r["checkpoint_cost_s"] / r["checkpoint_interval"]
+        r.setdefault("train_s", floor_train)
+        r["checkpoint_interval"] = config_interval(a, r["checkpoint_cost_s"], plain, r["train_s"])
+        r["step_s"] = plain + r["checkpoint_cost_s"] / r["checkpoint_interval"]
 
 
 def report(s: dict[str, Any]) -> str:
@@ -261,7 +313,9 @@ def report(s: dict[str, Any]) -> str:
         f"rftpipe overhead above the floor: {100 * s['overhead_above_floor']:.1f} %",
         f"commit {1000 * d['commit_s']:.1f} ms/step = {100 * d['commit_share']:.2f} % of step "
         f"time; with checkpoints ({d['checkpoint_cost_s']:.2f} s each, every "
-        f"{d['checkpoint_interval']} steps): {100 * d['durability_share']:.2f} %",
+        f"{d['checkpoint_interval']} steps, {d['checkpoint_policy']}): "
+        f"{100 * d['durability_share']:.2f} %; replay after a preemption "
+        f"~{d['replay_per_preemption_s']:.0f} s on average",
         f"restart to first new rollout {d['resume_to_first_rollout_s']:.2f} s "
         f"vs cold start {d['cold_start_to_first_rollout_s']:.2f} s",
     ]
@@ -272,6 +326,15 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     if a.child:
         return child_main(a)
+    if a.summarize:
+        raw = json.loads(Path(a.summarize).read_text())
+        reamortise(a, raw["runs"])
+        summary = summarize(a, raw["runs"])
+        Path(a.summarize).write_text(
+            json.dumps({"summary": summary, "runs": raw["runs"]}, indent=1)
+        )
+        print(report(summary))
+        return 0
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict[str, Any]]] = {"rftpipe": [], "trl": [], "floor": []}
@@ -313,6 +376,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="interval the measured checkpoint cost is amortised over (default: config's)",
     )
     p.add_argument("--out", default="bench-out", help="where bench.json goes")
+    p.add_argument(
+        "--summarize",
+        metavar="BENCH_JSON",
+        help="recompute the summary of an earlier run's bench.json (in place) and report it",
+    )
     p.add_argument("--child", choices=("trl", "floor"), help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     return p.parse_args(sys.argv[1:] if argv is None else argv)
