@@ -230,7 +230,7 @@ def read_history(events_path: Path) -> RunHistory:
     - another session follows it and it neither logged ``user_error`` (the process refused
       its input and exited) nor ended complete. It ended complete when its newest
       ``checkpoint`` event is at or past every step it worked on (``commit``,
-      ``rollout_begin``, ``replay``): the last step of a run always checkpoints, and any
+      ``stage_begin``, ``replay``): the last step of a run always checkpoints, and any
       later step would show up as work. A session that did no step at all ended complete
       only if the one before it did and was not interrupted (a finished run started
       again); otherwise it died while loading. A hard kill (node failure, OOM, SIGKILL) logs nothing, so it is recognised
@@ -264,7 +264,7 @@ def read_history(events_path: Path) -> RunHistory:
     for i, session in enumerate(sessions):
         run_s += max(0.0, max(r["t"] for r in session) - session[0]["t"])
         names = {r["event"] for r in session}
-        work = _max_step(session, ("commit", "rollout_begin", "replay"))
+        work = _max_step(session, ("commit", "stage_begin", "replay"))
         ckpt = _max_step(session, ("checkpoint",))
         # A session that did no step ended complete only if the run already was.
         complete = prev_complete if work is None else (ckpt is not None and ckpt >= work)

@@ -133,7 +133,10 @@ def _ev(t: float, event: str, rank: int = 0, **fields) -> str:
 def _steps(t0: float, first: int, last: int, dt: float = 10.0) -> list[str]:
     out, t = [], t0
     for s in range(first, last + 1):
-        out += [_ev(t, "rollout_begin", step=s), _ev(t + 1, "commit", step=s, stage="rollout")]
+        out += [
+            _ev(t, "stage_begin", step=s, stage="rollout"),
+            _ev(t + 1, "commit", step=s, stage="rollout"),
+        ]
         out += [_ev(t + 2, "commit", step=s, stage="train")]
         t += dt
     return out
