@@ -29,7 +29,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as tdist
-import xxhash
 
 from rftpipe import direct_io
 from rftpipe.dist import Dist
@@ -41,10 +40,12 @@ from rftpipe.store import (
     TMP_PREFIX,
     CorruptionError,
     atomic_write_json,
+    checkpoint_corruption,
     checksum_file,
     committed_checkpoints,
     fsync_dir,
     read_json,
+    read_verified,
     step_name,
     verify_file,
 )
@@ -72,8 +73,8 @@ def list_committed(root: Path) -> list[Checkpoint]:
 def verify(ckpt: Checkpoint) -> None:
     """Check every file of a checkpoint in full (for `tools.inspect verify`; a restart
     verifies what it loads while loading it instead, see `load`)."""
-    for name, info in read_json(ckpt.path / COMMIT_FILE)["files"].items():
-        verify_file(ckpt.path / name, info)
+    for exc in checkpoint_corruption(ckpt.path):
+        raise exc
 
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -265,11 +266,7 @@ def load(ckpt: Checkpoint, parts: dict[str, Stateful], later: Writer | None = No
         if name not in files:
             raise CorruptionError(ckpt.path / name, "not listed in COMMITTED.json")
     verify_file(ckpt.path / ".metadata", files[".metadata"])
-    extras_bytes = (ckpt.path / "extra-r0.pt").read_bytes()
-    if len(extras_bytes) != files["extra-r0.pt"]["bytes"] or (
-        xxhash.xxh3_128_hexdigest(extras_bytes) != files["extra-r0.pt"]["xxh3_128"]
-    ):
-        raise CorruptionError(ckpt.path / "extra-r0.pt", "checkpoint extras with a bad checksum")
+    extras_bytes = read_verified(ckpt.path / "extra-r0.pt", files["extra-r0.pt"])
     # Rank-local extras hold only world-independent state, so rank 0's serves any world size.
     extras = torch.load(io.BytesIO(extras_bytes), weights_only=True)
     now: dict[str, dict[str, Any]] = {}

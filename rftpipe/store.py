@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,11 +153,36 @@ def verify_file(path: Path, info: dict[str, Any]) -> None:
     """Raise CorruptionError unless `path` has the size and xxh3-128 that `info` records."""
     if not path.exists():
         raise CorruptionError(path, "listed in its manifest but missing")
-    size = path.stat().st_size
+    # The size first: a truncated file is refused without reading it.
+    _check_record(path, path.stat().st_size, None, info)
+    _check_record(path, info["bytes"], checksum_file(path), info)
+
+
+def read_verified(path: Path, info: dict[str, Any]) -> bytes:
+    """A small file's bytes, checked against its record before anyone deserializes them."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CorruptionError(path, "listed in its manifest but missing") from None
+    _check_record(path, len(data), xxhash.xxh3_128_hexdigest(data), info)
+    return data
+
+
+def _check_record(path: Path, size: int, digest: str | None, info: dict[str, Any]) -> None:
     if size != info["bytes"]:
         raise CorruptionError(path, f"size {size} != {info['bytes']} in the manifest (truncated?)")
-    if checksum_file(path) != info["xxh3_128"]:
+    if digest is not None and digest != info["xxh3_128"]:
         raise CorruptionError(path, "checksum disagrees with the manifest")
+
+
+def checkpoint_corruption(folder: Path) -> Iterator[CorruptionError]:
+    """Every file of a committed checkpoint that disagrees with its COMMITTED.json, each
+    checked in full (a restart instead verifies what it loads as it loads it)."""
+    for name, info in read_json(folder / CHECKPOINT_COMMIT_FILE)["files"].items():
+        try:
+            verify_file(folder / name, info)
+        except CorruptionError as exc:
+            yield exc
 
 
 def step_name(step: int) -> str:
@@ -285,9 +310,6 @@ class RunDir:
     def trajectory_dir(self, step: int) -> Path:
         return self.trajectories / step_name(step)
 
-    def checkpoint_dir(self, step: int) -> Path:
-        return self.checkpoints / step_name(step)
-
 
 class StageStore:
     """Commits, publication and reads of stages; the stage names and their order are the
@@ -302,10 +324,6 @@ class StageStore:
 
     def manifest(self, step: int, stage: str) -> dict[str, Any]:
         return read_json(self.run.manifest_path(step, stage))
-
-    def complete_steps(self, final_stage: str) -> list[int]:
-        """Steps whose final stage committed, ascending."""
-        return [s for s in list_steps(self.run.stages) if self.is_committed(s, final_stage)]
 
     def newest_complete_step(self, final_stage: str) -> int:
         """The newest step whose final stage committed (0: none); looks at the newest only."""
@@ -399,11 +417,16 @@ class StageStore:
     def verify(self, step: int, stage: str) -> None:
         """Check every shard of a committed stage (and its published copy) against its manifest."""
         m = self.manifest(step, stage)
+        stage_dir, published = self.run.stage_dir(step, stage), self.run.trajectory_dir(step)
         for info in m["shards"]:
-            verify_shard(self.run.stage_dir(step, stage), info)
-        if m.get("published") and self.run.trajectory_dir(step).exists():
-            for info in m["shards"]:
-                verify_shard(self.run.trajectory_dir(step), info)
+            verify_shard(stage_dir, info)
+            if not (m.get("published") and published.exists()):
+                continue
+            # The published file is normally a hard link to the shard just checked: only a
+            # real copy (a file system without hard links) needs reading again.
+            copy = published / info["file"]
+            if not (copy.exists() and os.path.samefile(copy, stage_dir / info["file"])):
+                verify_shard(published, info)
 
     def read(self, step: int, stage: str, rank: int) -> pa.Table:
         """One committed shard, verified against the manifest as it is read."""

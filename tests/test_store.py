@@ -62,3 +62,17 @@ def test_atomic_json_never_leaves_partial_files(tmp_path: Path) -> None:
     atomic_write_json(tmp_path / "a.json", {"x": 2})
     assert read_json(tmp_path / "a.json") == {"x": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_published_copy_is_checked_unless_it_is_the_committed_file(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    store = StageStore(run)
+    store.write_shard(1, "sync", 0, _table(), {})
+    store.commit(1, "sync", 1, {}, publish=True)
+    published = run.trajectory_dir(1) / "part-r0.parquet"
+    assert published.samefile(run.shard_path(1, "sync", 0))  # a hard link, not a copy
+    store.verify(1, "sync")
+    published.unlink()  # replaced by a different file: that one is read and refused
+    published.write_bytes(b"not the committed rows")
+    with pytest.raises(CorruptionError, match="trajectories"):
+        store.verify(1, "sync")

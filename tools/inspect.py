@@ -50,14 +50,12 @@ import pyarrow.dataset as ds
 
 from rftpipe.stages import ORDER as STAGES
 from rftpipe.store import (
-    CHECKPOINT_COMMIT_FILE,
     CorruptionError,
     RunDir,
     StageStore,
+    checkpoint_corruption,
     committed_checkpoints,
     list_steps,
-    read_json,
-    verify_file,
 )
 
 PROG = "inspect"
@@ -612,11 +610,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 bad.append({"path": str(exc.path), "why": exc.why})
     for _, path in committed_checkpoints(rundir.checkpoints):
         checked["checkpoints"] += 1
-        for name, info in read_json(path / CHECKPOINT_COMMIT_FILE)["files"].items():
-            try:
-                verify_file(path / name, info)
-            except CorruptionError as exc:
-                bad.append({"path": str(exc.path), "why": exc.why})
+        bad += [{"path": str(e.path), "why": e.why} for e in checkpoint_corruption(path)]
     if args.json:
         print(json.dumps({"checked": checked, "corrupt": bad}, indent=1))
     else:
