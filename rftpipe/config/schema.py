@@ -227,11 +227,31 @@ class KLConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
-    backend: Literal["single", "fsdp2"] = "single"
-    """Training engine: one device, or FSDP2 over all ranks (DeepSpeed plugs in behind the same interface)."""
+    backend: Literal["single", "fsdp2", "deepspeed"] = "single"
+    """Training engine: one device, FSDP2 over all ranks, or DeepSpeed ZeRO over all ranks."""
+
+    zero_stage: int = 2
+    """backend=deepspeed: ZeRO stage. 2 shards optimizer state and gradients; 3 shards the
+    parameters too (gathered layer by layer for each forward and backward)."""
 
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    """FSDP2 compute dtype; master weights, gradient reduction and AdamW state stay fp32."""
+    """Compute dtype. bfloat16 is mixed precision on every backend: master weights, gradient
+    reduction and AdamW state stay fp32 (single: autocast; fsdp2: MixedPrecisionPolicy;
+    deepspeed: its bf16 mode)."""
+
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them:
+    activation memory per layer drops to its input, for about one more forward of compute."""
+
+    cpu_offload: Literal["none", "optimizer", "all"] = "none"
+    """Keep state in host memory between uses. optimizer: AdamW state and its step on the CPU
+    (deepspeed). all: parameters too (deepspeed ZeRO-3; fsdp2, whose CPUOffloadPolicy offloads
+    parameters, gradients and optimizer together). The single backend has none."""
+
+    max_tokens_per_micro_batch: int = 0
+    """Split mini-batches into micro-batches by tokens (prompt plus response per row) instead
+    of by `micro_batch_size` rows: each micro-batch holds as many rows as fit this budget
+    (at least one). 0: use `micro_batch_size`."""
 
     lr: float = 2e-5
     """Peak learning rate of AdamW."""
@@ -288,10 +308,29 @@ class TrainConfig:
             raise ValueError(f"betas must be two numbers in [0, 1), got {list(self.betas)}")
         if self.ppo_epochs < 1 or self.mini_batches < 1 or self.micro_batch_size < 1:
             raise ValueError("ppo_epochs, mini_batches and micro_batch_size must all be >= 1")
-        if self.param_dtype != "float32" and self.backend != "fsdp2":
+        if self.zero_stage not in (2, 3):
+            raise ValueError(f"zero_stage must be 2 or 3, got {self.zero_stage}")
+        if self.zero_stage != 2 and self.backend != "deepspeed":
+            raise ValueError(f"zero_stage={self.zero_stage} needs backend=deepspeed")
+        if self.cpu_offload != "none":
+            offloads = {"deepspeed": ("optimizer", "all"), "fsdp2": ("all",), "single": ()}
+            if self.cpu_offload not in offloads[self.backend]:
+                raise ValueError(
+                    f"cpu_offload={self.cpu_offload} is not available with backend={self.backend}"
+                    + {
+                        "single": " (no offload on one device; use fsdp2 or deepspeed)",
+                        "fsdp2": " (FSDP2 offloads parameters and optimizer together: use all)",
+                        "deepspeed": "",
+                    }[self.backend]
+                )
+            if self.backend == "deepspeed" and self.cpu_offload == "all" and self.zero_stage != 3:
+                raise ValueError(
+                    "cpu_offload=all offloads parameters, which ZeRO-2 cannot; use zero_stage=3 "
+                    "or cpu_offload=optimizer"
+                )
+        if self.max_tokens_per_micro_batch < 0:
             raise ValueError(
-                f"param_dtype={self.param_dtype} needs backend=fsdp2 "
-                "(a single device trains in model.dtype)"
+                f"max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}"
             )
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")

@@ -555,7 +555,15 @@ class FSDP2Engine(_EngineBase):
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
 
 
+def _deepspeed_engine(*args: object, **kwargs: object) -> TrainEngine:
+    # Imported on use: DeepSpeed is an optional dependency with a slow import.
+    from rftpipe.engines.zero import DeepSpeedEngine
+
+    return DeepSpeedEngine(*args, **kwargs)
+
+
 TRAIN_ENGINES: dict[str, Callable[..., TrainEngine]] = {
     "single": SingleDeviceEngine,
     "fsdp2": FSDP2Engine,
+    "deepspeed": _deepspeed_engine,
 }
