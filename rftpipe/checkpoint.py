@@ -156,6 +156,7 @@ class Writer:
 
         def run() -> None:
             try:
+                _bind_device(self.dist)
                 work(self._group)
             except BaseException as exc:  # surfaced by wait() in the main thread
                 self._error = exc
@@ -195,6 +196,7 @@ class Writer:
             # cores, the write soaks up their idle moments, and whatever is left runs at full
             # speed while the next train stage waits for it.
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            _bind_device(self.dist)
             writer, fs = direct_io.storage_writer(tmp, self.direct_io)
             try:
                 # Returns on rank 0 only after every rank's files are written and synced.
@@ -213,6 +215,13 @@ class Writer:
                 _commit(root, step, tmp, self.dist.world, keep_last)
         except BaseException as exc:  # surfaced by wait() in the main thread
             self._error = exc
+
+
+def _bind_device(dist: Dist) -> None:
+    """Make this rank's GPU the current device of a background thread (a new thread starts
+    on cuda:0, and DCP stages its device-to-host copies on the current device's stream)."""
+    if dist.device.type == "cuda":
+        torch.cuda.set_device(dist.device)
 
 
 def _commit(root: Path, step: int, tmp: Path, world: int, keep_last: int) -> None:

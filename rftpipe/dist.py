@@ -27,6 +27,20 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def device(self) -> torch.device:
+        """This rank's compute device: ``cuda:<local_rank>`` where CUDA is available (the
+        device `init_from_env` binds NCCL to), else the CPU.
+
+        Every model a rank runs (actor, reference, rollout copy) computes here; engines that
+        place their own parameters (FSDP2, DeepSpeed) still feed their inputs here. The
+        local rank is taken modulo the visible devices: a task bound to a GPU of its own
+        sees it as device 0.
+        """
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
     def barrier(self) -> None:
         if self.world > 1:
             tdist.barrier()
@@ -73,14 +87,17 @@ def init_from_env(require_group: bool = False) -> Dist:
         return Dist()
     if world == 1 and "MASTER_ADDR" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0")
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dist = Dist(
+        rank=int(os.environ["RANK"]),
+        world=world,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
     if not tdist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(local_rank)
-        tdist.init_process_group(backend=backend, rank=rank, world_size=world)
-    return Dist(rank=rank, world=world, local_rank=local_rank)
+            torch.cuda.set_device(dist.device)
+        tdist.init_process_group(backend=backend, rank=dist.rank, world_size=world)
+    return dist
 
 
 def slurm_env(env: Mapping[str, str]) -> dict[str, str]:

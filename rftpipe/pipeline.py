@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from rftpipe import perf
 from rftpipe.errors import UserError
 from rftpipe.executor import Rows, Stage, StageOutput, StepPlan
 from rftpipe.faults import events, fault
@@ -99,7 +100,7 @@ class TrainStage:
         rt.stop.check(rt.dist, f"step {plan.step} train replay")
         fault("train_mid_replay")
         metrics = self._train(rt, plan, rows)
-        same = metrics == manifest["metrics"]
+        same = _update_metrics(metrics) == _update_metrics(manifest["metrics"])
         events().write("replay", step=plan.step, identical=same)
         if not same:
             # Same inputs and seeds must give the same update; a difference means the
@@ -126,7 +127,14 @@ class TrainStage:
         )
         metrics = train.run(rt.cfg.train, rt.cfg.kl, rt.train_engine, rt.dist, inp)
         rt.kl_ctrl.update(metrics["train/kl"], n_steps=len(plan.global_ids) * n)
-        return metrics
+        dtype = perf.compute_dtype(rt.cfg.train.param_dtype, rt.cfg.model.dtype)
+        peak = perf.peak_tflops(rt.dist.device, dtype, rt.cfg.launch.peak_tflops)
+        return {**metrics, **perf.mfu(metrics["perf/train_tflops"], peak, rt.dist.world)}
+
+
+def _update_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """What the update determines (timings, under perf/, are the machine's business)."""
+    return {k: v for k, v in metrics.items() if not k.startswith("perf/")}
 
 
 @dataclass(frozen=True, slots=True)

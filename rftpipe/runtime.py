@@ -145,7 +145,7 @@ def build(
     engine, rollout = build_actor(cfg, model_dir, dist, tokenizer)
     reference = (
         TRAIN_ENGINES[cfg.train.backend](
-            models.load_causal_lm(model_dir, cfg.model.dtype), cfg.train, dist, role="reference"
+            load_for_engine(cfg, model_dir, dist), cfg.train, dist, role="reference"
         )
         if cfg.kl.mode != "none"
         else None
@@ -173,7 +173,7 @@ def build_actor(
     cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any
 ) -> tuple[TrainEngine, HFGenerateEngine]:
     """The actor at its initial weights, and the rollout engine that samples from it."""
-    model = models.load_causal_lm(model_dir, cfg.model.dtype)
+    model = load_for_engine(cfg, model_dir, dist)
     updates = cfg.total_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
     engine = TRAIN_ENGINES[cfg.train.backend](
         model, cfg.train, dist, role="actor", total_updates=updates
@@ -183,12 +183,30 @@ def build_actor(
     rollout_model = (
         model
         if cfg.train.backend == "single"
-        else models.load_causal_lm(model_dir, cfg.model.dtype)
+        else models.load_causal_lm(model_dir, cfg.model.dtype).to(dist.device)
     )
     rollout = HFGenerateEngine(
         rollout_model, cfg.rollout, tokenizer.eos_token_id, tokenizer.pad_token_id
     )
     return engine, rollout
+
+
+def load_for_engine(cfg: RunConfig, model_dir: Path, dist: Dist) -> torch.nn.Module:
+    """The initial weights, placed for `cfg.train.backend` (`place_for_engine`)."""
+    return place_for_engine(
+        models.load_causal_lm(model_dir, cfg.model.dtype), cfg.train.backend, dist
+    )
+
+
+def place_for_engine(model: torch.nn.Module, backend: str, dist: Dist) -> torch.nn.Module:
+    """A CPU-loaded model where the training backend `backend` takes it.
+
+    `single` trains the module where it finds it, so it goes to this rank's device here.
+    Sharded backends get it on the CPU and place it themselves (FSDP2's `fully_shard` moves
+    one unit at a time to the process group's device and shards it; DeepSpeed does its
+    own), so the whole model never has to fit on one device at once.
+    """
+    return model.to(dist.device) if backend == "single" else model
 
 
 def new_kl_controller(cfg: RunConfig) -> Any:

@@ -441,9 +441,16 @@ class LaunchConfig:
     """Slurm: how many times the job may requeue itself after a stop signal (time limit,
     preemption); Slurm's own requeues count too (SLURM_RESTART_COUNT)."""
 
+    peak_tflops: float = 0.0
+    """Dense peak TFLOP/s of one rank's device at the train compute dtype: the denominator
+    of the train stage's perf/mfu. 0: the GPU's entry in rftpipe/perf.py's table (H100 SXM
+    bf16: 989.5); no perf/mfu on the CPU or an unlisted GPU unless set here."""
+
     def __post_init__(self) -> None:
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if not (math.isfinite(self.peak_tflops) and self.peak_tflops >= 0):
+            raise ValueError(f"peak_tflops must be a finite number >= 0, got {self.peak_tflops}")
         if self.max_requeues < 0:
             raise ValueError(f"max_requeues must be >= 0, got {self.max_requeues}")
 

@@ -175,12 +175,13 @@ class HFGenerateEngine:
             pad_token_id=self.pad_id,
             use_cache=True,
         )
+        device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
         outs: list[list[int]] = []
         for i in range(0, len(prompts), batch):
             chunk = prompts[i : i + batch]
-            ids, mask = _left_pad(chunk, self.pad_id)
+            ids, mask = (t.to(device) for t in _left_pad(chunk, self.pad_id))
             width = ids.shape[1]
             seq = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
             for row in seq[:, width:].tolist():

@@ -520,6 +520,9 @@ class FSDP2Engine(_EngineBase):
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        # fully_shard moves the parameters to the process group's device (cuda:local_rank
+        # under NCCL), so the model's device before sharding says nothing about the inputs'.
+        self.device = self.dist.device
         # bf16 compute with fp32 master weights, fp32 gradient reduction and fp32 AdamW state.
         mp = MixedPrecisionPolicy(
             param_dtype=getattr(torch, self.cfg.param_dtype), reduce_dtype=torch.float32

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
+from rftpipe import perf
 from rftpipe.algos.losses import AGGREGATIONS, POLICY_LOSSES, kl_estimate
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.dist import Dist
@@ -87,8 +88,13 @@ def minibatch_plan(inp: TrainInputs, epoch: int, mini_batches: int) -> list[list
 def run(
     cfg: TrainConfig, kl: KLConfig, engine: TrainEngine, dist: Dist, inp: TrainInputs
 ) -> dict[str, float]:
+    t0 = perf.clock(dist.device)
     with engine.train_mode():
-        return _run(cfg, kl, engine, dist, inp)
+        metrics = _run(cfg, kl, engine, dist, inp)
+    seconds = perf.clock(dist.device) - t0
+    # Every rank reaches this one extra collective right after the stage's last one.
+    work = dist.all_reduce_sum(perf.train_work(engine.model, inp.table, cfg.ppo_epochs))
+    return {**metrics, **perf.throughput(work, seconds)}
 
 
 def _run(
