@@ -108,8 +108,8 @@ class DeepSpeedEngine(_EngineBase):
         super().__init__(model, cfg, dist, role=role, total_updates=total_updates)
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        if torch.cuda.is_available():
-            model = model.to(f"cuda:{torch.cuda.current_device()}")
+        # DeepSpeed expects the module on the rank's device before it partitions it.
+        model = model.to(self.dist.device)
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
