@@ -25,6 +25,7 @@ import gc
 import importlib.util
 import json
 import math
+import resource
 import statistics
 import sys
 from pathlib import Path
@@ -137,6 +138,8 @@ def measure(name: str, a: argparse.Namespace, dist: Dist) -> dict:
         zero_stage=zero_stage,
         param_dtype=a.dtype,
         gradient_checkpointing=a.gradient_checkpointing,
+        cpu_offload=a.cpu_offload,
+        max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
         lr=1e-6,
         micro_batch_size=a.micro_batch,
     )
@@ -150,7 +153,11 @@ def measure(name: str, a: argparse.Namespace, dist: Dist) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats(dist.device)
     try:
-        steps = [_step(engine, cfg, dist, rows, mine, s) for s in range(1, a.steps + 1)]
+        steps = []
+        for s in range(1, a.steps + 1):
+            t0 = perf.clock(dist.device)
+            steps.append(_step(engine, cfg, dist, rows, mine, s))
+            steps[-1]["step_s"] = perf.clock(dist.device) - t0
     except torch.OutOfMemoryError as exc:
         return {"backend": name, "skipped": f"out of memory: {str(exc).splitlines()[0]}"}
     finally:
@@ -169,6 +176,8 @@ def measure(name: str, a: argparse.Namespace, dist: Dist) -> dict:
         "world": dist.world,
         "dtype": a.dtype,
         "gradient_checkpointing": a.gradient_checkpointing,
+        "cpu_offload": a.cpu_offload,
+        "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
         "non_embedding_params": shape.non_embedding_params,
         "rows": len(rows),
         "prompt_len": a.prompt_len,
@@ -181,6 +190,15 @@ def measure(name: str, a: argparse.Namespace, dist: Dist) -> dict:
         "peak_tflops": peak,
         "mfu": perf.mfu(tflops, peak, dist.world).get("perf/mfu"),
         "peak_mem_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30 if cuda else None,
+        "step_s": statistics.median(m["step_s"] for m in steady),
+        # The process's high-water host memory, largest over ranks (one backend per process
+        # for a figure of its own: it never goes down).
+        "peak_rss_gib": float(
+            dist.all_reduce_max(torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))[
+                0
+            ]
+        )
+        / 2**20,
         "grad_norm": steady[-1]["train/grad_norm"],
     }
 
@@ -212,6 +230,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=8, help="rows per forward/backward")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--cpu-offload", choices=["none", "optimizer", "all"], default="none")
+    p.add_argument(
+        "--max-tokens-per-micro-batch",
+        type=int,
+        default=0,
+        help="token budget (0: --micro-batch rows)",
+    )
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="leading steps left out of the median")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="override the device's peak")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -118,6 +119,9 @@ class DeepSpeedEngine(_EngineBase):
 
     def _init_role(self, role: Role, total_updates: int) -> None:
         deepspeed = self._ds_module
+        # DeepSpeed reads the local rank from the environment, which a plain (non-torchrun)
+        # single-process start does not set.
+        os.environ.setdefault("LOCAL_RANK", str(self.dist.local_rank))
         self.role = role
         config = ds_config(self.cfg, self.dist.world, role)
         if role == "reference":
