@@ -143,39 +143,62 @@ def root_forward_logprobs(
     return lp, ent
 
 
-def _prefix_tree(
-    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], t_max: int
-) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The micro-batch as one packed sequence: each distinct prompt once, followed by its
-    rows' responses (each but its last token).
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefixForest:
+    """A micro-batch as one prefix tree per distinct prompt, each tree a batch row of its own:
+    the prompt once, then each of its rows' responses but their last token, right-padded to
+    the longest tree."""
 
-    Returns the packed tokens, their positions, each packed position's group and row (-1
-    on a prompt), and for every row the (t_max,) packed positions whose hidden states
-    predict its response tokens (the prompt's last position predicts token 0).
-    """
+    input_ids: torch.Tensor
+    """(G, L) the trees' tokens, 0 on padding."""
+    position_ids: torch.Tensor
+    """(G, L) each token's position in its own prompt+response sequence."""
+    attention_mask: torch.Tensor
+    """(G, 1, L, L) bool: a token sees its prompt and the earlier tokens of its own response.
+    Padding sees the prompt and earlier padding (never an empty row, whose softmax would be
+    NaN and leak into the backward), and no real token sees padding."""
+    gather: torch.Tensor
+    """(B, T) index into the (G * L) flattened positions whose hidden state predicts row b's
+    response token t (the prompt's last position predicts token 0; 0 past the row's end)."""
+
+
+def prefix_forest(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], t_max: int
+) -> PrefixForest:
+    """Rows grouped by prompt (in first-seen order) into a `PrefixForest`."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault(tuple(p), []).append(i)
-    tokens: list[int] = []
-    positions: list[int] = []
-    group: list[int] = []
-    row: list[int] = []
+    width = max(
+        len(p) + sum(max(0, len(responses[i]) - 1) for i in rows) for p, rows in groups.items()
+    )
+    ids = torch.zeros((len(groups), width), dtype=torch.long)
+    pos = torch.zeros((len(groups), width), dtype=torch.long)
+    # Whose token each slot holds: -1 the prompt, -2 padding, else the row index.
+    owner = torch.full((len(groups), width), -2, dtype=torch.long)
     gather = torch.zeros((len(responses), t_max), dtype=torch.long)
     for g, (prompt, rows) in enumerate(groups.items()):
-        tokens += prompt
-        positions += range(len(prompt))
-        group += [g] * len(prompt)
-        row += [-1] * len(prompt)
-        last = len(tokens) - 1
+        n = len(prompt)
+        ids[g, :n] = torch.tensor(prompt, dtype=torch.long)
+        pos[g, :n] = torch.arange(n)
+        owner[g, :n] = -1
         for i in rows:
             body = list(responses[i][:-1])
-            gather[i, 0] = last
-            gather[i, 1 : 1 + len(body)] = torch.arange(len(tokens), len(tokens) + len(body))
-            tokens += body
-            positions += range(len(prompt), len(prompt) + len(body))
-            group += [g] * len(body)
-            row += [i] * len(body)
-    return tokens, positions, torch.tensor(group), torch.tensor(row), gather
+            k = len(body)
+            gather[i, 0] = g * width + len(prompt) - 1
+            gather[i, 1 : 1 + k] = torch.arange(g * width + n, g * width + n + k)
+            ids[g, n : n + k] = torch.tensor(body, dtype=torch.long)
+            pos[g, n : n + k] = torch.arange(len(prompt), len(prompt) + k)
+            owner[g, n : n + k] = i
+            n += k
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    visible = (owner[:, None, :] == -1) | (owner[:, :, None] == owner[:, None, :])
+    return PrefixForest(
+        input_ids=ids,
+        position_ids=pos,
+        attention_mask=(causal & visible)[:, None],
+        gather=gather,
+    )
 
 
 def grouped_logprobs(
@@ -188,33 +211,62 @@ def grouped_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) logprobs for rows in any order: rows sharing a prompt share its forward.
 
-    The micro-batch runs as one packed sequence, a prefix tree (`_prefix_tree`), through one
-    decoder call whose block mask lets a position see only its own prompt and the earlier
-    tokens of its own row, at their true positions. Each prompt is computed once and its
-    gradient flows back from all of its rows, so the result equals one full forward per
-    row, without padding, and every matmul is as tall as the whole micro-batch: 3.1 s
-    instead of 3.8 s for the benchmark's forward/backward (16 rows, 2 prompts, 2 CPU
-    cores) against a decoder call per group, and now at the machine's matmul peak.
+    Each prompt group runs as one batch row, its prefix tree (`prefix_forest`): the prompt
+    once, then its rows' responses, under a mask that lets a response see only its prompt
+    and its own earlier tokens, at their true positions. The prompt's gradient flows back
+    from all of its rows, so the result equals one full forward per row. Attention costs
+    the sum over groups of L_max^2, not the square of the whole micro-batch as one packed
+    sequence did, and the linear layers see the same tokens plus the padding to the
+    longest group. Forward+backward at SmolLM2-135M's shape (`tools/bench_forward.py`),
+    against the single packed sequence: 4 groups x 8 responses of 256 tokens 0.40 s
+    instead of 1.11 s and 19.2 instead of 25.4 GiB peak on an H100; 16-token responses
+    0.99x (2 groups) and 0.88x (4 groups) the time on 2 CPU threads.
     """
     device = model.get_input_embeddings().weight.device
     t_max = max(1, max(len(r) for r in responses))
     resp = torch.zeros((len(responses), t_max), dtype=torch.long)
     for i, r in enumerate(responses):
         resp[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
-    tokens, positions, group, row, gather = _prefix_tree(prompts, responses, t_max)
-    causal = torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril()
-    same_tree = group[:, None] == group[None, :]
-    visible = (row[None, :] == -1) | (row[:, None] == row[None, :])
-    mask = (causal & same_tree & visible).to(device)
+    forest = prefix_forest(prompts, responses, t_max)
     hidden = model.get_decoder()(
-        input_ids=torch.tensor([tokens], device=device),
-        position_ids=torch.tensor([positions], device=device),
-        attention_mask=mask[None, None],
+        input_ids=forest.input_ids.to(device),
+        position_ids=forest.position_ids.to(device),
+        attention_mask=forest.attention_mask.to(device),
         use_cache=False,
-    ).last_hidden_state[0]
+    ).last_hidden_state
     # Padding slots point at position 0: finite, and masked out by the caller.
-    hidden = hidden[gather.to(device)]
+    hidden = hidden.flatten(0, 1)[forest.gather.to(device)]
     return _head_logprobs(model, hidden, resp.to(device), temperature, with_entropy, entropy_grad)
+
+
+def split_micro_batches(
+    cfg: TrainConfig, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+) -> list[range]:
+    """Consecutive row ranges, one per micro-batch, covering the rows in order.
+
+    Each range holds `micro_batch_size` rows, or, with `max_tokens_per_micro_batch` set, as
+    many rows as fit that many prompt+response tokens (a longer row on its own). The train
+    stage and `compute_logprobs` both split with it::
+
+        >>> cfg = TrainConfig(max_tokens_per_micro_batch=10)
+        >>> split_micro_batches(cfg, [[1, 2]] * 4, [[3, 4], [5], [6] * 9, [7]])
+        [range(0, 2), range(2, 3), range(3, 4)]
+    """
+    budget = cfg.max_tokens_per_micro_batch
+    if not budget:
+        size = cfg.micro_batch_size
+        return [range(i, min(i + size, len(prompts))) for i in range(0, len(prompts), size)]
+    splits: list[range] = []
+    start, tokens = 0, 0
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        n = len(p) + len(r)
+        if i > start and tokens + n > budget:
+            splits.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    if start < len(prompts):
+        splits.append(range(start, len(prompts)))
+    return splits
 
 
 Role = Literal["actor", "reference"]
@@ -301,6 +353,18 @@ def lr_lambda(cfg: TrainConfig, total_updates: int) -> Callable[[int], float]:
     return f
 
 
+def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute every decoder layer's forward in the backward (non-reentrant checkpoint,
+    which needs no input that requires grad and works under FSDP2)."""
+    kwargs = {"use_reentrant": False}
+    # transformers 5 renamed the switch (the old name warns and goes in v6); 4.x has only it.
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 class _EngineBase:
     """What the backends share: roles, AdamW (decay on matrices only), LambdaLR, clipping,
     mode switches, no-grad scoring and DCP checkpoints of model + optimizer."""
@@ -326,6 +390,10 @@ class _EngineBase:
         self.device = next(model.parameters()).device  # inputs follow the model
         # The entropy needs a graph only when it is part of the loss.
         self._entropy_grad = cfg.entropy_coef != 0
+        if cfg.gradient_checkpointing and role == "actor":
+            # Before the backend wraps the layers: FSDP2's hooks then stay outside the
+            # checkpointed forward, so the recompute does not gather the parameters twice.
+            _enable_activation_checkpointing(model)
         self.model = self._prepare(model)
         self._init_role(role, total_updates)
 
@@ -395,7 +463,10 @@ class _EngineBase:
         raise NotImplementedError
 
     def _micro_batch_count(self, n: int) -> int:
-        return math.ceil(n / self.cfg.micro_batch_size)
+        """How many micro-batches every rank runs when this one has `n` of them
+        (`split_micro_batches`): the most any rank has, since sharded forwards are
+        collective. A no-op on one rank."""
+        return int(self.dist.all_reduce_max(torch.tensor([n]))[0])
 
     def compute_logprobs(
         self,
@@ -403,15 +474,15 @@ class _EngineBase:
         responses: Sequence[Sequence[int]],
         temperature: float,
     ) -> list[list[float]]:
-        bs = self.cfg.micro_batch_size
-        n_chunks = self._micro_batch_count(len(prompts))
+        splits = split_micro_batches(self.cfg, prompts, responses)
         out: list[list[float]] = []
         with self.eval_mode():
-            for c in range(n_chunks):
-                p, r = prompts[c * bs : (c + 1) * bs], responses[c * bs : (c + 1) * bs]
-                if not p:  # a rank with fewer rows keeps pace in the collectives
+            for c in range(self._micro_batch_count(len(splits))):
+                if c >= len(splits):  # a rank with fewer rows keeps pace in the collectives
                     self.forward([[0]], [[0]], temperature, with_entropy=False)
                     continue
+                p = [prompts[i] for i in splits[c]]
+                r = [responses[i] for i in splits[c]]
                 lp, _ = self.forward(p, r, temperature, with_entropy=False)
                 out.extend(lp[i, : len(resp)].tolist() for i, resp in enumerate(r))
         return out
@@ -423,7 +494,10 @@ class _EngineBase:
         self._require_actor("optimizer_step")
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda")
+        # The gradients' device, not the compute device: FSDP2's CPU offload keeps them on
+        # the host, where foreach=True is refused.
+        on_gpu = bool(params) and params[0].grad.device.type == "cuda"
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=on_gpu)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
             norm = norm.full_tensor()
         self.optimizer.step()
@@ -499,10 +573,17 @@ class SingleDeviceEngine(_EngineBase):
         temperature: float,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, T) response logprobs (and entropies) with gradients, prompts computed once per group."""
-        return grouped_logprobs(
-            self.model, prompts, responses, temperature, with_entropy, self._entropy_grad
-        )
+        """(B, T) response logprobs (and entropies) with gradients, prompts computed once per group.
+
+        With `param_dtype=bfloat16` the forward runs under autocast: matmuls in bf16 from
+        the fp32 weights, which (and so AdamW's state and the gradients) stay fp32.
+        """
+        with torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.cfg.param_dtype == "bfloat16"
+        ):
+            return grouped_logprobs(
+                self.model, prompts, responses, temperature, with_entropy, self._entropy_grad
+            )
 
     def rollout_weights(self) -> torch.nn.Module:
         return self.model
@@ -513,12 +594,19 @@ class FSDP2Engine(_EngineBase):
 
     Every decoder layer and the root are sharded. Gradients are *summed* over ranks
     (divide factor 1) because the losses are already normalised by global token counts.
+    With `cpu_offload=all` the shards, their gradients and AdamW state live in host memory
+    (construct it from a model on the compute device: inputs follow the model).
     Each micro-batch is one full-sequence forward, so every rank issues the same
     collectives in the same order whatever prompts it holds.
     """
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         # fully_shard moves the parameters to the process group's device (cuda:local_rank
         # under NCCL), so the model's device before sharding says nothing about the inputs'.
@@ -527,19 +615,23 @@ class FSDP2Engine(_EngineBase):
         mp = MixedPrecisionPolicy(
             param_dtype=getattr(torch, self.cfg.param_dtype), reduce_dtype=torch.float32
         )
-        units = [fully_shard(layer, mp_policy=mp) for layer in model.get_decoder().layers]
-        units.append(fully_shard(model, mp_policy=mp))
+        # Sharded parameters, gradients and AdamW state live in host memory; each unit's
+        # shard is copied to the device for its all-gather, and the optimizer steps on the
+        # CPU. Pinned pages make those copies asynchronous, and exist only with CUDA.
+        offload = (
+            CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+            if self.cfg.cpu_offload == "all"
+            else OffloadPolicy()
+        )
+        kw = {"mp_policy": mp, "offload_policy": offload}
+        units = [fully_shard(layer, **kw) for layer in model.get_decoder().layers]
+        units.append(fully_shard(model, **kw))
         # Each unit reduces its own gradients, so each needs both settings: a plain SUM
         # (gloo has no PREMUL_SUM, and with factor 1 there is nothing to scale anyway).
         for unit in units:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
         return model
-
-    def _micro_batch_count(self, n: int) -> int:
-        # Every rank runs as many (sharded, collective) forwards as the busiest one.
-        mine = math.ceil(n / self.cfg.micro_batch_size)
-        return int(self.dist.all_reduce_max(torch.tensor([mine]))[0])
 
     def forward(
         self,

@@ -2,7 +2,8 @@
 
 Mini-batches are drawn from a permutation of the step's *global* samples keyed by
 (seed, step, epoch, prompt id, sample idx), and losses are normalised by global token and
-sequence counts, so the update is the same on any number of ranks and micro-batch size.
+sequence counts, so the update is the same on any number of ranks and any micro-batching
+(rows or a token budget per micro-batch: `split_micro_batches`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from rftpipe import perf
 from rftpipe.algos.losses import AGGREGATIONS, POLICY_LOSSES, kl_estimate
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.dist import Dist
-from rftpipe.engines.train import TrainEngine
+from rftpipe.engines.train import TrainEngine, split_micro_batches
 from rftpipe.faults import fault
 from rftpipe.seeding import derive_seed
 from rftpipe.stages.advantage import pad_ragged
@@ -111,14 +112,17 @@ def _run(
         )
         counts = dist.all_reduce_sum(counts)
         for m, mb in enumerate(plan):
-            chunks = [
-                mb[i : i + cfg.micro_batch_size] for i in range(0, len(mb), cfg.micro_batch_size)
-            ]
+            local = [rows[i] for i in mb]
+            chunks = split_micro_batches(
+                cfg,
+                [r["prompt_token_ids"] for r in local],
+                [r["response_token_ids"] for r in local],
+            )
             # Sharded backends issue collectives inside forward/backward, so every rank runs
-            # the same number of micro-batches; a rank with fewer rows runs weight-0 padding.
+            # the same number of micro-batches; a rank with fewer runs weight-0 padding.
             n_chunks = int(dist.all_reduce_max(torch.tensor([len(chunks)]))[0])
             for c in range(n_chunks):
-                chunk = [rows[i] for i in chunks[c]] if c < len(chunks) else []
+                chunk = [local[i] for i in chunks[c]] if c < len(chunks) else []
                 _micro_step(cfg, kl, engine, dist, inp, chunk, counts[m], sums)
             sums["grad_norm"] += engine.optimizer_step()
             sums["updates"] += 1
