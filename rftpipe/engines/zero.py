@@ -111,10 +111,6 @@ class DeepSpeedEngine(_EngineBase):
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         # DeepSpeed expects the module on the rank's device before it partitions it.
         model = model.to(self.dist.device)
-        if self.cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
         return model
 
     def _init_role(self, role: Role, total_updates: int) -> None:
@@ -184,11 +180,6 @@ class DeepSpeedEngine(_EngineBase):
                 yield
         finally:
             self.ds.train(was_training)
-
-    def _micro_batch_count(self, n: int) -> int:
-        # ZeRO-3 gathers parameters collectively inside every forward.
-        mine = super()._micro_batch_count(n)
-        return int(self.dist.all_reduce_max(torch.tensor([mine]))[0])
 
     def forward(
         self,
