@@ -353,6 +353,25 @@ def lr_lambda(cfg: TrainConfig, total_updates: int) -> Callable[[int], float]:
     return f
 
 
+def adamw(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.AdamW:
+    """Every backend's optimizer: AdamW with weight decay on matrices only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.adam_eps,
+        # One fused kernel on CPU and GPU: elementwise, so bitwise repeatable on any thread
+        # count and on any partitioning of the parameters (DeepSpeed steps it on flat
+        # partitions), and on CPU 5-10x faster than the per-tensor path, whose 113 MB
+        # temporaries for the tied embedding are fresh page-faulted mmaps at every step.
+        fused=True,
+    )
+
+
 def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute every decoder layer's forward in the backward (non-reentrant checkpoint,
     which needs no input that requires grad and works under FSDP2)."""
@@ -408,23 +427,7 @@ class _EngineBase:
                 p.requires_grad_(False)
             self.model.eval()
             return
-        params = list(self.model.named_parameters())
-        self.optimizer = torch.optim.AdamW(
-            [
-                {
-                    "params": [p for _, p in params if p.ndim >= 2],
-                    "weight_decay": self.cfg.weight_decay,
-                },
-                {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0},
-            ],
-            lr=self.cfg.lr,
-            betas=tuple(self.cfg.betas),
-            eps=self.cfg.adam_eps,
-            # One fused kernel on CPU and GPU: elementwise, so bitwise repeatable on any thread
-            # count, and on CPU 5-10x faster than the per-tensor path, whose 113 MB temporaries
-            # for the tied embedding are fresh page-faulted mmaps at every step.
-            fused=True,
-        )
+        self.optimizer = adamw(self.cfg, self.model)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.cfg, total_updates)
         )

@@ -20,7 +20,6 @@ the parameter being gathered at a time, moved to host memory as it is gathered.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -32,13 +31,12 @@ from rftpipe.dist import Dist
 from rftpipe.engines.train import (
     Role,
     _EngineBase,
+    adamw,
     build_micro_batch,
     lr_lambda,
     root_forward_logprobs,
 )
 from rftpipe.errors import UserError
-
-log = logging.getLogger(__name__)
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -110,8 +108,7 @@ class DeepSpeedEngine(_EngineBase):
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         # DeepSpeed expects the module on the rank's device before it partitions it.
-        model = model.to(self.dist.device)
-        return model
+        return model.to(self.dist.device)
 
     def _init_role(self, role: Role, total_updates: int) -> None:
         deepspeed = self._ds_module
@@ -131,22 +128,7 @@ class DeepSpeedEngine(_EngineBase):
             self.ds.eval()
             self.device = self.ds.device
             return
-        params = list(self.model.named_parameters())
-        client = torch.optim.AdamW(
-            [
-                {
-                    "params": [p for _, p in params if p.ndim >= 2],
-                    "weight_decay": self.cfg.weight_decay,
-                },
-                {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0},
-            ],
-            lr=self.cfg.lr,
-            betas=tuple(self.cfg.betas),
-            eps=self.cfg.adam_eps,
-            # The single and fsdp2 backends' kernel: elementwise, so the partitioned update
-            # is bitwise the unpartitioned one.
-            fused=True,
-        )
+        client = adamw(self.cfg, self.model)
         self.ds, self.optimizer, *_ = deepspeed.initialize(
             model=self.model, optimizer=client, config=config
         )
