@@ -436,25 +436,30 @@ class _EngineBase:
         if self.role != "actor":
             raise RuntimeError(f"{what} on a {self.role} engine")
 
+    @property
+    def _runner(self) -> torch.nn.Module:
+        """The module whose train/eval mode the backend switches (a wrapper's, if any)."""
+        return self.model
+
     @contextlib.contextmanager
     def train_mode(self) -> Iterator[None]:
         # The place where offloaded parameters and optimizer state come back to the device.
         self._require_actor("train_mode")
-        self.model.train()
+        self._runner.train()
         try:
             yield
         finally:
-            self.model.eval()
+            self._runner.eval()
 
     @contextlib.contextmanager
     def eval_mode(self) -> Iterator[None]:
-        was_training = self.model.training
-        self.model.eval()
+        was_training = self._runner.training
+        self._runner.eval()
         try:
             with torch.no_grad():
                 yield
         finally:
-            self.model.train(was_training)
+            self._runner.train(was_training)
 
     def forward(
         self,

@@ -19,9 +19,8 @@ the parameter being gathered at a time, moved to host memory as it is gathered.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -144,24 +143,9 @@ class DeepSpeedEngine(_EngineBase):
     def _stage3(self) -> bool:
         return self.cfg.zero_stage == 3
 
-    @contextlib.contextmanager
-    def train_mode(self) -> Iterator[None]:
-        self._require_actor("train_mode")
-        self.ds.train()
-        try:
-            yield
-        finally:
-            self.ds.eval()
-
-    @contextlib.contextmanager
-    def eval_mode(self) -> Iterator[None]:
-        was_training = self.ds.training
-        self.ds.eval()
-        try:
-            with torch.no_grad():
-                yield
-        finally:
-            self.ds.train(was_training)
+    @property
+    def _runner(self) -> torch.nn.Module:
+        return self.ds
 
     def forward(
         self,
