@@ -120,22 +120,25 @@ def measure(a: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _line(r: dict) -> str:
+def _line(r: dict, gpu: bool = True) -> str:
     if "skipped" in r:
         return f"| {r['backend']} | {r['feature']} | {r['dtype']} | skipped: {r['skipped']} |"
-    gpu = "" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.2f}"
-    return (
+    line = (
         f"| {r['backend']} | {r['feature']} | {r['dtype']} | {r['step_s']:.2f} s | "
-        f"{r['peak_rss_gib']:.2f} | {gpu or '-'} |"
+        f"{r['peak_rss_gib']:.2f} |"
     )
+    if gpu:
+        line += f" {r['peak_mem_gib']:.2f} |" if r.get("peak_mem_gib") is not None else " - |"
+    return line
 
 
 def summarize(rows: list[dict]) -> str:
-    head = (
-        "| backend | feature | dtype | step (median) | peak host memory (GiB, max rank) "
-        "| peak GPU memory (GiB) |\n|---|---|---|---|---|---|"
-    )
-    return "\n".join([head, *(_line(r) for r in rows)])
+    gpu = any(r.get("peak_mem_gib") is not None for r in rows)
+    head = "| backend | feature | dtype | step (median) | peak host memory (GiB, max rank) |"
+    rule = "|---|---|---|---|---|"
+    if gpu:
+        head, rule = head + " peak GPU memory (GiB) |", rule + "---|"
+    return "\n".join([head, rule, *(_line(r, gpu) for r in rows)])
 
 
 def main(argv: list[str] | None = None) -> int:

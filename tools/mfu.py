@@ -251,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     dist = init_from_env(require_group=any(BACKENDS[b][0] != "single" for b in a.backends))
     results = [measure(b, a, dist) for b in a.backends]
+    if torch.distributed.is_initialized():
+        # Left to interpreter exit, half of the tiny bf16 ZeRO-3 runs aborted at teardown
+        # ("terminate called without an active exception"); the worker ends the same way.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     if not dist.is_main:
         return 0
     for r in results:
