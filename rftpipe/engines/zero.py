@@ -3,7 +3,7 @@
 DeepSpeed drives the parts it is good at: partitioned gradients and AdamW state (ZeRO-2),
 partitioned parameters gathered per layer (ZeRO-3), bf16 mixed precision and CPU offload.
 Everything that defines the update stays ours, so the backends agree: the same AdamW
-(torch's fused kernel, one param group with decay on matrices only), the same LambdaLR
+(torch's fused kernel, decay on matrices only), the same LambdaLR
 schedule, pre-clip global norm clipping, and gradients *summed* over ranks because the
 losses are normalised by global token counts.
 
@@ -11,7 +11,7 @@ Checkpoints stay inside rftpipe's own durable flow (DCP files with digests, comm
 rename), not DeepSpeed's `save_checkpoint`, whose per-rank files are pickles that only
 `torch.load(weights_only=False)` reads and that are tied to the world size that wrote them.
 The state is written per parameter as full, unpartitioned fp32 tensors (master weights and
-AdamW moments, assembled through DeepSpeed's tensor-fragment API), so a checkpoint written
+AdamW moments, assembled from the ZeRO partitions), so a checkpoint written
 by N ranks loads on any number of ranks and on any ZeRO stage: resharding is DCP's, and no
 universal-checkpoint conversion step exists to forget. The price is one full fp32 copy of
 the parameter being gathered at a time, moved to host memory as it is gathered.
@@ -56,8 +56,8 @@ def ds_config(cfg: TrainConfig, world: int, role: Role) -> dict[str, Any]:
     would change the update)."""
     zero: dict[str, Any] = {
         "stage": cfg.zero_stage,
-        # Bucketing and comm overlap change nothing numerically at fp32 reduction, but
-        # contiguous buffers sized for a 135M model keep CPU memory bounded.
+        # Gradients reduce during the backward, in the same order on every rank, into
+        # one preallocated buffer (no fragmentation from per-parameter gradients).
         "contiguous_gradients": True,
         "overlap_comm": False,
     }
@@ -66,8 +66,9 @@ def ds_config(cfg: TrainConfig, world: int, role: Role) -> dict[str, Any]:
     if cfg.cpu_offload == "all":
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if cfg.zero_stage == 3:
-        # Gather every parameter for each use and free it after: no prefetch window or
-        # persistence threshold to tune, and the same collectives on every rank.
+        # Every parameter is partitioned, however small. Prefetching the next layer's
+        # parameters overlaps their gather with compute on a GPU; a CPU has nothing to
+        # overlap it with.
         zero["stage3_param_persistence_threshold"] = 0
         zero["stage3_prefetch_bucket_size"] = 0 if not torch.cuda.is_available() else 5e7
     return {
