@@ -22,6 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from helpers import count_calls
 from safetensors.torch import save_file
 
 from rftpipe.config.schema import KLConfig, TrainConfig
@@ -40,16 +41,6 @@ VARIANTS: dict[str, dict] = {
     # different numbers of micro-batches, so the padding path runs too.
     "token_budget": {"max_tokens_per_micro_batch": 24},
 }
-
-
-def _count_calls(module: torch.nn.Module) -> list[int]:
-    calls = [0]
-
-    def hook(*_: object) -> None:
-        calls[0] += 1
-
-    module.register_forward_pre_hook(hook)
-    return calls
 
 
 def _policies(model: torch.nn.Module) -> list[dict]:
@@ -81,8 +72,8 @@ def run_variant(name: str, dist: Dist, local: pa.Table, samples: list, out: Path
         model.to(f"cuda:{dist.local_rank}")
         torch.cuda.reset_peak_memory_stats()
     engine = FSDP2Engine(model, cfg, dist, total_updates=1)
-    decoder_calls = _count_calls(engine.model.get_decoder())
-    mlp_calls = _count_calls(engine.model.get_decoder().layers[0].mlp)
+    decoder_calls = count_calls(engine.model.get_decoder())
+    mlp_calls = count_calls(engine.model.get_decoder().layers[0].mlp)
     inp = train.TrainInputs(
         step=1, run_seed=0, table=local, global_samples=samples, kl_coef=0.0, temperature=1.0
     )

@@ -79,3 +79,14 @@ def events(run_dir: Path) -> list[dict]:
     """The run's event log (one JSON object per line), empty before the first start."""
     path = run_dir / "events.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def count_calls(module: torch.nn.Module) -> list[int]:
+    """A one-element counter of `module`'s forward calls (a forward pre-hook)."""
+    calls = [0]
+
+    def hook(*_: object) -> None:
+        calls[0] += 1
+
+    module.register_forward_pre_hook(hook)
+    return calls

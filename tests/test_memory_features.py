@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, count_calls
 from safetensors.torch import load_file
 
 from rftpipe.config.schema import KLConfig, TrainConfig
@@ -75,20 +75,10 @@ def table() -> pa.Table:
     return _advantage_table()
 
 
-def _count_calls(module: torch.nn.Module) -> list[int]:
-    calls = [0]
-
-    def hook(*_: object) -> None:
-        calls[0] += 1
-
-    module.register_forward_pre_hook(hook)
-    return calls
-
-
 def _train_step(cfg: TrainConfig, table: pa.Table) -> tuple[dict, dict, int]:
     """One train stage on a fresh tiny model: metrics, weights, decoder forward count."""
     engine = SingleDeviceEngine(load_causal_lm(prepare_tiny(), "float32"), cfg, Dist())
-    calls = _count_calls(engine.model.get_decoder())
+    calls = count_calls(engine.model.get_decoder())
     samples = list(
         zip(
             table.column("prompt_id").to_pylist(),
@@ -185,7 +175,7 @@ def test_compute_logprobs_under_a_token_budget(table: pa.Table) -> None:
             "tokens": TrainConfig(max_tokens_per_micro_batch=25),
         }.items()
     }
-    calls = _count_calls(model.get_decoder())
+    calls = count_calls(model.get_decoder())
     got = {name: e.compute_logprobs(prompts, responses, 0.8) for name, e in engines.items()}
     n_tokens_split = len(split_micro_batches(engines["tokens"].cfg, prompts, responses))
     assert calls[0] == 4 + n_tokens_split and n_tokens_split > 4
@@ -201,7 +191,7 @@ def _grads_and_activations(cfg: TrainConfig) -> tuple[dict, int, int]:
     """Gradients of one forward/backward, the first layer's MLP forward count, and the bytes
     autograd saved for the backward outside checkpointed regions."""
     engine = SingleDeviceEngine(load_causal_lm(prepare_tiny(), "float32"), cfg, Dist())
-    mlp_calls = _count_calls(engine.model.get_decoder().layers[0].mlp)
+    mlp_calls = count_calls(engine.model.get_decoder().layers[0].mlp)
     saved = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -232,7 +222,7 @@ def test_gradient_checkpointing_only_in_training() -> None:
     engine = SingleDeviceEngine(
         load_causal_lm(prepare_tiny(), "float32"), TrainConfig(gradient_checkpointing=True), Dist()
     )
-    mlp_calls = _count_calls(engine.model.get_decoder().layers[0].mlp)
+    mlp_calls = count_calls(engine.model.get_decoder().layers[0].mlp)
     prompts, responses = _rows()
     engine.compute_logprobs(prompts, responses, 1.0)
     assert mlp_calls[0] == len(split_micro_batches(engine.cfg, prompts, responses))

@@ -470,6 +470,20 @@ class _EngineBase:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
+    def _padded_forward(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One right-padded full-sequence forward through the runner's own forward, whose
+        hooks (FSDP2's unit gathers, DeepSpeed's ZeRO-3 gathers and bf16 copy) must run."""
+        mb = build_micro_batch(prompts, responses, pad_id=0).to(self.device)
+        return root_forward_logprobs(
+            self._runner, mb, temperature, with_entropy, self._entropy_grad
+        )
+
     def _micro_batch_count(self, n: int) -> int:
         """How many micro-batches every rank runs when this one has `n` of them
         (`split_micro_batches`): the most any rank has, since sharded forwards are
@@ -648,8 +662,7 @@ class FSDP2Engine(_EngineBase):
         temperature: float,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        mb = build_micro_batch(prompts, responses, pad_id=0).to(self.device)
-        return root_forward_logprobs(self.model, mb, temperature, with_entropy, self._entropy_grad)
+        return self._padded_forward(prompts, responses, temperature, with_entropy)
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights on every rank, for the rollout engine's own copy."""

@@ -31,9 +31,7 @@ from rftpipe.engines.train import (
     Role,
     _EngineBase,
     adamw,
-    build_micro_batch,
     lr_lambda,
-    root_forward_logprobs,
 )
 from rftpipe.errors import UserError
 
@@ -155,10 +153,7 @@ class DeepSpeedEngine(_EngineBase):
         temperature: float,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        mb = build_micro_batch(prompts, responses, pad_id=0).to(self.device)
-        # Through the engine's own forward: its hooks gather ZeRO-3 parameters, and in bf16
-        # mode it runs the bf16 module copy.
-        return root_forward_logprobs(self.ds, mb, temperature, with_entropy, self._entropy_grad)
+        return self._padded_forward(prompts, responses, temperature, with_entropy)
 
     def backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed averages gradients over data-parallel ranks; the losses are normalised by
