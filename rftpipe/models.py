@@ -111,7 +111,7 @@ def build_tiny_tokenizer():  # -> PreTrainedTokenizerFast
 
 def prepare_tiny() -> Path:
     """A seeded random-init 2-layer Llama (about 0.2M parameters) and its tokenizer."""
-    final = cache_root() / "tiny-v1"
+    final = cache_root() / "tiny-v2"
     if (final / "config.json").exists():
         return final
     import torch
@@ -125,6 +125,9 @@ def prepare_tiny() -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        # Head size 32 (not hidden/heads = 16): the smallest vLLM's CPU attention kernels
+        # take, so the same tiny model runs under every rollout engine.
+        head_dim=32,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,
@@ -133,7 +136,7 @@ def prepare_tiny() -> Path:
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
-    tmp = final.with_name(f".tmp-tiny-v1-{os.getpid()}")
+    tmp = final.with_name(f".tmp-tiny-v2-{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     return _publish_dir(tmp, final)

