@@ -24,6 +24,10 @@ def run_step(rt: Runtime, step: int, timings: dict[str, float]) -> dict[str, flo
     plan = plan_step(rt, step)
     state = StepState(rows=no_rows, timings=timings)
     for stage in PIPELINE:
+        if stage.engine_awake:
+            rt.rollout_engine.wake()
+        else:
+            rt.rollout_engine.sleep()
         execute(rt, plan, stage, state)
     return state.manifests["train"]["metrics"]
 

@@ -7,14 +7,18 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rftpipe import evaluate, resume, runtime
+import torch
+
+from rftpipe import evaluate, models, resume, runtime
 from rftpipe.config.loader import to_dict
 from rftpipe.config.schema import RunConfig
 from rftpipe.dist import Dist
 from rftpipe.driver import maybe_checkpoint, run_step
+from rftpipe.engines.rollout import HFGenerateEngine
 from rftpipe.errors import UserError
 from rftpipe.faults import events, slow
 from rftpipe.metrics import (
@@ -174,24 +178,39 @@ def finish(rt: runtime.Runtime) -> None:
     evaluate.maybe_eval(rt, "after", rt.cfg.total_steps)
     final = rt.run.root / "export"
     marker = final / EXPORT_MARKER
-    # Re-exported when a run is extended past the step its export was taken at.
-    if rt.dist.is_main and not (
+    # Re-exported when a run is extended past the step its export was taken at. Rank 0
+    # decides for all: gathering sharded weights is collective.
+    stale = rt.dist.is_main and not (
         marker.exists() and read_json(marker)["step"] == rt.cfg.total_steps
-    ):
-        export_final(rt, final)
+    )
+    if rt.dist.any(stale):
+        # The HF loop holds the full final weights on every backend (synced after the last
+        # train step); a serving engine's copy is not a transformers module.
+        engine = rt.rollout_engine
+        weights = (
+            engine.model
+            if isinstance(engine, HFGenerateEngine)
+            else rt.train_engine.rollout_weights()
+        )
+        if rt.dist.is_main:
+            export_final(rt, final, weights)
     rt.dist.barrier()
 
 
 EXPORT_MARKER = "rftpipe_export.json"
 
 
-def export_final(rt: runtime.Runtime, final: Path) -> None:
+def export_final(
+    rt: runtime.Runtime, final: Path, weights: torch.nn.Module | Mapping[str, torch.Tensor]
+) -> None:
     """HF-format export of the final policy (RUN/export), published by a dir rename."""
     tmp = rt.run.root / ".tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
-    # The rollout engine holds the full final weights on every backend (synced after the
-    # last train step), so no extra gather is needed here.
-    rt.rollout_engine.model.save_pretrained(tmp)
+    if not isinstance(weights, torch.nn.Module):
+        state = weights
+        weights = models.load_causal_lm(rt.model_dir, rt.cfg.model.dtype)
+        weights.load_state_dict(state)
+    weights.save_pretrained(tmp)
     rt.tokenizer.save_pretrained(tmp)
     atomic_write_json(tmp / EXPORT_MARKER, {"step": rt.cfg.total_steps})
     old = rt.run.root / ".tmp-old-export"

@@ -38,6 +38,7 @@ class RolloutStage(_NoSideEffects):
     name: StageName = "rollout"
     publish: bool = False
     replay_reads_rows: bool = False
+    engine_awake: bool = True
 
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
         inp = rollout.RolloutInputs(
@@ -56,6 +57,7 @@ class ScoreStage(_NoSideEffects):
     name: StageName = "score"
     publish: bool = False
     replay_reads_rows: bool = False
+    engine_awake: bool = False
 
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
         return StageOutput(rows=score.run(rt.cfg.reward, rt.rewards, rows()))
@@ -68,6 +70,7 @@ class AdvantageStage(_NoSideEffects):
     name: StageName = "advantage"
     publish: bool = False
     replay_reads_rows: bool = False
+    engine_awake: bool = False
 
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
         kl_coef = float(rt.kl_ctrl.coef)
@@ -92,6 +95,7 @@ class TrainStage:
     name: StageName = "train"
     publish: bool = False
     replay_reads_rows: bool = True
+    engine_awake: bool = False
 
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
         return StageOutput(rows=None, extra={"metrics": self._train(rt, plan, rows)})
@@ -144,6 +148,7 @@ class SyncStage:
     name: StageName = "sync"
     publish: bool = True
     replay_reads_rows: bool = False
+    engine_awake: bool = True
 
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
         sync.run(rt.rollout_engine, rt.train_engine, version=plan.step)

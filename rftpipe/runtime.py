@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from rftpipe.ckpt_policy import FixedSchedule, YoungDalySchedule, make_schedule
 from rftpipe.config.schema import RunConfig
 from rftpipe.data import PromptSet, load_prompts
 from rftpipe.dist import Dist
-from rftpipe.engines.rollout import HFGenerateEngine
+from rftpipe.engines.rollout import HFGenerateEngine, RolloutEngine
 from rftpipe.engines.train import TRAIN_ENGINES, TrainEngine
 from rftpipe.errors import UserError
 from rftpipe.preemption import NoStop, StopFlag
@@ -45,7 +46,7 @@ class Runtime:
     """The actor."""
     reference: TrainEngine | None
     """The frozen initial policy, on the actor's backend; None without a KL term."""
-    rollout_engine: HFGenerateEngine
+    rollout_engine: RolloutEngine
     kl_ctrl: Any
     model_dir: Path
     stop: StopFlag | NoStop
@@ -170,25 +171,84 @@ def build(
 
 
 def build_actor(
-    cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any
-) -> tuple[TrainEngine, HFGenerateEngine]:
-    """The actor at its initial weights, and the rollout engine that samples from it."""
+    cfg: RunConfig,
+    model_dir: Path,
+    dist: Dist,
+    tokenizer: Any,
+    rollout: RolloutEngine | None = None,
+) -> tuple[TrainEngine, RolloutEngine]:
+    """The actor at its initial weights, and the rollout engine that samples from it.
+
+    A serving engine given as `rollout` is kept (it is expensive to start and takes its
+    weights at the next sync); the HF loop is rebuilt, since it may share the actor's module.
+    """
     model = load_for_engine(cfg, model_dir, dist)
     updates = cfg.total_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
     engine = TRAIN_ENGINES[cfg.train.backend](
         model, cfg.train, dist, role="actor", total_updates=updates
     )
+    if rollout is None or isinstance(rollout, HFGenerateEngine):
+        rollout = ROLLOUT_ENGINES[cfg.rollout.engine](cfg, model_dir, dist, tokenizer, model)
+    return engine, rollout
+
+
+def _hf_engine(
+    cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any, actor: torch.nn.Module
+) -> RolloutEngine:
     # Colocated single-device training shares its module with the rollout engine; a sharded
     # trainer hands full weights to a per-rank rollout copy at every sync.
     rollout_model = (
-        model
+        actor
         if cfg.train.backend == "single"
         else models.load_causal_lm(model_dir, cfg.model.dtype).to(dist.device)
     )
-    rollout = HFGenerateEngine(
+    return HFGenerateEngine(
         rollout_model, cfg.rollout, tokenizer.eos_token_id, tokenizer.pad_token_id
     )
-    return engine, rollout
+
+
+def _engine_spec(cfg: RunConfig, model_dir: Path, tokenizer: Any) -> Any:
+    from rftpipe.engines.vllm_engine import EngineSpec
+
+    return EngineSpec(
+        model_dir=model_dir,
+        dtype=cfg.model.dtype,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        seed=cfg.seed,
+        max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+    )
+
+
+def _vllm_engine(
+    cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any, actor: torch.nn.Module
+) -> RolloutEngine:
+    from rftpipe.engines.vllm_engine import VLLMEngine
+
+    return VLLMEngine(cfg.rollout, _engine_spec(cfg, model_dir, tokenizer), dist)
+
+
+def _sglang_engine(
+    cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any, actor: torch.nn.Module
+) -> RolloutEngine:
+    from rftpipe.engines.sglang_engine import SGLangEngine
+
+    return SGLangEngine(
+        model_dir,
+        cfg.rollout,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        cfg.model.dtype,
+        cfg.seed,
+    )
+
+
+#: Rollout engines by `rollout.engine`; serving engines import their library lazily.
+ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {
+    "hf": _hf_engine,
+    "vllm": _vllm_engine,
+    "sglang": _sglang_engine,
+}
 
 
 def load_for_engine(cfg: RunConfig, model_dir: Path, dist: Dist) -> torch.nn.Module:
@@ -217,6 +277,8 @@ def new_kl_controller(cfg: RunConfig) -> Any:
 def rebuild_actor(rt: Runtime) -> None:
     """Back to the initial actor, optimizer, scheduler and KL controller (after a failed
     checkpoint load left them partly overwritten)."""
-    rt.train_engine, rt.rollout_engine = build_actor(rt.cfg, rt.model_dir, rt.dist, rt.tokenizer)
+    rt.train_engine, rt.rollout_engine = build_actor(
+        rt.cfg, rt.model_dir, rt.dist, rt.tokenizer, rt.rollout_engine
+    )
     rt.kl_ctrl = new_kl_controller(rt.cfg)
     rt.ckpt_schedule = make_schedule(rt.cfg.checkpoint, rt.run.events_path)

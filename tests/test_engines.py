@@ -90,9 +90,9 @@ def test_batched_groups_left_pad_and_score_like_the_trainer(tiny) -> None:
     cfg = RolloutConfig(n=3, max_new_tokens=5, temperature=1.0)
     engine = HFGenerateEngine(model, cfg, tok.eos_token_id, tok.pad_token_id)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41]]  # unequal lengths: the short one is padded
-    a = engine.generate_groups(prompts, 3, seed=9)
+    a = engine.generate_groups(prompts, 3, seeds=[9, 10])
     assert [len(g.tokens) for g in a] == [3, 3]
-    assert engine.generate_groups(prompts, 3, seed=9) == a  # the call's seed fixes it all
+    assert engine.generate_groups(prompts, 3, seeds=[9, 10]) == a  # the call's seed fixes it all
     for prompt, group in zip(prompts, a, strict=True):
         mb = build_micro_batch([prompt] * 3, group.tokens, pad_id=0)
         with torch.no_grad():
@@ -109,7 +109,7 @@ def test_top_k_1_sampling_decodes_like_generate_greedy(tiny) -> None:
     engine = HFGenerateEngine(model, cfg, tok.eos_token_id, tok.pad_token_id)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41], [70, 71, 72]]
     greedy = engine.greedy(prompts, 6)
-    groups = engine.generate_groups(prompts, 2, 3)
+    groups = engine.generate_groups(prompts, 2, [3] * len(prompts))
     for prompt, group, ref in zip(prompts, groups, greedy, strict=True):
         for row in group.tokens:
             assert [t for t in row if t != tok.eos_token_id] == ref, prompt

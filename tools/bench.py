@@ -545,8 +545,8 @@ def bench_floor(a: argparse.Namespace) -> dict[str, Any]:
     for s in range(a.floor_steps):
         prompts = order[s * a.prompts : (s + 1) * a.prompts]
         t0 = time.perf_counter()
-        seed = derive_seed(a.seed, s + 1, "rollout", prompts[0].prompt_id)
-        groups = gen.generate_groups([p.token_ids for p in prompts], a.n, seed)
+        seeds = [derive_seed(a.seed, s + 1, "rollout", p.prompt_id) for p in prompts]
+        groups = gen.generate_groups([p.token_ids for p in prompts], a.n, seeds)
         t_gen.append(time.perf_counter() - t0)
         p_ids = [list(p.token_ids) for p in prompts for _ in range(a.n)]
         r_ids = [t for g in groups for t in g.tokens]

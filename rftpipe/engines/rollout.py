@@ -32,22 +32,38 @@ class GroupOutput:
 
 class RolloutEngine(Protocol):
     weight_version: int
+    """The train step whose weights the engine samples from (0: the initial ones)."""
 
-    def generate_groups(
-        self, prompts: Sequence[Sequence[int]], n: int, seed: int
-    ) -> list[GroupOutput]:
-        """n samples of each prompt from one call whose randomness `seed` fully determines."""
+    @property
+    def groups_per_call(self) -> int:
+        """How many groups the rollout stage hands over at once."""
         ...
 
-    def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]: ...
+    def generate_groups(
+        self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]
+    ) -> list[GroupOutput]:
+        """n samples of each prompt; `seeds[g]` is group g's seed, derived from (run seed,
+        step, stage, prompt id). An engine seeds each sample from its group's seed and its
+        index, or (HF loop) one generator per call from the first group's seed."""
+        ...
+
+    def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy completions without their EOS (evaluation)."""
+        ...
 
     def update_weights(
         self, weights: torch.nn.Module | Mapping[str, torch.Tensor], version: int
-    ) -> None: ...
+    ) -> None:
+        """Sample from `weights` from now on; wakes a sleeping engine first."""
+        ...
 
-    def sleep(self) -> None: ...
+    def sleep(self) -> None:
+        """Free what the engine holds on the accelerator while the trainer runs (idempotent)."""
+        ...
 
-    def wake(self) -> None: ...
+    def wake(self) -> None:
+        """Undo `sleep` (idempotent); generating wakes the engine by itself."""
+        ...
 
 
 class HFGenerateEngine:
@@ -74,14 +90,20 @@ class HFGenerateEngine:
         self.pad_id = pad_id
         self.weight_version = 0
 
+    @property
+    def groups_per_call(self) -> int:
+        return self.cfg.groups_per_call
+
     def generate_group(self, prompt_ids: Sequence[int], n: int, seed: int) -> GroupOutput:
-        return self.generate_groups([prompt_ids], n, seed)[0]
+        return self.generate_groups([prompt_ids], n, [seed])[0]
 
     @torch.no_grad()
     def generate_groups(
-        self, prompts: Sequence[Sequence[int]], n: int, seed: int
+        self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]
     ) -> list[GroupOutput]:
         cfg = self.cfg
+        # One generator per call: the call's groups are fixed by the global prompt order.
+        seed = seeds[0]
         device = next(self.model.parameters()).device
         # Left padding; a single group has none, so its numerics never see padding.
         ids, mask = (t.to(device) for t in _left_pad(prompts, self.pad_id))

@@ -44,12 +44,14 @@ class RolloutInputs:
 
 def run(cfg: RolloutConfig, engine: RolloutEngine, tokenizer, inp: RolloutInputs) -> pa.Table:
     cols: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
-    g = cfg.groups_per_call
-    # This rank holds whole calls of the global order (rank_slice by units of g), so cutting
-    # its prompts by g gives the same calls, and so the same samples, on any world size.
+    g = engine.groups_per_call
+    # The HF loop's calls are `rollout.groups_per_call` groups and this rank holds whole
+    # calls of the global order (rank_slice by units of g), so cutting its prompts by g gives
+    # the same calls, and so the same samples, on any world size. Engines that seed every
+    # sample on its own take all of a rank's groups at once.
     for call in (inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)):
-        seed = derive_seed(inp.run_seed, inp.step, "rollout", call[0].prompt_id)
-        groups = engine.generate_groups([p.token_ids for p in call], cfg.n, seed)
+        seeds = [derive_seed(inp.run_seed, inp.step, "rollout", p.prompt_id) for p in call]
+        groups = engine.generate_groups([p.token_ids for p in call], cfg.n, seeds)
         for p, group in zip(call, groups, strict=True):
             for k, (toks, lps, reason) in enumerate(
                 zip(group.tokens, group.logprobs, group.finish_reasons, strict=True)

