@@ -125,7 +125,9 @@ def test_logprobs_are_the_trainers_logprobs_of_logits_over_t(
     responses = [t for g in groups for t in g.tokens]
     recorded = [lp for g in groups for lp in g.logprobs]
     ref = _trainer_logprobs(model_dir, prompts, responses, CFG.temperature)
-    diff = max(abs(a - b) for r, s in zip(recorded, ref, strict=True) for a, b in zip(r, s))
+    diff = max(
+        abs(a - b) for r, s in zip(recorded, ref, strict=True) for a, b in zip(r, s, strict=True)
+    )
     assert diff < 1e-4, diff  # fp32; both are log softmax(logits / T) of the sampled token
     assert all(len(r) == len(t) for r, t in zip(recorded, responses, strict=True))
 
@@ -189,7 +191,10 @@ def test_serving_engine_samples_do_not_depend_on_their_batch(name: str, model_di
     eos = load_tokenizer(model_dir).eos_token_id
     try:
         together = eng.generate_groups(PROMPTS * 4, cfg.n, list(range(12)))
-        alone = [eng.generate_groups([p], cfg.n, [s])[0] for p, s in zip(PROMPTS * 4, range(12))]
+        alone = [
+            eng.generate_groups([p], cfg.n, [s])[0]
+            for p, s in zip(PROMPTS * 4, range(12), strict=True)
+        ]
         assert together == alone
         assert all(eos not in t[:5] and len(t) >= 5 for g in together for t in g.tokens)
     finally:
