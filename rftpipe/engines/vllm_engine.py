@@ -70,19 +70,27 @@ def import_vllm() -> Any:
     return vllm
 
 
-def check_architecture(model_dir: Path) -> None:
-    """Refuse, in one line, a model whose architecture vLLM does not implement."""
-    import json
+def preflight(model_dir: Path, dtype: str) -> None:
+    """Exit 2 before anything is written if vLLM is missing or cannot load the model.
 
-    from vllm import ModelRegistry
+    vLLM's own model config decides, since it also loads architectures outside its registry
+    through its transformers backend; only what it refuses is refused.
+    """
+    import_vllm()
+    from vllm.config import ModelConfig
 
-    archs = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
-    supported = set(ModelRegistry.get_supported_archs())
-    if not any(a in supported for a in archs):
+    try:
+        ModelConfig(model=str(model_dir), dtype=dtype)
+    except ValueError as exc:
+        if "not supported" not in str(exc):
+            raise
+        import json
+
+        archs = json.loads((model_dir / "config.json").read_text()).get("architectures")
         raise UserError(
-            f"model.path: vLLM cannot load architecture {archs or '(none in config.json)'} "
-            f"of {model_dir}; use rollout.engine=hf"
-        )
+            f"model.path: vLLM cannot load architecture {archs} of {model_dir}; "
+            "use rollout.engine=hf"
+        ) from exc
 
 
 @contextmanager
@@ -112,7 +120,6 @@ class VLLMEngine:
 
     def __init__(self, cfg: RolloutConfig, spec: EngineSpec, dist: Dist) -> None:
         vllm = import_vllm()
-        check_architecture(spec.model_dir)
         inf = cfg.inference
         self.cfg = cfg
         self.spec = spec
