@@ -48,13 +48,18 @@ def test_constructor_without_sglang_gives_install_hint(
     )
 
 
-def test_sample_seeds_are_per_sample_and_stable() -> None:
-    from rftpipe.engines.sglang_engine import sample_seed
+def _seeds(first: int, prompts: list) -> list[int]:
+    """One seed per group, as the rollout stage derives them (here: consecutive)."""
+    return list(range(first, first + len(prompts)))
 
-    seeds = {sample_seed(7, g, j) for g in range(4) for j in range(8)}
+
+def test_sample_seeds_are_per_sample_and_stable() -> None:
+    from rftpipe.engines.sglang_engine import _sglang_seed
+
+    seeds = {_sglang_seed(g, j) for g in range(7, 11) for j in range(8)}
     assert len(seeds) == 32
     assert all(0 <= s < 2**31 for s in seeds)
-    assert sample_seed(7, 1, 2) == sample_seed(7, 1, 2) != sample_seed(8, 1, 2)
+    assert _sglang_seed(7, 2) == _sglang_seed(7, 2) != _sglang_seed(8, 2)
 
 
 def test_stop_token_check(tmp_path: Path) -> None:
@@ -167,26 +172,29 @@ def _assert_logprobs_match(model: torch.nn.Module, prompts, groups, temperature:
 @gpu
 def test_samples_are_determined_by_seed(engine, tiny) -> None:
     prompts = tiny[3]
-    a = engine.generate_groups(prompts, 4, seed=11)
-    b = engine.generate_groups(prompts, 4, seed=11)
+    a = engine.generate_groups(prompts, 4, seeds=_seeds(11, prompts))
+    b = engine.generate_groups(prompts, 4, seeds=_seeds(11, prompts))
     assert _tokens(a) == _tokens(b)
     assert [g.logprobs for g in a] == [g.logprobs for g in b]
-    assert _tokens(engine.generate_groups(prompts, 4, seed=12)) != _tokens(a)
+    assert _tokens(engine.generate_groups(prompts, 4, seeds=_seeds(12, prompts))) != _tokens(a)
     # Each sample has its own seed ...
     assert len({tuple(t) for t in a[0].tokens}) > 1
     # ... fixed by its place in the call, not by what else is in the batch.
-    assert engine.generate_groups(prompts[:1], 4, seed=11)[0].tokens == a[0].tokens
+    assert (
+        engine.generate_groups(prompts[:1], 4, seeds=_seeds(11, prompts[:1]))[0].tokens
+        == a[0].tokens
+    )
 
 
 @gpu
 def test_logprobs_match_transformers_fp32(engine, tiny) -> None:
     path, _, _, prompts = tiny
     model = load_causal_lm(path, "float32")
-    groups = engine.generate_groups(prompts, 3, seed=5)
+    groups = engine.generate_groups(prompts, 3, seeds=_seeds(5, prompts))
     _assert_logprobs_match(model, prompts, groups, engine.cfg.temperature)
     # Recorded before top-k/top-p: still the unfiltered distribution.
     with _using(engine, top_k=20, top_p=0.8):
-        groups = engine.generate_groups(prompts, 3, seed=5)
+        groups = engine.generate_groups(prompts, 3, seeds=_seeds(5, prompts))
     _assert_logprobs_match(model, prompts, groups, engine.cfg.temperature)
 
 
@@ -196,7 +204,7 @@ def test_finish_reasons(engine, tiny) -> None:
     # The random tiny model gives EOS about 1/259 per token: with 32 x 64 tokens some
     # samples stop and most run to the limit (fixed seed, so this is deterministic).
     with _using(engine, max_new_tokens=64):
-        groups = engine.generate_groups(prompts[:2], 16, seed=3)
+        groups = engine.generate_groups(prompts[:2], 16, seeds=_seeds(3, prompts[:2]))
     reasons = [r for g in groups for r in g.finish_reasons]
     assert set(reasons) == {"stop", "length"}
     for g in groups:
@@ -208,7 +216,7 @@ def test_finish_reasons(engine, tiny) -> None:
                 assert len(tokens) == 64 and tokens[-1] != eos
     # EOS masked until min_new_tokens: every sample runs to the limit.
     with _using(engine, max_new_tokens=8, min_new_tokens=8):
-        groups = engine.generate_groups(prompts, 8, seed=3)
+        groups = engine.generate_groups(prompts, 8, seeds=_seeds(3, prompts))
     assert all(r == "length" for g in groups for r in g.finish_reasons)
     assert all(len(t) == 8 and eos not in t for g in groups for t in g.tokens)
     # Greedy: no EOS in the completions, and the same twice.
@@ -220,12 +228,12 @@ def test_finish_reasons(engine, tiny) -> None:
 @gpu
 def test_update_weights_changes_samples(engine, tiny) -> None:
     path, _, _, prompts = tiny
-    before = engine.generate_groups(prompts, 4, seed=3)
+    before = engine.generate_groups(prompts, 4, seeds=_seeds(3, prompts))
     perturbed = _perturbed(path)  # on the CPU: the engine copies chunks to its GPU
     try:
         engine.update_weights(perturbed.state_dict(), version=1)
         assert engine.weight_version == 1
-        after = engine.generate_groups(prompts, 4, seed=3)
+        after = engine.generate_groups(prompts, 4, seeds=_seeds(3, prompts))
         assert _tokens(after) != _tokens(before)
         _assert_logprobs_match(perturbed, prompts, after, engine.cfg.temperature)
         # weight_sync=disk takes a directory, not tensors.
@@ -237,7 +245,9 @@ def test_update_weights_changes_samples(engine, tiny) -> None:
         # A directory reloads from disk: the original weights, the original samples.
         engine.update_weights(path, version=2)
         assert engine.weight_version == 2
-        assert _tokens(engine.generate_groups(prompts, 4, seed=3)) == _tokens(before)
+        assert _tokens(engine.generate_groups(prompts, 4, seeds=_seeds(3, prompts))) == _tokens(
+            before
+        )
     finally:
         engine.update_weights(path, version=0)
 
@@ -245,14 +255,14 @@ def test_update_weights_changes_samples(engine, tiny) -> None:
 @gpu
 def test_sleep_wake_level1(engine, tiny) -> None:
     prompts = tiny[3]
-    before = engine.generate_groups(prompts, 4, seed=9)
+    before = engine.generate_groups(prompts, 4, seeds=_seeds(9, prompts))
     free_awake = torch.cuda.mem_get_info(engine.device)[0]
     engine.sleep()
     assert torch.cuda.mem_get_info(engine.device)[0] > free_awake
     with pytest.raises(RuntimeError, match="asleep"):
-        engine.generate_groups(prompts, 4, seed=9)
+        engine.generate_groups(prompts, 4, seeds=_seeds(9, prompts))
     engine.wake()
-    assert _tokens(engine.generate_groups(prompts, 4, seed=9)) == _tokens(before)
+    assert _tokens(engine.generate_groups(prompts, 4, seeds=_seeds(9, prompts))) == _tokens(before)
 
 
 @gpu
@@ -262,7 +272,7 @@ def test_sleep_wake_level2_needs_new_weights(tiny) -> None:
 
     path, eos, pad, prompts = tiny
     with SGLangEngine(path, _cfg(sleep_level=2), eos, pad, "float32", seed=0) as eng:
-        before = eng.generate_groups(prompts, 4, seed=9)
+        before = eng.generate_groups(prompts, 4, seeds=_seeds(9, prompts))
         free_awake = torch.cuda.mem_get_info(eng.device)[0]
         eng.sleep()
         assert torch.cuda.mem_get_info(eng.device)[0] > free_awake
@@ -271,8 +281,8 @@ def test_sleep_wake_level2_needs_new_weights(tiny) -> None:
             eng.update_weights(original, version=1)
         eng.wake()
         with pytest.raises(RuntimeError, match="update_weights"):
-            eng.generate_groups(prompts, 4, seed=9)
+            eng.generate_groups(prompts, 4, seeds=_seeds(9, prompts))
         with pytest.raises(RuntimeError, match="update_weights"):
             eng.greedy(prompts, 4)
         eng.update_weights(original, version=1)
-        assert _tokens(eng.generate_groups(prompts, 4, seed=9)) == _tokens(before)
+        assert _tokens(eng.generate_groups(prompts, 4, seeds=_seeds(9, prompts))) == _tokens(before)

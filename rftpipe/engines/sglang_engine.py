@@ -14,7 +14,7 @@ srt/constants.py, docs/advanced_features/sglang_for_rl.md and deterministic_infe
   torch RNG); the sampler then draws each token with Gumbel noise hashed from (seed, token
   position), on batch-invariant kernels, with the `pytorch` sampling backend (the flashinfer
   backend refuses seeds). So this engine always enables deterministic inference and sends
-  n separate requests per prompt, each with its own seed from `sample_seed` (SGLang's `n`
+  n separate requests per prompt, each with its own seed from `rftpipe.seeding.sample_seed` (SGLang's `n`
   would give every copy the same seed, hence the same sample). Seeds are cut to 31 bits
   because some SGLang releases keep them in an int32 tensor.
 * Logprobs. With `return_logprob=True`, `meta_info["output_token_logprobs"]` holds one
@@ -69,7 +69,7 @@ import torch
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.engines.rollout import FinishReason, GroupOutput
 from rftpipe.errors import UserError
-from rftpipe.seeding import derive_seed
+from rftpipe.seeding import sample_seed
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +87,9 @@ _KV_CACHE = "kv_cache"
 _WEIGHTS = "weights"
 
 
-def sample_seed(call_seed: int, group: int, sample: int) -> int:
-    """The seed of sample `sample` of group `group` in a `generate_groups` call: fixed by the
-    call's seed and the sample's place in it, never by rank or batch."""
-    return derive_seed(call_seed, group, "sglang-sample", sample) & ((1 << _SEED_BITS) - 1)
+def _sglang_seed(group_seed: int, sample: int) -> int:
+    """`sample_seed`, cut to the 31 bits older SGLang releases keep (int32)."""
+    return sample_seed(group_seed, sample) & ((1 << _SEED_BITS) - 1)
 
 
 def model_eos_ids(model_dir: Path) -> set[int]:
@@ -264,8 +263,13 @@ class SGLangEngine:
 
     # -- generation ---------------------------------------------------------------------
 
+    @property
+    def groups_per_call(self) -> int:
+        """All of a rank's groups at once: every sample carries its own seed."""
+        return 1 << 30
+
     def generate_groups(
-        self, prompts: Sequence[Sequence[int]], n: int, seed: int
+        self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]
     ) -> list[GroupOutput]:
         self._check_ready()
         if not prompts:
@@ -285,7 +289,7 @@ class SGLangEngine:
         for g, prompt in enumerate(prompts):
             for j in range(n):
                 input_ids.append(list(prompt))
-                params.append({**base, "sampling_seed": sample_seed(seed, g, j)})
+                params.append({**base, "sampling_seed": _sglang_seed(seeds[g], j)})
         rows = [self._parse(out) for out in self._generate(input_ids, params)]
         return [
             GroupOutput(

@@ -28,7 +28,7 @@ from rftpipe.config.schema import RolloutConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout import FinishReason, GroupOutput
 from rftpipe.errors import UserError
-from rftpipe.seeding import derive_seed
+from rftpipe.seeding import sample_seed
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,6 @@ class EngineSpec:
     """The run seed: vLLM's own global seed (unused by seeded requests, set for the rest)."""
     max_model_len: int
     """Longest prompt plus `max_new_tokens`: sizes the KV cache's per-sequence need."""
-
-
-def sample_seed(group_seed: int, sample_idx: int) -> int:
-    """The seed of one sample: a function of its group's seed and its index only."""
-    return derive_seed(group_seed, 0, "sample", sample_idx)
 
 
 def import_vllm() -> Any:
@@ -262,7 +257,8 @@ class VLLMEngine:
         if isinstance(weights, Path):
             with _keep_torch_threads():
                 self.llm.collective_rpc(
-                    "reload_weights", kwargs={"weights_path": str(weights), "is_checkpoint_format": True}
+                    "reload_weights",
+                    kwargs={"weights_path": str(weights), "is_checkpoint_format": True},
                 )
         else:
             state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
