@@ -130,9 +130,9 @@ def icepop_weights(
     """IcePop: ``w = pi_old / pi_rollout`` where that ratio lies in ``[low, high]``, else 0.
 
     Ling Team (inclusionAI) 2025, IcePop, introduced with Ring-1T in "Every Step Evolves:
-    Scaling Reinforcement Learning for Trillion-Scale Thinking Model" (arXiv:2510.18855) and
-    used for the Ring-linear models of "Every Attention Matters" (2025): the masking function
-    ``M(k) = k if k in [alpha, beta] else 0`` of the training/inference probability ratio.
+    Scaling Reinforcement Learning for Trillion-Scale Thinking Model" (arXiv:2510.18855; see
+    also "Every Attention Matters" 2025 on training-inference alignment): the masking
+    function ``M(k) = k if k in [alpha, beta] else 0`` of the training/inference ratio.
     Tokens where the two engines disagree by more than the band are dropped from the
     gradient instead of reweighted, so the mismatch cannot compound over long rollouts;
     inside it the token keeps its importance weight. ``masked``: the dropped tokens.
