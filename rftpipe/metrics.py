@@ -48,6 +48,9 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
     }
     for c in reward_cols:
         out[f"rollout/{c}"] = float(np.concatenate([t.column(c).to_numpy() for t in rows]).mean())
+    # The advantage stage's own (rollout/logprob_abs_diff_* when the actor recomputes the
+    # old logprobs); manifests committed before it reported any have none.
+    out.update(store.manifest(step, "advantage").get("metrics", {}))
     out.update(store.manifest(step, "train")["metrics"])
     out["train/kl_coef"] = store.manifest(step, "advantage").get("kl_coef", 0.0)
     for stage in ORDER:

@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any
 
 from rftpipe import perf
+from rftpipe.config.schema import old_logprobs_source
 from rftpipe.errors import UserError
 from rftpipe.executor import Rows, Stage, StageOutput, StepPlan
 from rftpipe.faults import events, fault
@@ -65,7 +66,8 @@ class ScoreStage(_NoSideEffects):
 
 @dataclass(frozen=True, slots=True)
 class AdvantageStage(_NoSideEffects):
-    """3. Reference logprobs (if a KL term is on) and per-token advantages."""
+    """3. The actor's old logprobs (if `train.old_logprobs` resolves to `actor`), reference
+    logprobs (if a KL term is on) and per-token advantages."""
 
     name: StageName = "advantage"
     publish: bool = False
@@ -83,8 +85,23 @@ class AdvantageStage(_NoSideEffects):
             # Under the sampling temperature, as the rollout recorded its own logprobs.
             else partial(rt.reference.compute_logprobs, temperature=rt.cfg.rollout.temperature)
         )
-        table = advantage.run(cfg, rows(), ref, rt.dist.all_reduce_sum)
-        return StageOutput(rows=table, extra={"kl_coef": kl_coef})
+        # The actor still holds the weights that sampled these rows (the step's train stage
+        # has not run, and a restart replays every earlier one before this stage), and a
+        # committed column is never recomputed, so the old policy is exact under replay too.
+        actor = (
+            partial(rt.train_engine.compute_logprobs, temperature=rt.cfg.rollout.temperature)
+            if old_logprobs_source(rt.cfg.train, rt.cfg.rollout) == "actor"
+            else None
+        )
+        table, metrics = advantage.run(
+            cfg,
+            rows(),
+            ref,
+            rt.dist.all_reduce_sum,
+            actor_logprobs=actor,
+            reduce_max=rt.dist.all_reduce_max,
+        )
+        return StageOutput(rows=table, extra={"kl_coef": kl_coef, "metrics": metrics})
 
 
 @dataclass(frozen=True, slots=True)

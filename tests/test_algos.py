@@ -17,6 +17,14 @@ from rftpipe.algos.advantage import (
     AdvantageName,
     compute_advantages,
 )
+from rftpipe.algos.correction import (
+    ROLLOUT_CORRECTIONS,
+    RolloutCorrectionName,
+    icepop_weights,
+    seq_tis_weights,
+    tis_weights,
+    token_mask_weights,
+)
 from rftpipe.algos.kl_controller import (
     KL_CONTROLLERS,
     AdaptiveKLController,
@@ -209,6 +217,7 @@ def test_registries_cover_their_literal_names() -> None:
     assert set(POLICY_LOSSES) == set(get_args(PolicyLossName))
     assert set(AGGREGATIONS) == set(get_args(AggregationName))
     assert set(KL_CONTROLLERS) == set(get_args(KLControllerName))
+    assert set(ROLLOUT_CORRECTIONS) == set(get_args(RolloutCorrectionName))
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
@@ -404,6 +413,115 @@ def test_ppo_rejects_bad_dual_clip() -> None:
     for c in (1.0, 0.5):
         with pytest.raises(ValueError):
             ppo_clip_loss(x, x, x, m, clip_low=0.2, clip_high=0.2, dual_clip=c)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout corrections: weights from the ratio actor-old / rollout logprobs
+# ---------------------------------------------------------------------------------------------
+
+LN = math.log
+# Per-token log-ratios log(pi_old / pi_rollout); row 0's last token is padding whose rollout
+# logprob is garbage (-1000: its raw ratio exp(1000) overflows).
+_LOG_RATIO = [
+    [0.0, 1.0, -1.0, 1000.0],
+    [LN(1.5), LN(0.6), 800.0, -800.0],
+    [LN(0.55), LN(1.9), 0.25, -0.25],
+]
+_MASK = torch.tensor([[True, True, True, False], [True] * 4, [True] * 4])
+CORR = {"cap": 2.0, "low": 0.5, "high": 2.0}
+
+
+def _corr_inputs(dtype: torch.dtype = F64) -> tuple[Tensor, Tensor]:
+    """(old, rollout) with old - rollout = _LOG_RATIO and nontrivial rollout values."""
+    rollout = -torch.arange(1, 13, dtype=dtype).reshape(3, 4) / 4
+    rollout[0, 3] = -1000.0
+    old = rollout + torch.tensor(_LOG_RATIO, dtype=dtype)
+    old[0, 3] = 0.0
+    return old, rollout
+
+
+def test_tis_truncates_per_token() -> None:
+    old, rollout = _corr_inputs()
+    out = tis_weights(old, rollout, _MASK, **CORR)
+    e = math.e
+    # min(ratio, 2); padding 1 whatever its garbage; exp(800) never formed, exp(-800) -> 0.
+    _close(
+        out.weight, [[1.0, 2.0, 1 / e, 1.0], [1.5, 0.6, 2.0, 0.0], [0.55, 1.9, e**0.25, e**-0.25]]
+    )
+    assert out.masked.tolist() == [
+        [False, True, False, False],
+        [False, False, True, False],
+        [False, False, False, False],
+    ]
+
+
+def test_icepop_keeps_ratio_inside_band_and_drops_outside() -> None:
+    old, rollout = _corr_inputs()
+    out = icepop_weights(old, rollout, _MASK, **CORR)
+    e = math.e
+    _close(out.weight, [[1.0, 0.0, 0.0, 1.0], [1.5, 0.6, 0.0, 0.0], [0.55, 1.9, e**0.25, e**-0.25]])
+    assert out.masked.tolist() == [
+        [False, True, True, False],
+        [False, False, True, True],
+        [False, False, False, False],
+    ]
+
+
+def test_token_mask_is_one_inside_band_and_zero_outside() -> None:
+    old, rollout = _corr_inputs()
+    out = token_mask_weights(old, rollout, _MASK, **CORR)
+    _close(out.weight, [[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    assert out.masked.tolist() == icepop_weights(old, rollout, _MASK, **CORR).masked.tolist()
+
+
+def test_seq_tis_truncates_the_product_over_each_response() -> None:
+    old, rollout = _corr_inputs()
+    out = seq_tis_weights(old, rollout, _MASK, **CORR)
+    # Row 0: 1 * e * e^-1 = 1 (padding excluded); row 1: 1.5 * 0.6 * e^800 * e^-800 = 0.9;
+    # row 2: 0.55 * 1.9 * e^0.25 * e^-0.25 = 1.045. Nothing truncated...
+    _close(out.weight, [[1.0] * 4, [0.9] * 4, [1.045] * 4], tol=1e-9)
+    assert not out.masked.any()
+    # ...until a response's product passes the cap: every token of it is cut to 2.
+    big = torch.tensor([[5.0, 5.0, 0.0], [0.1, 0.2, -3.0]], dtype=F64)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    out = seq_tis_weights(big, torch.zeros_like(big), mask, **CORR)
+    _close(out.weight, [[2.0, 2.0, 1.0], [math.exp(-2.7)] * 3], tol=1e-12)
+    assert out.masked.tolist() == [[True, True, False], [False, False, False]]
+
+
+def test_no_correction_is_one() -> None:
+    old, rollout = _corr_inputs()
+    out = ROLLOUT_CORRECTIONS["none"](old, rollout, _MASK, **CORR)
+    _close(out.weight, [[1.0] * 4] * 3)
+    assert not out.masked.any()
+
+
+@pytest.mark.parametrize("name", sorted(ROLLOUT_CORRECTIONS))
+def test_correction_weights_are_detached_and_finite(name: RolloutCorrectionName) -> None:
+    for dtype in (torch.float32, F64):
+        old, rollout = _corr_inputs(dtype)
+        old.requires_grad_(True)
+        rollout.requires_grad_(True)
+        out = ROLLOUT_CORRECTIONS[name](old, rollout, _MASK, **CORR)
+        assert out.weight.dtype == dtype and out.weight.shape == old.shape
+        assert not out.weight.requires_grad and out.weight.grad_fn is None
+        assert torch.isfinite(out.weight).all()
+        # A loss weighted by them: the gradient reaches the current logprobs only, scaled
+        # by the weight, and nothing flows into the old or rollout logprobs.
+        # Current logprobs near the old ones, as within a PPO step.
+        lp = (old.detach() + torch.tensor([0.1, -0.1, 0.3, 0.0], dtype=dtype)).requires_grad_()
+        adv = torch.ones_like(old)
+        pg = ppo_clip_loss(
+            lp, old.detach(), adv, _MASK, clip_low=0.2, clip_high=0.2, dual_clip=None
+        )
+        (pg.loss * out.weight).sum().backward()
+        assert old.grad is None and rollout.grad is None
+        assert torch.isfinite(lp.grad).all()
+        ratio = torch.exp(lp.detach() - old.detach())
+        unclipped = (ratio < 1.2) & _MASK  # A > 0: the clip is active above 1 + clip_high
+        torch.testing.assert_close(
+            lp.grad, torch.where(unclipped, -ratio * out.weight, 0.0), rtol=1e-6, atol=0
+        )
 
 
 # ---------------------------------------------------------------------------------------------

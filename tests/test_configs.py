@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from jobs.submit import parse_args
-from rftpipe.config.loader import field_docs, iter_fields, load_config
-from rftpipe.config.schema import RunConfig
+from rftpipe.config.loader import ConfigError, field_docs, iter_fields, load_config
+from rftpipe.config.schema import RunConfig, old_logprobs_source
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -20,6 +20,53 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 def test_shipped_config_loads(path: Path) -> None:
     cfg = load_config(RunConfig, path)
     assert cfg.total_steps >= 1
+
+
+@pytest.mark.parametrize(
+    ("engine", "setting", "resolved"),
+    [
+        ("hf", "auto", "rollout"),
+        ("vllm", "auto", "actor"),
+        ("sglang", "auto", "actor"),
+        ("hf", "actor", "actor"),
+        ("vllm", "rollout", "rollout"),
+    ],
+)
+def test_old_logprobs_auto_resolves_by_engine(engine: str, setting: str, resolved: str) -> None:
+    cfg = load_config(
+        RunConfig, None, [f"rollout.engine={engine}", f"train.old_logprobs={setting}"]
+    )
+    assert old_logprobs_source(cfg.train, cfg.rollout) == resolved
+    assert cfg.train.old_logprobs == setting  # resolved, never rewritten
+
+
+@pytest.mark.parametrize("old", ["rollout", "auto"])
+def test_correction_without_actor_old_logprobs_is_refused(old: str) -> None:
+    """On hf, `auto` and `rollout` both mean the rollout's own logprobs: the ratio is 1."""
+    with pytest.raises(ConfigError) as info:
+        load_config(RunConfig, None, ["train.rollout_correction=tis", f"train.old_logprobs={old}"])
+    msg = str(info.value)
+    assert "\n" not in msg and "train.rollout_correction=tis" in msg
+    assert "train.old_logprobs=actor" in msg
+    # Accepted where the old logprobs come from the actor.
+    load_config(RunConfig, None, ["train.rollout_correction=tis", "train.old_logprobs=actor"])
+    load_config(RunConfig, None, ["train.rollout_correction=icepop", "rollout.engine=vllm"])
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.correction_cap=0",
+        "train.correction_cap=.inf",
+        "train.correction_low=-0.1",
+        "train.correction_low=1.5",
+        "train.correction_high=0.9",
+        "train.rollout_correction=is",
+    ],
+)
+def test_bad_correction_settings_are_refused(override: str) -> None:
+    with pytest.raises(ConfigError, match=override.split("=")[0].split(".")[1]):
+        load_config(RunConfig, None, ["train.old_logprobs=actor", override])
 
 
 def test_every_field_has_a_docstring() -> None:

@@ -13,7 +13,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT, TINY, final_weights, submit, trajectories
+from helpers import ROOT, TINY, events, final_weights, submit, trajectories
 from safetensors.torch import load_file
 
 from rftpipe import checkpoint
@@ -172,3 +172,51 @@ def test_live_glob_never_sees_uncommitted_rows(tmp_path: Path) -> None:
         time.sleep(0.01)
     assert proc.returncode == 0
     assert len(seen) >= 3, seen  # the poll really overlapped the run
+
+
+def _update_metrics(run: Path) -> list[dict]:
+    """metrics.jsonl without the machine's timings."""
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in lines]
+
+
+def test_actor_old_logprobs_with_tis_exact_under_replay(tmp_path: Path) -> None:
+    """`train.old_logprobs=actor`: the advantage stage commits the actor's logprobs, which on
+    the HF engine (same weights, same module) match the rollout's to float noise, so TIS
+    weights are ~1. A kill after step 4's rollout commit makes the restart replay step 3's
+    train (the checkpoint is step 2's) before step 4's advantage stage asks the actor: the
+    run still ends identical to an uninterrupted one."""
+    overrides = ("total_steps=4", "train.old_logprobs=actor", "train.rollout_correction=tis")
+    ref = tmp_path / "ref"
+    out = submit(ref, *overrides)
+    assert out.returncode == 0, out.stderr
+    t = trajectories(ref).to_pandas()
+    assert "old_logprobs" in t.columns
+    assert all(
+        len(o) == len(r) == n
+        for o, r, n in zip(t["old_logprobs"], t["logprobs"], t["response_length"], strict=True)
+    )
+    diff = max(
+        abs(a - b)
+        for o, r in zip(t["old_logprobs"], t["logprobs"], strict=True)
+        for a, b in zip(o, r, strict=True)
+    )
+    metrics = _update_metrics(ref)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert max(m["rollout/logprob_abs_diff_max"] for m in metrics) == pytest.approx(diff)
+    for m in metrics:
+        assert 0 <= m["rollout/logprob_abs_diff_mean"] <= m["rollout/logprob_abs_diff_max"] < 1e-4
+        assert abs(m["train/correction_weight_mean"] - 1) < 1e-4, m
+        assert m["train/correction_masked_frac"] == 0.0, m
+
+    run = tmp_path / "killed"
+    # stage_after_commit: 5 per step, so the 16th is step 4's rollout.
+    env = {"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "15"}
+    killed = submit(run, *overrides, env=env)
+    assert killed.returncode != 0, killed.stdout[-2000:]
+    out = submit(run, *overrides)
+    assert out.returncode == 0, out.stderr
+    replays = [e for e in events(run) if e["event"] == "replay"]
+    assert [(e["step"], e["identical"]) for e in replays] == [(3, True)], replays
+    assert trajectories(run).equals(trajectories(ref))
+    assert _update_metrics(run) == metrics

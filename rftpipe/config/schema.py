@@ -18,6 +18,7 @@ from rftpipe.algos.names import (
     KLControllerName,
     KLEstimatorName,
     PolicyLossName,
+    RolloutCorrectionName,
 )
 
 SCHEMA_VERSION = 1
@@ -347,6 +348,30 @@ class TrainConfig:
     loss_agg: AggregationName = "token-mean"
     """How per-token losses become one scalar."""
 
+    old_logprobs: Literal["auto", "rollout", "actor"] = "auto"
+    """Where PPO's old (behaviour) logprobs come from: `rollout`, the rollout engine's
+    recorded ones; `actor`, a no-grad forward of the actor over the step's rows in the
+    advantage stage, before the step's first update (committed as column `old_logprobs`);
+    `auto`, `actor` for rollout.engine vllm/sglang (whose kernels differ numerically from
+    the trainer's) and `rollout` for hf (the trainer's own module)."""
+
+    rollout_correction: RolloutCorrectionName = "none"
+    """Per-token weight on the policy loss from the ratio actor-old / rollout logprobs
+    (rftpipe/algos/correction.py): `none`; `tis`, truncated importance sampling
+    min(ratio, correction_cap); `icepop`, the ratio inside [correction_low,
+    correction_high] and 0 outside; `token_mask`, 1 inside and 0 outside; `seq_tis`,
+    min(product of a response's ratios, correction_cap) on all its tokens. Needs
+    old_logprobs resolving to `actor`."""
+
+    correction_cap: float = 2.0
+    """Truncation C of `tis` and `seq_tis`: weights above it are cut to it."""
+
+    correction_low: float = 0.5
+    """`icepop` / `token_mask`: lowest ratio whose token is kept."""
+
+    correction_high: float = 2.0
+    """`icepop` / `token_mask`: highest ratio whose token is kept."""
+
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
@@ -382,6 +407,22 @@ class TrainConfig:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError("clip_low must be in [0, 1) and clip_high >= 0")
+        if not (math.isfinite(self.correction_cap) and self.correction_cap > 0):
+            raise ValueError(
+                f"correction_cap must be a finite number > 0, got {self.correction_cap}"
+            )
+        if not (0 <= self.correction_low <= 1 <= self.correction_high < math.inf):
+            raise ValueError(
+                "correction_low and correction_high must satisfy 0 <= correction_low <= 1 <= "
+                f"correction_high < inf, got {self.correction_low} and {self.correction_high}"
+            )
+
+
+def old_logprobs_source(train: TrainConfig, rollout: RolloutConfig) -> Literal["rollout", "actor"]:
+    """`train.old_logprobs` with `auto` resolved for `rollout.engine`."""
+    if train.old_logprobs != "auto":
+        return train.old_logprobs
+    return "rollout" if rollout.engine == "hf" else "actor"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -550,4 +591,14 @@ class RunConfig:
             raise ValueError(
                 f"train.mini_batches={self.train.mini_batches} does not divide the "
                 f"{samples} samples of a step (data.prompts_per_step x rollout.n)"
+            )
+        if (
+            self.train.rollout_correction != "none"
+            and old_logprobs_source(self.train, self.rollout) != "actor"
+        ):
+            raise ValueError(
+                f"train.rollout_correction={self.train.rollout_correction} needs "
+                f"train.old_logprobs=actor (it is {self.train.old_logprobs} with "
+                f"rollout.engine={self.rollout.engine}, so the old logprobs are the rollout's "
+                "own and the correction ratio would be 1)"
             )

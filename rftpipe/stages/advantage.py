@@ -1,4 +1,5 @@
-"""Stage 3, advantage: reference logprobs (when a KL term is on) and per-token advantages."""
+"""Stage 3, advantage: the actor's old logprobs (`train.old_logprobs=actor`), reference
+logprobs (when a KL term is on) and per-token advantages."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from rftpipe.algos.losses import kl_estimate
 from rftpipe.config.schema import AdvantageConfig, KLConfig
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
+"""Response logprobs of (prompts, responses) under some model: the reference, or the actor."""
 
 
 def pad_ragged(
@@ -45,24 +47,42 @@ def run(
     scored: pa.Table,
     ref_logprobs: RefLogprobs | None,
     reduce_sum: Reducer,
-) -> pa.Table:
-    logprobs = scored.column("logprobs").to_pylist()
-    old, mask = pad_ragged(logprobs, torch.float64)
+    *,
+    actor_logprobs: RefLogprobs | None = None,
+    reduce_max: Reducer | None = None,
+) -> tuple[pa.Table, dict[str, float]]:
+    """This rank's rows with `advantages` (and `old_logprobs`, `ref_logprobs`) appended,
+    and the stage's metrics (global over ranks).
+
+    With `actor_logprobs` (the actor's weights are still those that sampled the rows), its
+    logprobs become column `old_logprobs`: PPO's old policy in the train stage and the
+    policy side of the `kl.mode=reward` penalty. `reduce_max` is then needed too.
+    """
+    prompts = scored.column("prompt_token_ids").to_pylist()
+    responses = scored.column("response_token_ids").to_pylist()
+    _, mask = pad_ragged(scored.column("logprobs").to_pylist(), torch.float64)
     out = scored
+    metrics: dict[str, float] = {}
+    old_column = "logprobs"
+    if actor_logprobs is not None:
+        assert reduce_max is not None, "the logprob-difference metrics need reduce_max"
+        out = out.append_column(
+            pa.field("old_logprobs", pa.list_(pa.float32())),
+            pa.array(actor_logprobs(prompts, responses), pa.list_(pa.float32())),
+        )
+        old_column = "old_logprobs"
+        metrics = _logprob_diff_metrics(out, mask, reduce_sum, reduce_max)
     penalty = None
     if cfg.kl.mode != "none":
         assert ref_logprobs is not None, "a KL term needs the reference model"
-        ref = ref_logprobs(
-            scored.column("prompt_token_ids").to_pylist(),
-            scored.column("response_token_ids").to_pylist(),
-        )
+        ref = ref_logprobs(prompts, responses)
         out = out.append_column(
             pa.field("ref_logprobs", pa.list_(pa.float32())), pa.array(ref, pa.list_(pa.float32()))
         )
         if cfg.kl.mode == "reward":
             # Read back through float32, exactly as the train stage will see these columns.
             ref_t, _ = pad_ragged(out.column("ref_logprobs").to_pylist(), torch.float64)
-            old32, _ = pad_ragged(scored.column("logprobs").to_pylist(), torch.float64)
+            old32, _ = pad_ragged(out.column(old_column).to_pylist(), torch.float64)
             penalty = cfg.kl_coef * kl_estimate(old32, ref_t, cfg.kl.estimator) * mask
     group = torch.tensor(scored.column("prompt_id").to_pylist(), dtype=torch.int64)
     inputs = AdvantageInputs(
@@ -78,7 +98,25 @@ def run(
         gamma=cfg.advantage.gamma,
         reduce_sum=reduce_sum,
     )
-    return out.append_column(
+    table = out.append_column(
         pa.field("advantages", pa.list_(pa.float32())),
         pa.array(unpad(adv, mask), pa.list_(pa.float32())),
     )
+    return table, metrics
+
+
+def _logprob_diff_metrics(
+    table: pa.Table, mask: torch.Tensor, reduce_sum: Reducer, reduce_max: Reducer
+) -> dict[str, float]:
+    """Mean and max over every response token of all ranks of |old_logprobs - logprobs|,
+    as committed (float32): how far the rollout engine's numbers are from the trainer's."""
+    old, _ = pad_ragged(table.column("old_logprobs").to_pylist(), torch.float64)
+    rollout, _ = pad_ragged(table.column("logprobs").to_pylist(), torch.float64)
+    diff = torch.where(mask, (old - rollout).abs(), 0.0)
+    sums = reduce_sum(torch.tensor([float(diff.sum()), float(mask.sum())], dtype=torch.float64))
+    local_max = float(diff.max()) if diff.numel() else 0.0  # a rank may hold no rows
+    top = reduce_max(torch.tensor([local_max], dtype=torch.float64))
+    return {
+        "rollout/logprob_abs_diff_mean": float(sums[0]) / max(float(sums[1]), 1.0),
+        "rollout/logprob_abs_diff_max": float(top[0]),
+    }

@@ -1,5 +1,10 @@
 """Stage 4, train: PPO epochs x mini-batches of the clipped surrogate, KL and entropy terms.
 
+PPO's old policy is the committed `old_logprobs` column (the actor's own forward, written by
+the advantage stage) when there is one, else the rollout engine's `logprobs`; a rollout
+correction (`train.rollout_correction`) weights each token's policy loss by a function of
+their ratio.
+
 Mini-batches are drawn from a permutation of the step's *global* samples keyed by
 (seed, step, epoch, prompt id, sample idx), and losses are normalised by global token and
 sequence counts, so the update is the same on any number of ranks and any micro-batching
@@ -15,6 +20,7 @@ import pyarrow as pa
 import torch
 
 from rftpipe import perf
+from rftpipe.algos.correction import ROLLOUT_CORRECTIONS
 from rftpipe.algos.losses import AGGREGATIONS, POLICY_LOSSES, kl_estimate
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.dist import Dist
@@ -29,6 +35,7 @@ _PADDING_ROW = {
     "prompt_token_ids": [0],
     "response_token_ids": [0],
     "logprobs": [0.0],
+    "old_logprobs": [0.0],
     "advantages": [0.0],
     "ref_logprobs": [0.0],
     "response_length": 1,
@@ -44,6 +51,8 @@ _SUMS = (
     "updates",
     "grad_norm",
     "skipped",
+    "correction_weight",
+    "correction_masked",
 )
 
 
@@ -101,6 +110,11 @@ def run(
 def _run(
     cfg: TrainConfig, kl: KLConfig, engine: TrainEngine, dist: Dist, inp: TrainInputs
 ) -> dict[str, float]:
+    if cfg.rollout_correction != "none" and "old_logprobs" not in inp.table.column_names:
+        raise ValueError(
+            f"train.rollout_correction={cfg.rollout_correction} needs the actor's "
+            "old_logprobs column (train.old_logprobs=actor)"
+        )
     rows = inp.table.to_pylist()
     sums = dict.fromkeys(_SUMS, 0.0)
     lr = engine.current_lr()  # the step's first update; the scheduler moves it per update
@@ -128,7 +142,7 @@ def _run(
             sums["updates"] += 1
             engine.lr_scheduler_step()
             fault("train_mid_step")
-    return {**_finish_metrics(sums, dist), "train/lr": lr}
+    return {**_finish_metrics(sums, dist, cfg.rollout_correction != "none"), "train/lr": lr}
 
 
 def _micro_step(
@@ -143,7 +157,10 @@ def _micro_step(
 ) -> None:
     weight = 1.0 if chunk else 0.0
     chunk = chunk or [_PADDING_ROW]
-    old, mask = pad_ragged([r["logprobs"] for r in chunk], torch.float32)
+    rollout, mask = pad_ragged([r["logprobs"] for r in chunk], torch.float32)
+    old = rollout
+    if "old_logprobs" in chunk[0]:  # the actor's own, when the advantage stage recomputed them
+        old, _ = pad_ragged([r["old_logprobs"] for r in chunk], torch.float32)
     adv, _ = pad_ragged([r["advantages"] for r in chunk], torch.float32)
     lp, ent = engine.forward(
         [r["prompt_token_ids"] for r in chunk],
@@ -155,15 +172,24 @@ def _micro_step(
     out = POLICY_LOSSES[cfg.policy_loss](
         lp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip
     )
+    corr = ROLLOUT_CORRECTIONS[cfg.rollout_correction](
+        old,
+        rollout.to(lp.device),
+        mask,
+        cap=cfg.correction_cap,
+        low=cfg.correction_low,
+        high=cfg.correction_high,
+    )
+    pg_tok = out.loss if cfg.rollout_correction == "none" else out.loss * corr.weight
     agg = AGGREGATIONS[cfg.loss_agg]
     norm = {"num_tokens": float(count[0]), "num_seqs": float(count[1])}
-    loss = agg(out.loss, mask, **norm)
+    loss = agg(pg_tok, mask, **norm)
     if kl.mode != "none":
         ref, _ = pad_ragged([r["ref_logprobs"] for r in chunk], torch.float32)
         ref = ref.to(lp.device)
         kl_tok = kl_estimate(lp, ref, kl.estimator) * mask
     else:
-        # Without a reference, report the drift from the sampling policy instead.
+        # Without a reference, report the drift from the old (behaviour) policy instead.
         kl_tok = kl_estimate(lp, old, "k3") * mask
     if kl.mode == "loss":
         loss = loss + inp.kl_coef * agg(kl_tok, mask, **norm)
@@ -184,17 +210,19 @@ def _micro_step(
         sums["kl"] += float(kl_tok.sum())
         sums["entropy"] += float((ent * mask).sum())
         sums["ratio"] += float((out.ratio * mask).sum())
-        sums["pg_loss"] += float(agg(out.loss, mask, **norm))
+        sums["pg_loss"] += float(agg(pg_tok, mask, **norm))
+        sums["correction_weight"] += float((corr.weight * mask).sum())
+        sums["correction_masked"] += float(corr.masked.sum())
 
 
-def _finish_metrics(sums: dict[str, float], dist: Dist) -> dict[str, float]:
+def _finish_metrics(sums: dict[str, float], dist: Dist, correction: bool) -> dict[str, float]:
     # updates, grad_norm and skipped are identical on every rank (collective decisions).
     local = {k: v for k, v in sums.items() if k not in ("updates", "grad_norm", "skipped")}
     total = dist.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64))
     g = dict(zip(local, total.tolist(), strict=True))
     tok = max(g["tokens"], 1.0)
     updates = max(sums["updates"], 1.0)
-    return {
+    out = {
         "train/pg_loss": g["pg_loss"] / updates,
         "train/kl": g["kl"] / tok,
         "train/entropy": g["entropy"] / tok,
@@ -207,3 +235,8 @@ def _finish_metrics(sums: dict[str, float], dist: Dist) -> dict[str, float]:
         "train/tokens": g["tokens"],
         "train/skipped_micro_batches": sums["skipped"],
     }
+    if correction:
+        # Over every token of every epoch, like the other per-token means.
+        out["train/correction_weight_mean"] = g["correction_weight"] / tok
+        out["train/correction_masked_frac"] = g["correction_masked"] / tok
+    return out
