@@ -6,6 +6,7 @@ exactly once per epoch, and the event log must show every fault point was hit.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import signal
@@ -42,8 +43,11 @@ SCHEDULE: list[tuple[str, int]] = [
 ]
 
 
-def _kill_at_random_instant(run_dir: Path, rng: random.Random) -> int:
-    """Start a resume, wait until its worker has started, then SIGKILL it after a random delay."""
+def _kill_at_random_instant(
+    run_dir: Path, rng: random.Random, overrides: tuple[str, ...], after: str
+) -> int:
+    """Start a resume, wait until its worker has logged a new `after` event (its start, or
+    its first stage), then SIGKILL it after a random delay."""
     cmd = [
         sys.executable,
         "-m",
@@ -54,34 +58,50 @@ def _kill_at_random_instant(run_dir: Path, rng: random.Random) -> int:
         str(TINY),
         "--run-dir",
         str(run_dir),
-        *STEPS,
+        *overrides,
     ]
-    starts = sum(e["event"] == "start" for e in events(run_dir))
+    seen = sum(e["event"] == after for e in events(run_dir))
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     deadline = time.time() + 120
-    while sum(e["event"] == "start" for e in events(run_dir)) == starts and proc.poll() is None:
-        assert time.time() < deadline, "worker never started"
+    while sum(e["event"] == after for e in events(run_dir)) == seen and proc.poll() is None:
+        assert time.time() < deadline, f"worker never logged {after}"
         time.sleep(0.05)
     time.sleep(rng.uniform(0.0, 1.5))
     os.killpg(proc.pid, signal.SIGKILL)
     return proc.wait()
 
 
-def test_chaos_resume_is_bitwise_identical(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "hf",
+        pytest.param(
+            "vllm",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("vllm") is None, reason="vLLM not installed"
+            ),
+        ),
+    ],
+)
+def test_chaos_resume_is_bitwise_identical(engine: str, tmp_path: Path) -> None:
+    """With vLLM a worker spends its first seconds starting the engine, so its random kills
+    wait for the first stage to begin rather than for the worker to start."""
+    overrides = (*STEPS, f"rollout.engine={engine}")
     ref = tmp_path / "ref"
-    out = submit(ref, *STEPS)
+    out = submit(ref, *overrides)
     assert out.returncode == 0, out.stderr
 
     run = tmp_path / "chaos"
     for point, skip in SCHEDULE:
-        res = submit(run, *STEPS, env={"RFTPIPE_FAULT": point, "RFTPIPE_FAULT_SKIP": str(skip)})
+        env = {"RFTPIPE_FAULT": point, "RFTPIPE_FAULT_SKIP": str(skip)}
+        res = submit(run, *overrides, env=env)
         assert res.returncode != 0, f"{point} was never reached: {res.stdout[-2000:]}"
     rng = random.Random(1234)
     for _ in range(5):
-        _kill_at_random_instant(run, rng)
-    final = submit(run, *STEPS)
+        _kill_at_random_instant(run, rng, overrides, "start" if engine == "hf" else "stage_begin")
+    final = submit(run, *overrides)
     assert final.returncode == 0, final.stderr
 
     hit = {e["point"] for e in events(run) if e["event"] == "fault"}
