@@ -191,6 +191,11 @@ class RolloutConfig:
     size; spread the work evenly with prompts_per_step a multiple of this x ranks."""
 
     def __post_init__(self) -> None:
+        if self.engine != "vllm" and self.inference.tensor_parallel_size > 1:
+            raise ValueError(
+                "inference.tensor_parallel_size > 1 (ranks sharing one engine) is implemented "
+                f"for engine=vllm only, not {self.engine}"
+            )
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.groups_per_call < 1:

