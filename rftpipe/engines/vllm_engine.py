@@ -138,6 +138,14 @@ class VLLMEngine:
         if not self._on_gpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(inf.cpu_kv_cache_gib)
         if inf.batch_invariant:
+            if not self._on_gpu:
+                # vLLM's batch-invariant kernels are Triton kernels; vllm-cpu fails inside
+                # its first forward ("'function' object is not subscriptable").
+                raise UserError(
+                    "rollout.inference.batch_invariant=true needs vLLM on a GPU (Triton "
+                    "kernels); on a CPU, per-sample seeds already keep samples independent "
+                    "of their batch"
+                )
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
         kwargs: dict[str, Any] = {
             "model": str(spec.model_dir),
