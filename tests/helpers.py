@@ -90,3 +90,35 @@ def count_calls(module: torch.nn.Module) -> list[int]:
 
     module.register_forward_pre_hook(hook)
     return calls
+
+
+def save_perturbed_tiny(out: Path) -> Path:
+    """The tiny model, perturbed so its logits are far from uniform (differences show),
+    saved with its tokenizer as an HF directory at `out`."""
+    from rftpipe.models import load_causal_lm, load_tokenizer, prepare_tiny
+
+    src = prepare_tiny()
+    torch.manual_seed(0)
+    model = load_causal_lm(src, "float32")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(out)
+    load_tokenizer(src).save_pretrained(out)
+    return out
+
+
+def vllm_spec(model_dir: Path):  # -> rftpipe.engines.vllm_engine.EngineSpec
+    """A vLLM engine spec for a tiny-model directory (float32, short sequences)."""
+    from rftpipe.engines.vllm_engine import EngineSpec
+    from rftpipe.models import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    return EngineSpec(
+        model_dir=model_dir,
+        dtype="float32",
+        eos_id=tok.eos_token_id,
+        pad_id=tok.pad_token_id,
+        seed=0,
+        max_model_len=64,
+    )

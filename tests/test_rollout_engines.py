@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_perturbed_tiny, vllm_spec
 
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout import HFGenerateEngine, RolloutEngine
 from rftpipe.engines.train import build_micro_batch, response_logprobs
-from rftpipe.models import load_causal_lm, load_tokenizer, prepare_tiny
+from rftpipe.models import load_causal_lm, load_tokenizer
 
 CFG = RolloutConfig(n=4, max_new_tokens=8, temperature=0.9)
 PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [70, 71]]
@@ -39,17 +40,7 @@ ENGINES = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model, perturbed so its logits are far from uniform, saved as an HF dir."""
-    src = prepare_tiny()
-    torch.manual_seed(0)
-    model = load_causal_lm(src, "float32")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    out = tmp_path_factory.mktemp("perturbed")
-    model.save_pretrained(out)
-    load_tokenizer(src).save_pretrained(out)
-    return out
+    return save_perturbed_tiny(tmp_path_factory.mktemp("perturbed"))
 
 
 def _build(name: str, model_dir: Path, cfg: RolloutConfig) -> RolloutEngine:
@@ -59,17 +50,9 @@ def _build(name: str, model_dir: Path, cfg: RolloutConfig) -> RolloutEngine:
             load_causal_lm(model_dir, "float32"), cfg, tok.eos_token_id, tok.pad_token_id
         )
     if name == "vllm":
-        from rftpipe.engines.vllm_engine import EngineSpec, VLLMEngine
+        from rftpipe.engines.vllm_engine import VLLMEngine
 
-        spec = EngineSpec(
-            model_dir=model_dir,
-            dtype="float32",
-            eos_id=tok.eos_token_id,
-            pad_id=tok.pad_token_id,
-            seed=0,
-            max_model_len=64,
-        )
-        return VLLMEngine(cfg, spec, Dist())
+        return VLLMEngine(cfg, vllm_spec(model_dir), Dist())
     if not torch.cuda.is_available():
         pytest.skip("SGLang runs on CUDA only")
     pytest.importorskip("sglang")

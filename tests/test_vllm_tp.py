@@ -17,10 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import ROOT, submit, trajectories
-
-from rftpipe.models import load_causal_lm, load_tokenizer, prepare_tiny
+from helpers import ROOT, save_perturbed_tiny, submit, trajectories
 
 pytestmark = [
     pytest.mark.slow,
@@ -33,17 +30,7 @@ DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADD
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model, perturbed so its logits are far from uniform, saved as an HF dir."""
-    src = prepare_tiny()
-    torch.manual_seed(0)
-    model = load_causal_lm(src, "float32")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    out = tmp_path_factory.mktemp("perturbed")
-    model.save_pretrained(out)
-    load_tokenizer(src).save_pretrained(out)
-    return out
+    return save_perturbed_tiny(tmp_path_factory.mktemp("perturbed"))
 
 
 def _free_port() -> int:

@@ -19,11 +19,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from helpers import vllm_spec
 
 from rftpipe.config.schema import InferenceConfig, RolloutConfig
 from rftpipe.data import Prompt
 from rftpipe.dist import init_from_env
-from rftpipe.engines.vllm_engine import EngineSpec, VLLMEngine
+from rftpipe.engines.vllm_engine import VLLMEngine
 from rftpipe.models import load_causal_lm, load_tokenizer
 from rftpipe.stages import rollout
 
@@ -63,15 +64,7 @@ def main() -> None:
         temperature=0.9,
         inference=InferenceConfig(tensor_parallel_size=tp, cpu_kv_cache_gib=1),
     )
-    spec = EngineSpec(
-        model_dir=model_dir,
-        dtype="float32",
-        eos_id=tok.eos_token_id,
-        pad_id=tok.pad_token_id,
-        seed=0,
-        max_model_len=64,
-    )
-    engine = VLLMEngine(cfg, spec, dist)
+    engine = VLLMEngine(cfg, vllm_spec(model_dir), dist)
     res: dict[int, dict] = {r: {} for r in asking}
 
     for r in asking:

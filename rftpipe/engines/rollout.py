@@ -167,14 +167,7 @@ class HFGenerateEngine:
             tokens.append(row[:end])
             logprobs.append(row_lp[:end])
             reasons.append("stop" if row[end - 1] == self.eos_id else "length")
-        return [
-            GroupOutput(
-                tokens=tokens[g * n : (g + 1) * n],
-                logprobs=logprobs[g * n : (g + 1) * n],
-                finish_reasons=reasons[g * n : (g + 1) * n],
-            )
-            for g in range(len(prompts))
-        ]
+        return split_groups(tokens, logprobs, reasons, n)
 
     def _filter(self, scaled: torch.Tensor, t: int) -> torch.Tensor:
         """What sampling draws from at new-token index t: EOS masked before min_new_tokens,
@@ -235,6 +228,20 @@ class HFGenerateEngine:
 
     def wake(self) -> None:
         """See `sleep`."""
+
+
+def split_groups(
+    tokens: list[list[int]], logprobs: list[list[float]], reasons: list[FinishReason], n: int
+) -> list[GroupOutput]:
+    """Rows of consecutive groups of n samples, as one `GroupOutput` per group."""
+    return [
+        GroupOutput(
+            tokens=tokens[i : i + n],
+            logprobs=logprobs[i : i + n],
+            finish_reasons=reasons[i : i + n],
+        )
+        for i in range(0, len(tokens), n)
+    ]
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

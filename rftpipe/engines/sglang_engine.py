@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 from rftpipe.config.schema import RolloutConfig
-from rftpipe.engines.rollout import FinishReason, GroupOutput
+from rftpipe.engines.rollout import FinishReason, GroupOutput, split_groups
 from rftpipe.errors import UserError
 from rftpipe.seeding import sample_seed
 
@@ -296,14 +296,7 @@ class SGLangEngine:
                 input_ids.append(list(prompt))
                 params.append({**base, "sampling_seed": _sglang_seed(seeds[g], j)})
         rows = [self._parse(out) for out in self._generate(input_ids, params)]
-        return [
-            GroupOutput(
-                tokens=[r[0] for r in rows[g * n : (g + 1) * n]],
-                logprobs=[r[1] for r in rows[g * n : (g + 1) * n]],
-                finish_reasons=[r[2] for r in rows[g * n : (g + 1) * n]],
-            )
-            for g in range(len(prompts))
-        ]
+        return split_groups([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], n)
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy completions without the EOS (for evaluation, not for training rows)."""

@@ -29,7 +29,7 @@ import torch.distributed as tdist
 
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.dist import Dist
-from rftpipe.engines.rollout import FinishReason, GroupOutput
+from rftpipe.engines.rollout import FinishReason, GroupOutput, split_groups
 from rftpipe.errors import UserError
 from rftpipe.seeding import sample_seed
 
@@ -283,14 +283,7 @@ class VLLMEngine:
             lps = comp.logprobs or []
             logprobs.append([float(step[tok].logprob) for tok, step in zip(toks, lps, strict=True)])
             reasons.append("stop" if toks and toks[-1] == self.spec.eos_id else "length")
-        return [
-            GroupOutput(
-                tokens=tokens[g * n : (g + 1) * n],
-                logprobs=logprobs[g * n : (g + 1) * n],
-                finish_reasons=reasons[g * n : (g + 1) * n],
-            )
-            for g in range(len(prompts))
-        ]
+        return split_groups(tokens, logprobs, reasons, n)
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         outs = self._run([(list(p), max_new_tokens, None) for p in prompts])
