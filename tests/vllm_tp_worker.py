@@ -59,6 +59,7 @@ def main() -> None:
     asking = [dist.rank] if dist.world > 1 else list(ASKS)
     tok = load_tokenizer(model_dir)
     cfg = RolloutConfig(
+        engine="vllm",
         n=N,
         max_new_tokens=8,
         temperature=0.9,
