@@ -20,25 +20,26 @@ from rftpipe.models import load_causal_lm, prepare_tiny
 def test_tiny_model_flops_by_hand() -> None:
     model = load_causal_lm(prepare_tiny(), "float32")
     shape = perf.model_shape(model)
-    # builtin:tiny: hidden 64, MLP 128, 2 layers, 4 heads of 16, 2 KV heads, 259 tokens, tied.
-    q = o = 64 * 64
-    k = v = 64 * (2 * 16)
+    # builtin:tiny: hidden 64, MLP 128, 2 layers, 4 heads of 32 (attention 128 wide), 2 KV
+    # heads, 259 tokens, tied.
+    q = o = 64 * 128
+    k = v = 64 * (2 * 32)
     mlp = 3 * 64 * 128
     norms = 2 * 64
     per_layer = q + k + v + o + mlp + norms
-    assert per_layer == 36992
+    assert per_layer == 49280
     non_embedding = 2 * per_layer + 64  # + the final norm; embeddings and tied head excluded
     assert shape == perf.ModelShape(
-        non_embedding_params=non_embedding, layers=2, attention_width=64, hidden=64, vocab=259
+        non_embedding_params=non_embedding, layers=2, attention_width=128, hidden=64, vocab=259
     )
     # Two rows of 5 and 3 tokens (prompt + response), 4 response tokens in all.
     dense = 6 * non_embedding * (5 + 3)
     # Causal: a row of s tokens has s(s+1)/2 query-key pairs, 2 matmuls x 2 FLOPs x 64 wide
     # each, x 3 for forward + backward, in each of 2 layers.
-    attention = 3 * 2 * (2 * 2 * 64) * (5 * 6 // 2 + 3 * 4 // 2)
+    attention = 3 * 2 * (2 * 2 * 128) * (5 * 6 // 2 + 3 * 4 // 2)
     head = 3 * 2 * 64 * 259 * 4
-    assert dense + attention + head == 3_984_384
-    assert perf.train_flops(shape, [5, 3], response_tokens=4) == 3_984_384
+    assert dense + attention + head == 5_196_288
+    assert perf.train_flops(shape, [5, 3], response_tokens=4) == 5_196_288
 
 
 def test_train_work_counts_prompt_and_response_tokens_per_epoch() -> None:

@@ -96,8 +96,9 @@ def test_lr_schedule_moves_in_the_reference_run(lr_reference: Path) -> None:
     lrs = _series(lr_reference, "train/lr")
     # First updates of steps 1..6 are updates 0, 2, ..., 10: warm-up (i+1)/4, then cosine
     # over the remaining 8 updates.
-    expected = [1e-3 * f for f in (0.25, 0.75, 1.0)]
-    expected += [1e-3 * 0.5 * (1 + math.cos(math.pi * k / 8)) for k in (2, 4, 6)]
+    lr = 3e-3  # configs/tiny_dense.yaml
+    expected = [lr * f for f in (0.25, 0.75, 1.0)]
+    expected += [lr * 0.5 * (1 + math.cos(math.pi * k / 8)) for k in (2, 4, 6)]
     assert lrs == pytest.approx(expected, rel=1e-6)
     assert len(set(lrs)) == 6
 
