@@ -233,30 +233,28 @@ def test_resume_that_would_stretch_a_decaying_lr_schedule(tmp_path: Path) -> Non
     assert not (run / "config.next.yaml").exists()
 
 
-def test_deepspeed_not_installed(tmp_path: Path) -> None:
-    """A `deepspeed` package that fails to import stands in for a missing one."""
-    shadow = tmp_path / "shadow" / "deepspeed"
+def _without(tmp_path: Path, package: str) -> dict[str, str]:
+    """An environment where `package` fails to import, standing in for a missing one."""
+    shadow = tmp_path / "shadow" / package
     shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('No module named deepspeed')\n")
-    env = {"PYTHONPATH": f"{shadow.parent}:{ROOT}"}
+    (shadow / "__init__.py").write_text(f"raise ImportError('No module named {package}')\n")
+    return {"PYTHONPATH": f"{shadow.parent}:{ROOT}"}
+
+
+def test_deepspeed_not_installed(tmp_path: Path) -> None:
     _fresh(
         tmp_path,
         "train.backend=deepspeed",
-        env=env,
+        env=_without(tmp_path, "deepspeed"),
         needles=("train.backend=deepspeed", "DS_BUILD_OPS=0", "[deepspeed]"),
     )
 
 
 def test_vllm_not_installed(tmp_path: Path) -> None:
-    """A `vllm` package that fails to import stands in for a missing one."""
-    shadow = tmp_path / "shadow" / "vllm"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('No module named vllm')\n")
-    env = {"PYTHONPATH": f"{shadow.parent}:{ROOT}"}
     _fresh(
         tmp_path,
         "rollout.engine=vllm",
-        env=env,
+        env=_without(tmp_path, "vllm"),
         needles=("rollout.engine=vllm", "tools/setup.sh", ".[vllm]", "rollout.engine=hf"),
     )
     assert not (tmp_path / "new" / "run.json").exists()
