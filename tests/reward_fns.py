@@ -1,9 +1,13 @@
-"""User reward functions for the reward tests, imported by path in the worker processes."""
+"""User reward functions for the reward tests, imported by path in the worker processes,
+and the rollout rows they score."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
+
+import pyarrow as pa
 
 
 def _record_pid() -> None:
@@ -70,3 +74,22 @@ def exits(sample) -> float:
 def prints(sample) -> float:
     print("a user print that must not corrupt the reply stream")
     return 0.5
+
+
+def rollouts(prompts: int = 2, n: int = 3, step: int = 1) -> pa.Table:
+    rows = [
+        {
+            "step": step,
+            "prompt_id": p,
+            "sample_idx": k,
+            "prompt": f"What is {p} + {k}?",
+            "response": str(p + k) if k != 2 else "no idea",
+            "answer": str(p + k),
+            "metadata": json.dumps({"source_dataset": "basic_arithmetic"}),
+            "response_token_ids": list(range(k + 1)),
+            "finish_reason": "stop",
+        }
+        for p in range(prompts)
+        for k in range(n)
+    ]
+    return pa.Table.from_pylist(rows)

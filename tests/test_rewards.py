@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from reward_fns import rollouts
 
 from rftpipe import reward_pool
 from rftpipe.config.loader import ConfigError, from_dict
@@ -25,25 +25,6 @@ def fresh_pools():
     for pool in reward_pool._shared.values():
         pool.close()
     reward_pool._shared.clear()
-
-
-def rollouts(prompts: int = 2, n: int = 3, step: int = 1) -> pa.Table:
-    rows = [
-        {
-            "step": step,
-            "prompt_id": p,
-            "sample_idx": k,
-            "prompt": f"What is {p} + {k}?",
-            "response": str(p + k) if k != 2 else "no idea",
-            "answer": str(p + k),
-            "metadata": json.dumps({"source_dataset": "basic_arithmetic"}),
-            "response_token_ids": list(range(k + 1)),
-            "finish_reason": "stop",
-        }
-        for p in range(prompts)
-        for k in range(n)
-    ]
-    return pa.Table.from_pylist(rows)
 
 
 def scored(*functions: object, **reward: object) -> pa.Table:
