@@ -3,11 +3,11 @@
 Each request's row is keyed `step/prompt_id/sample_idx`; the k-th request for a row
 (k = 1, 2, ...) gets the k-th action of its schedule (`rows[key]`, else `default`; past
 the end of the list, its last action). Actions: `ok` (score the row), an HTTP status
-such as `503` or `400`, `slow` (answer after `slow_s`, beyond the client's timeout),
-`drop` (close the connection without a reply), `kill` (SIGKILL the process group in
-`kill_pgid`, once, then answer ok: a run dying mid-score). Every request is appended to a
-JSON-lines log: time, row key, its attempt number, the action and whether the bearer
-token matched.
+such as `503` or `400`, `slow` (answer after `slow_s`, beyond the client's timeout) and
+`drop` (close the connection without a reply). With `kill_at` = N, the N-th request of
+all SIGKILLs the process group `kill_pgid` before its reply: a run dying mid-score. Every
+request is appended to a JSON-lines log: time, row key, its attempt number, the action
+and whether the bearer token matched.
 
 The score of a row is a pure function of its response text, so tests can recompute it.
 """
@@ -35,6 +35,7 @@ class Schedule:
     default: list[str] = field(default_factory=lambda: ["ok"])
     rows: dict[str, list[str]] = field(default_factory=dict)
     slow_s: float = 3.0
+    kill_at: int | None = None
     kill_pgid: int | None = None
     token: str | None = None
     """Expected bearer token (None: not checked); a mismatch is answered 401."""
@@ -47,7 +48,7 @@ class RewardServer:
         self.schedule = schedule
         self.log_path = log_path
         self.attempts: dict[str, int] = {}
-        self.killed = False
+        self.requests = 0
         self._lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.httpd.daemon_threads = True
@@ -71,10 +72,9 @@ class RewardServer:
             k = self.attempts[key] = self.attempts.get(key, 0) + 1
             plan = self.schedule.rows.get(key, self.schedule.default)
             action = plan[min(k, len(plan)) - 1]
-            if action == "kill":
-                if self.killed:
-                    action = "ok"
-                self.killed = True
+            self.requests += 1
+            if self.requests == self.schedule.kill_at:
+                action = "kill"
             return k, action
 
     def _record(self, rec: dict[str, Any]) -> None:
