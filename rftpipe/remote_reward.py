@@ -120,6 +120,8 @@ class RemoteReward:
         self.where = _safe_url(cfg.url)
         self.circuit = Circuit(cfg.circuit_after)
         self._abort = threading.Event()
+        if not os.environ.get(cfg.token_env):
+            log.warning("reward.remote: $%s is not set: requests carry no token", cfg.token_env)
 
     def _headers(self, s: RewardSample) -> dict[str, str]:
         headers = {

@@ -153,11 +153,14 @@ def test_reward_config() -> None:
         "reward.timeout_s=0": "timeout_s must be",
         "reward.on_error=skip": "must be one of 'fail', 'zero'",
         "reward.remote.url=ftp://x": "must start with http",
+        "reward.remote.url=https://u:pw@x/score": "must not carry credentials",
     }
     for override, needle in bad.items():
         with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("(", r"\(")):
             from_dict(
                 RunConfig,
                 {},
-                [override, "reward.functions=[remote]"] if "ftp" in override else [override],
+                [override, "reward.functions=[remote]"]
+                if "ftp" in override or "@" in override
+                else [override],
             )

@@ -310,6 +310,9 @@ class RemoteRewardConfig:
     def __post_init__(self) -> None:
         if self.url and not re.match(r"https?://", self.url):
             raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        if re.match(r"https?://[^/]*@", self.url):
+            # The config is written to the run directory: secrets belong in token_env.
+            raise ValueError("url must not carry credentials (user:password@); use token_env")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.attempts < 1:
