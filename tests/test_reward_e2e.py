@@ -182,3 +182,27 @@ def test_kills_during_scoring_never_rescore_a_committed_row(tmp_path: Path) -> N
             assert TOKEN.encode() not in p.read_bytes(), p
     assert not any(TOKEN in o for o in outputs)
     assert "token_env: RFTPIPE_REWARD_TOKEN" in (run / "config.yaml").read_text()
+
+
+def test_how_hard_scoring_tries_may_change_on_resume(tmp_path: Path) -> None:
+    """A committed row is never scored again, so timeouts, retries and the error policy
+    may change on resume; the server (url) or the functions may not."""
+    run = tmp_path / "run"
+    base = (*remote("http://127.0.0.1:9/score"),)
+    assert submit(run, *base, extra=("--create-only",), env=ENV).returncode == 0
+    changed = (
+        *base,
+        "reward.on_error=zero",
+        "reward.timeout_s=5",
+        "reward.remote.attempts=9",
+        "reward.remote.circuit_after=3",
+    )
+    res = submit(run, *changed, extra=("--create-only",), env=ENV)
+    assert res.returncode == 0, res.stderr
+    res = submit(
+        run,
+        *remote("http://127.0.0.1:10/score"),
+        extra=("--create-only",),
+        env=ENV,
+    )
+    one_line_error(res, "reward.remote.url")
