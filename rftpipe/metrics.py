@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rftpipe.stages import ORDER
@@ -29,8 +30,14 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
         for s in store.manifest(step, "advantage")["shards"]
     ]
     cols = ["reward", "response_length", "finish_reason", "advantages"]
-    reward_cols = [c for c in pq.read_schema(files[0]).names if c.startswith("reward_")]
-    rows = [pq.read_table(f, columns=cols + reward_cols) for f in files]
+    schema = pq.read_schema(files[0])
+    # Numeric components only (`reward_status`, `reward_error` and text entries of a
+    # function's dict are not means); shards committed before statuses existed have none.
+    reward_cols = [
+        f.name for f in schema if f.name.startswith("reward_") and pa.types.is_floating(f.type)
+    ]
+    status = ["reward_status"] if "reward_status" in schema.names else []
+    rows = [pq.read_table(f, columns=cols + reward_cols + status) for f in files]
     reward = np.concatenate([t.column("reward").to_numpy() for t in rows])
     length = np.concatenate([t.column("response_length").to_numpy() for t in rows])
     stops = sum(t.column("finish_reason").to_pylist().count("stop") for t in rows)
@@ -47,7 +54,13 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
         "advantage/std": float(adv.std()) if adv.size else 0.0,
     }
     for c in reward_cols:
-        out[f"rollout/{c}"] = float(np.concatenate([t.column(c).to_numpy() for t in rows]).mean())
+        # nan-mean: a dict entry that some rows lack is null there.
+        values = np.concatenate([t.column(c).to_numpy(zero_copy_only=False) for t in rows])
+        out[f"rollout/{c}"] = float(np.nanmean(values)) if np.isfinite(values).any() else 0.0
+    if status:
+        codes = [s for t in rows for s in t.column("reward_status").to_pylist()]
+        out["rollout/reward_errors"] = codes.count("error")
+        out["rollout/reward_timeouts"] = codes.count("timeout")
     # The advantage stage's own (rollout/logprob_abs_diff_* when the actor recomputes the
     # old logprobs); manifests committed before it reported any have none.
     out.update(store.manifest(step, "advantage").get("metrics", {}))

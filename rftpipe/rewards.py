@@ -1,31 +1,75 @@
-"""Reward functions: a registry of built-ins plus user functions loaded by import path.
+"""Reward functions: a registry of built-ins, user functions loaded by import path, and
+the `remote` reward server.
 
-A reward function maps one ``RewardSample`` to a float. Each configured function becomes
-its own ``reward_<name>`` column; ``reward`` is their weighted sum.
+Each configured function becomes a `RewardComponent` that scores a shard's rows into one
+`Outcome` per row (ok with the returned value, or timeout / error). Built-ins run in this
+process; import-path functions run in worker processes that are killed on timeout
+(`rftpipe.reward_pool`); `remote` posts each row to a server (`rftpipe.remote_reward`).
+The score stage (`rftpipe.stages.score`) turns outcomes into columns and applies
+`reward.on_error`.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import math
+import numbers
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from itertools import groupby
+from typing import Any, Literal, Protocol
 
-from rftpipe.config.schema import RewardConfig
+from rftpipe.config.schema import RewardConfig, RewardFunctionConfig, RewardSignature
 from rftpipe.errors import UserError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RewardSample:
+    """One row to score (picklable: it crosses to the worker processes as is)."""
+
+    step: int
     prompt_id: int
     sample_idx: int
     prompt: str
     response: str
     answer: str | None
+    data_source: str
+    """Which dataset the row came from (verl's `data_source`)."""
     metadata: dict[str, Any]
     response_token_ids: list[int]
     finish_reason: str
+
+    @property
+    def where(self) -> str:
+        """The row, as error messages name it."""
+        return f"step {self.step} prompt_id {self.prompt_id} sample_idx {self.sample_idx}"
+
+
+Status = Literal["ok", "timeout", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one function made of one row."""
+
+    status: Status
+    value: Any = None
+    """The returned value (status ok): a number, or a dict with a numeric `score`."""
+    error: str = ""
+    """Why it failed (`Type: message`), for status timeout or error."""
+
+
+class RewardComponent(Protocol):
+    """One configured reward function, ready to score rows."""
+
+    spec: RewardFunctionConfig
+
+    def score(self, samples: Sequence[RewardSample], fail_fast: bool) -> list[Outcome | None]:
+        """One outcome per sample, in order. With `fail_fast` it may stop after the first
+        failed row, leaving None for the rows it did not score."""
+        ...
 
 
 RewardFn = Callable[[RewardSample], float]
@@ -84,6 +128,8 @@ def _dense_even_tokens(cfg: RewardConfig, scorer: Any) -> RewardFn:
     return dense
 
 
+#: In-process built-ins: ours, fast, and `accuracy` holds the dataset's scorer object,
+#: which no worker process could import by path.
 BUILTIN_REWARDS: dict[str, Callable[[RewardConfig, Any], RewardFn]] = {
     "accuracy": _accuracy,
     "format": _format,
@@ -91,32 +137,177 @@ BUILTIN_REWARDS: dict[str, Callable[[RewardConfig, Any], RewardFn]] = {
 }
 
 
-def column_name(spec: str) -> str:
-    """`reward_<name>`; import paths use their function name."""
-    return "reward_" + spec.rsplit(":", 1)[-1].replace(".", "_")
+# ----------------------------------------------------------------- calling conventions
 
 
-def resolve(spec: str, cfg: RewardConfig, scorer: Any) -> RewardFn:
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec](cfg, scorer)
-    if ":" not in spec:
-        raise UserError(
-            f"reward.functions: unknown reward '{spec}' (built-ins: {sorted(BUILTIN_REWARDS)}; "
-            "or give module:function)"
+def _call_rftpipe(fn: Callable[..., Any], samples: Sequence[RewardSample]) -> list[Any]:
+    return [fn(s) for s in samples]
+
+
+def _call_verl(fn: Callable[..., Any], samples: Sequence[RewardSample]) -> list[Any]:
+    # verl passes these by keyword (`default_compute_score(data_source=..., ...)`).
+    return [
+        fn(
+            data_source=s.data_source,
+            solution_str=s.response,
+            ground_truth=s.answer,
+            extra_info=s.metadata.get("extra_info", s.metadata),
         )
-    module, _, name = spec.partition(":")
+        for s in samples
+    ]
+
+
+def _call_trl(fn: Callable[..., Any], samples: Sequence[RewardSample]) -> Any:
+    # The return value is checked in the parent (`split_batch`): a wrong one fails the run.
+    return fn(**trl_columns(samples))
+
+
+def trl_columns(samples: Sequence[RewardSample]) -> dict[str, list[Any]]:
+    """TRL's keyword arguments: `prompts`, `completions`, `completion_ids`, then the
+    dataset's columns, one list entry per completion."""
+    return {
+        "prompts": [s.prompt for s in samples],
+        "completions": [s.response for s in samples],
+        "completion_ids": [s.response_token_ids for s in samples],
+        "answer": [s.answer for s in samples],
+        "data_source": [s.data_source for s in samples],
+        "metadata": [s.metadata for s in samples],
+        "prompt_id": [s.prompt_id for s in samples],
+        "sample_idx": [s.sample_idx for s in samples],
+        "finish_reason": [s.finish_reason for s in samples],
+    }
+
+
+#: signature -> how one call scores a batch of rows (one row, or TRL's one group).
+SIGNATURES: dict[RewardSignature, Callable[[Callable[..., Any], Sequence[RewardSample]], Any]] = {
+    "rftpipe": _call_rftpipe,
+    "verl": _call_verl,
+    "trl": _call_trl,
+}
+
+
+def batches(signature: RewardSignature, samples: Sequence[RewardSample]) -> list[list[int]]:
+    """Row indices of each call: one row per call, or (trl) each group's rows per call."""
+    if signature != "trl":
+        return [[i] for i in range(len(samples))]
+    order = sorted(range(len(samples)), key=lambda i: samples[i].prompt_id)
+    return [list(g) for _, g in groupby(order, key=lambda i: samples[i].prompt_id)]
+
+
+def split_batch(signature: RewardSignature, value: Any, n: int) -> list[Any]:
+    """One call's return value as one value per row; TypeError if it is not that."""
+    if signature == "trl" and not (isinstance(value, list | tuple) and len(value) == n):
+        raise TypeError(
+            f"returned {_describe(value)}; a trl function returns a list of {n} values, "
+            "one per completion"
+        )
+    return list(value)
+
+
+# ------------------------------------------------------------------------ return values
+
+
+def parse_value(value: Any) -> tuple[float, dict[str, Any]]:
+    """A returned value as (score, extra components); TypeError/ValueError if malformed."""
+    extra: dict[str, Any] = {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise TypeError(f"returned a dict without a 'score' entry (keys {sorted(value)})")
+        extra = {str(k): v for k, v in value.items() if k != "score"}
+        value = value["score"]
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"returned {_describe(value)}, not a number or a dict with 'score'")
+    score = float(value)
+    if not math.isfinite(score):
+        raise ValueError(f"returned {score}")
+    return score, extra
+
+
+def _describe(value: Any) -> str:
+    shown = repr(value)
+    return f"{type(value).__name__} {shown if len(shown) <= 60 else shown[:57] + '...'}"
+
+
+# ------------------------------------------------------------------------ components
+
+
+@dataclass(slots=True)
+class InProcess:
+    """A built-in, called in this process (ours, fast, never hangs)."""
+
+    spec: RewardFunctionConfig
+    fn: RewardFn
+
+    def score(self, samples: Sequence[RewardSample], fail_fast: bool) -> list[Outcome | None]:
+        out: list[Outcome | None] = []
+        for s in samples:
+            try:
+                out.append(Outcome("ok", self.fn(s)))
+            except Exception as exc:
+                out.append(Outcome("error", error=f"{type(exc).__name__}: {exc}"))
+                if fail_fast:
+                    return out + [None] * (len(samples) - len(out))
+        return out
+
+
+def _import(spec: RewardFunctionConfig) -> Callable[..., Any]:
+    """Import `module:function` here, so a bad path fails at start-up, not in a worker."""
+    module, _, name = spec.path.partition(":")
     try:
-        fn = getattr(importlib.import_module(module), name)
+        fn = importlib.import_module(module)
+        for part in name.split("."):
+            fn = getattr(fn, part)
     except (ImportError, AttributeError) as exc:
-        raise UserError(f"reward.functions: cannot import '{spec}': {exc}") from exc
+        raise UserError(f"reward.functions: cannot import '{spec.path}': {exc}") from exc
     if not callable(fn):
-        raise UserError(f"reward.functions: '{spec}' is not callable")
+        raise UserError(f"reward.functions: '{spec.path}' is not callable")
+    _check_arguments(spec, fn)
     return fn
 
 
-def resolve_all(cfg: RewardConfig, scorer: Any) -> dict[str, RewardFn]:
-    """Column name -> function, validated at start-up (before anything runs)."""
-    fns = {column_name(spec): resolve(spec, cfg, scorer) for spec in cfg.functions}
-    if len(fns) != len(cfg.functions):
-        raise UserError(f"reward.functions: two entries share a column name: {list(cfg.functions)}")
-    return fns
+_PROBE: dict[RewardSignature, tuple[tuple[Any, ...], dict[str, Any]]] = {
+    "rftpipe": ((None,), {}),
+    "verl": ((), dict.fromkeys(("data_source", "solution_str", "ground_truth", "extra_info"))),
+    "trl": ((), trl_columns([])),
+}
+
+
+def _check_arguments(spec: RewardFunctionConfig, fn: Callable[..., Any]) -> None:
+    """Refuse a function that cannot take its declared signature's arguments."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C function without introspection: the first call tells
+    args, kwargs = _PROBE[spec.signature]
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise UserError(
+            f"reward.functions: '{spec.path}' cannot be called with the {spec.signature} "
+            f"signature ({exc}); set its `signature` to rftpipe, verl or trl"
+        ) from exc
+
+
+def resolve(spec: RewardFunctionConfig, cfg: RewardConfig, scorer: Any) -> RewardComponent:
+    if spec.path in BUILTIN_REWARDS:
+        if spec.signature != "rftpipe":
+            raise UserError(f"reward.functions: built-in '{spec.path}' has no signature to set")
+        return InProcess(spec, BUILTIN_REWARDS[spec.path](cfg, scorer))
+    if spec.path == "remote":
+        from rftpipe.remote_reward import RemoteReward
+
+        return RemoteReward(spec, cfg.remote)
+    if ":" not in spec.path:
+        raise UserError(
+            f"reward.functions: unknown reward '{spec.path}' (built-ins: "
+            f"{sorted([*BUILTIN_REWARDS, 'remote'])}; or give module:function)"
+        )
+    _import(spec)
+    from rftpipe.reward_pool import Pooled, shared_pool
+
+    return Pooled(spec, spec.timeout_s or cfg.timeout_s, shared_pool(cfg.workers))
+
+
+def resolve_all(cfg: RewardConfig, scorer: Any) -> dict[str, RewardComponent]:
+    """Column name -> component, validated at start-up (before anything runs)."""
+    return {spec.column: resolve(spec, cfg, scorer) for spec in cfg.specs()}

@@ -26,7 +26,7 @@ from rftpipe.engines.rollout import HFGenerateEngine, RolloutEngine
 from rftpipe.engines.train import TRAIN_ENGINES, TrainEngine
 from rftpipe.errors import UserError
 from rftpipe.preemption import NoStop, StopFlag
-from rftpipe.rewards import RewardFn, resolve_all
+from rftpipe.rewards import RewardComponent, resolve_all
 from rftpipe.store import RUN_LAYOUT_VERSION, RunDir, StageStore, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,8 @@ class Runtime:
     dist: Dist
     tokenizer: Any
     prompts: PromptSet
-    rewards: dict[str, RewardFn]
+    rewards: dict[str, RewardComponent]
+    """Column name -> reward function (`reward.functions`), ready to score rows."""
     train_engine: TrainEngine
     """The actor."""
     reference: TrainEngine | None

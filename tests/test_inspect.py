@@ -67,7 +67,10 @@ def expected_summary(run: Path) -> list[dict[str, Any]]:
     """The summary recomputed without tools.inspect: pandas over the published rows plus
     the train/stage manifests."""
     df = frame(run)
-    comps = [c for c in df.columns if c.startswith("reward_")]
+    # Numeric components (not reward_status / reward_error).
+    comps = [
+        c for c in df.columns if c.startswith("reward_") and pd.api.types.is_float_dtype(df[c])
+    ]
     out = []
     for step, g in df.groupby("step", sort=True):
         train = manifest(run, step, "train")

@@ -78,7 +78,12 @@ class Run:
 
     @property
     def reward_components(self) -> list[str]:
-        return [c for c in self.dataset.schema.names if c.startswith("reward_")]
+        """The numeric reward columns (not `reward_status`, `reward_error` or text entries)."""
+        return [
+            f.name
+            for f in self.dataset.schema
+            if f.name.startswith("reward_") and pa.types.is_floating(f.type)
+        ]
 
 
 def open_run(path: Path | str) -> Run:
@@ -202,7 +207,10 @@ def _shard_stats(frag: ds.Fragment, components: list[str], has_adv: bool) -> Sha
     reward = _numpy(t.column("reward"))
     st.reward = Moments.of(reward)
     st.reward_min, st.reward_max = float(reward.min()), float(reward.max())
-    st.component_sums = {c: float(_numpy(t.column(c)).sum()) for c in components}
+    # nansum: an entry of a function's dict return is null on rows that lack it.
+    st.component_sums = {
+        c: float(np.nansum(t.column(c).to_numpy(zero_copy_only=False))) for c in components
+    }
     gate = _numpy(t.column("reward_accuracy")) if "reward_accuracy" in components else reward
     st.passed = int(np.count_nonzero(gate > 0))
     length = _numpy(t.column("response_length")).astype(np.int64)
@@ -391,7 +399,7 @@ def cmd_samples(args: argparse.Namespace) -> int:
             f"({r['response_length']} tokens)"
         )
         for c in comps:
-            print(f"   {c} {r[c]:.6g}")
+            print(f"   {c} {'null' if r[c] is None else format(r[c], '.6g')}")
         print("  prompt:")
         print(_indent(r["prompt"]))
         print("  response:")

@@ -361,11 +361,16 @@ def _coerce_union(value: Any, text: str | None, args: tuple[Any, ...], hint: Any
         # Propagate the member's own, more specific error (e.g. an unknown key inside
         # an optional sub-config).
         return _coerce(raw, members[0], path)
+    mapping_error: ConfigError | None = None
     for member in members:
         try:
             return _coerce(raw, member, path)
-        except ConfigError:
-            continue
+        except ConfigError as exc:
+            if isinstance(value, Mapping) and dataclasses.is_dataclass(member):
+                mapping_error = exc
+    if mapping_error is not None:
+        # A mapping was meant for the sub-config (`str | Sub`): its own error names the key.
+        raise mapping_error
     raise ConfigError(f"config field '{path}' expects {_type_name(hint)}, got {_describe(value)}")
 
 

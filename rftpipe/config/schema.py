@@ -9,6 +9,7 @@ layer stays instant on a login node.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,6 +37,18 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "checkpoint.max_interval",
     "launch",
     "eval",
+    # How hard scoring tries (a committed row is never scored again, so these can only
+    # decide what happens to rows not yet committed, e.g. `on_error=zero` past an outage).
+    "reward.timeout_s",
+    "reward.workers",
+    "reward.on_error",
+    "reward.remote.token_env",
+    "reward.remote.concurrency",
+    "reward.remote.timeout_s",
+    "reward.remote.attempts",
+    "reward.remote.backoff_s",
+    "reward.remote.backoff_max_s",
+    "reward.remote.circuit_after",
 )
 
 
@@ -215,10 +228,109 @@ class RolloutConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
+RewardSignature = Literal["rftpipe", "verl", "trl"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RewardFunctionConfig:
+    """A user reward function with its calling convention (a bare string in
+    `reward.functions` is this with every other field at its default)."""
+
+    path: str
+    """`module:function` import path, or a built-in name. The worker process imports it by
+    this path, so it must be a module-level function (no closures or lambdas)."""
+
+    signature: RewardSignature = "rftpipe"
+    """How it is called. `rftpipe`: fn(sample: rftpipe.rewards.RewardSample) per row.
+    `verl`: compute_score(data_source, solution_str, ground_truth, extra_info) per row.
+    `trl`: fn(prompts, completions, **columns) once per group (the n samples of one
+    prompt), returning one value per completion. A value is a number, or a dict with a
+    numeric `score` whose other entries become `reward_<name>_<key>` columns."""
+
+    name: str = ""
+    """Column name `reward_<name>` (empty: the function's own name); set it when two
+    functions share one, e.g. two verl `compute_score`s."""
+
+    timeout_s: float | None = None
+    """Seconds one call may run before its worker process is killed (None: reward.timeout_s)."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("path must name a built-in reward or module:function")
+        if self.timeout_s is not None and not (
+            math.isfinite(self.timeout_s) and self.timeout_s > 0
+        ):
+            raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
+        if self.name and not re.fullmatch(r"[A-Za-z0-9_]+", self.name):
+            raise ValueError(f"name must be letters, digits and _, got {self.name!r}")
+
+    @property
+    def column(self) -> str:
+        """`reward_<name>`; import paths use their function name."""
+        return "reward_" + (self.name or self.path.rsplit(":", 1)[-1].replace(".", "_"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RemoteRewardConfig:
+    """A reward server, used as the component `remote` of `reward.functions`.
+
+    Each row is one POST of JSON {step, prompt_id, sample_idx, prompt, response, answer,
+    data_source, metadata, finish_reason}; the reply is a number or a dict with `score`.
+    """
+
+    url: str = ""
+    """http(s) endpoint scoring one row per request (empty: no remote reward)."""
+
+    token_env: str = "RFTPIPE_REWARD_TOKEN"
+    """Environment variable holding the bearer token (`Authorization: Bearer ...`; unset or
+    empty: no header). Only the variable's name is ever written to the run directory."""
+
+    concurrency: int = 8
+    """Requests in flight at once (per rank)."""
+
+    timeout_s: float = 30.0
+    """Seconds one request may take (connect and each read) before it counts as failed."""
+
+    attempts: int = 5
+    """Tries per row on 5xx, timeouts and connection errors; a 4xx is a bad request and
+    fails the run at once, without a retry."""
+
+    backoff_s: float = 0.5
+    """Exponential backoff with full jitter: the wait before retry k is uniform in
+    [0, min(backoff_max_s, backoff_s * 2**k)] seconds."""
+
+    backoff_max_s: float = 30.0
+    """Cap of one backoff wait."""
+
+    circuit_after: int = 20
+    """Consecutive failed requests (over all rows, any success resets the count) after
+    which the circuit opens: the run stops with an error instead of retrying a server
+    that is down."""
+
+    def __post_init__(self) -> None:
+        if self.url and not re.match(r"https?://", self.url):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        if re.match(r"https?://[^/]*@", self.url):
+            # The config is written to the run directory: secrets belong in token_env.
+            raise ValueError("url must not carry credentials (user:password@); use token_env")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be >= 1, got {self.attempts}")
+        if self.circuit_after < 1:
+            raise ValueError(f"circuit_after must be >= 1, got {self.circuit_after}")
+        for key in ("timeout_s", "backoff_s", "backoff_max_s"):
+            v = getattr(self, key)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{key} must be a finite number > 0, got {v}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RewardConfig:
-    functions: tuple[str, ...] = ("accuracy", "format")
-    """Reward components: built-in names or `module:function` import paths. Each is a column."""
+    functions: tuple[str | RewardFunctionConfig, ...] = ("accuracy", "format")
+    """Reward components: built-in names (accuracy, format, dense_even_tokens, remote),
+    `module:function` import paths, or mappings (RewardFunctionConfig: path, signature,
+    name, timeout_s). Each is a column `reward_<name>`."""
 
     weights: tuple[float, ...] = ()
     """Weight of each component in `reward` (empty: all 1.0)."""
@@ -229,6 +341,22 @@ class RewardConfig:
     require_stop: bool = True
     """`accuracy` scores only responses that ended with EOS: a truncated one may stop mid-calculation."""
 
+    timeout_s: float = 60.0
+    """Seconds one call of an import-path function may run; then its worker process is
+    killed (SIGKILL) and replaced, and the row's `reward_status` is `timeout`."""
+
+    workers: int = 2
+    """Worker processes (per rank) that run import-path functions, each call in one of them."""
+
+    on_error: Literal["fail", "zero"] = "fail"
+    """A row whose function raised or timed out, or whose remote request failed for good:
+    `fail` stops the run (exit 2) naming the row and function; `zero` scores that
+    component 0, keeps its `reward_status` (error or timeout) and counts it in
+    rollout/reward_errors and rollout/reward_timeouts."""
+
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
+    """The reward server of the `remote` component."""
+
     def __post_init__(self) -> None:
         if not self.functions:
             raise ValueError("functions must name at least one reward")
@@ -236,6 +364,26 @@ class RewardConfig:
             raise ValueError(
                 f"weights has {len(self.weights)} entries but functions has {len(self.functions)}"
             )
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        uses_remote = any(f.path == "remote" for f in self.specs())
+        if uses_remote != bool(self.remote.url):
+            raise ValueError(
+                "functions names 'remote' but remote.url is empty"
+                if uses_remote
+                else "remote.url is set but functions does not name 'remote'"
+            )
+        columns = [f.column for f in self.specs()]
+        if len(set(columns)) != len(columns):
+            raise ValueError(f"two functions share a column name ({columns}); give one a `name`")
+
+    def specs(self) -> tuple[RewardFunctionConfig, ...]:
+        """`functions` with bare strings expanded to RewardFunctionConfig."""
+        return tuple(
+            RewardFunctionConfig(path=f) if isinstance(f, str) else f for f in self.functions
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,47 +1,129 @@
-"""Stage 2, score: every reward function becomes its own column; `reward` is their weighted sum."""
+"""Stage 2, score: every reward function becomes its own column; `reward` is their weighted sum.
+
+Each row also gets `reward_status` (ok, or the first function's timeout / error) and
+`reward_error` (what failed, null when ok). A failed row stops the run under
+`reward.on_error=fail`; under `zero` its component scores 0, is counted in the step's
+metrics and logged. A malformed return value (not a number, NaN, a dict without
+`score`) always stops the run: no policy can make it a reward.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import numbers
+import re
 from collections.abc import Mapping
+from typing import Any
 
 import pyarrow as pa
 
 from rftpipe.config.schema import RewardConfig
 from rftpipe.errors import UserError
-from rftpipe.rewards import RewardFn, RewardSample
+from rftpipe.rewards import Outcome, RewardComponent, RewardSample, parse_value
+
+log = logging.getLogger(__name__)
 
 
-def run(cfg: RewardConfig, fns: Mapping[str, RewardFn], rollouts: pa.Table) -> pa.Table:
-    rows = rollouts.to_pylist()
-    weights = cfg.weights or (1.0,) * len(fns)
-    total = [0.0] * len(rows)
+def run(
+    cfg: RewardConfig, components: Mapping[str, RewardComponent], rollouts: pa.Table
+) -> pa.Table:
+    samples = [_sample(r) for r in rollouts.to_pylist()]
+    weights = cfg.weights or (1.0,) * len(components)
+    total = [0.0] * len(samples)
+    status = ["ok"] * len(samples)
+    errors: list[str | None] = [None] * len(samples)
     out = rollouts
-    for (col, fn), w in zip(fns.items(), weights, strict=True):
-        values = []
-        for i, r in enumerate(rows):
-            sample = RewardSample(
-                prompt_id=r["prompt_id"],
-                sample_idx=r["sample_idx"],
-                prompt=r["prompt"],
-                response=r["response"],
-                answer=r["answer"],
-                metadata=json.loads(r["metadata"]),
-                response_token_ids=r["response_token_ids"],
-                finish_reason=r["finish_reason"],
-            )
-            try:
-                v = float(fn(sample))
-            except Exception as exc:
-                raise UserError(
-                    f"reward.functions: {col[len('reward_') :]} raised on step {r['step']} prompt_id "
-                    f"{r['prompt_id']} sample_idx {r['sample_idx']}: {type(exc).__name__}: {exc}"
-                ) from exc
-            if v != v or v in (float("inf"), float("-inf")):
-                raise UserError(
-                    f"reward.functions: {col} returned {v} for prompt_id {r['prompt_id']} sample_idx {r['sample_idx']}"
-                )
+    for (col, comp), w in zip(components.items(), weights, strict=True):
+        outcomes = comp.score(samples, fail_fast=cfg.on_error == "fail")
+        if cfg.on_error == "fail":
+            _fail_on_first_failure(comp.spec.path, samples, outcomes)
+        values, extras = [], []
+        for i, (s, o) in enumerate(zip(samples, outcomes, strict=True)):
+            v, extra = _value(comp.spec.path, s, o)
+            if o is not None and o.status != "ok" and status[i] == "ok":
+                status[i], errors[i] = o.status, f"{comp.spec.path}: {o.error}"
             values.append(v)
+            extras.append(extra)
             total[i] += w * v
         out = out.append_column(pa.field(col, pa.float64()), pa.array(values, pa.float64()))
+        for name, array in _extra_columns(col, extras).items():
+            out = out.append_column(name, array)
+    _report(status, errors)
+    out = out.append_column(pa.field("reward_status", pa.string()), pa.array(status, pa.string()))
+    out = out.append_column(pa.field("reward_error", pa.string()), pa.array(errors, pa.string()))
     return out.append_column(pa.field("reward", pa.float64()), pa.array(total, pa.float64()))
+
+
+def _sample(r: dict[str, Any]) -> RewardSample:
+    metadata = json.loads(r["metadata"])
+    return RewardSample(
+        step=r["step"],
+        prompt_id=r["prompt_id"],
+        sample_idx=r["sample_idx"],
+        prompt=r["prompt"],
+        response=r["response"],
+        answer=r["answer"],
+        # reasoning-gym names its dataset `source_dataset`; verl-format rows `data_source`.
+        data_source=str(
+            r.get("data_source")
+            or metadata.get("data_source")
+            or metadata.get("source_dataset", "")
+        ),
+        metadata=metadata,
+        response_token_ids=r["response_token_ids"],
+        finish_reason=r["finish_reason"],
+    )
+
+
+def _value(fn: str, s: RewardSample, o: Outcome | None) -> tuple[float, dict[str, Any]]:
+    """The component's score and extra entries for one row (0 for a failed one: `zero`)."""
+    assert o is not None, f"{fn} left {s.where} unscored"
+    if o.status != "ok":
+        return 0.0, {}
+    try:
+        return parse_value(o.value)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"reward.functions: {fn} {exc} on {s.where}") from exc
+
+
+def _fail_on_first_failure(
+    fn: str, samples: list[RewardSample], outcomes: list[Outcome | None]
+) -> None:
+    """`on_error=fail`: the first failed row stops the run (rows left None came after it)."""
+    for s, o in zip(samples, outcomes, strict=True):
+        if o is not None and o.status != "ok":
+            what = "timed out" if o.status == "timeout" else "failed"
+            raise UserError(
+                f"reward.functions: {fn} {what} on {s.where}: {o.error} (reward.on_error=fail)"
+            )
+
+
+def _extra_columns(col: str, extras: list[dict[str, Any]]) -> dict[str, pa.Array]:
+    """`reward_<name>_<key>` per extra entry of a dict return: float64 if every value is a
+    number, else their string form; null where a row has no such entry."""
+    keys = sorted({k for e in extras for k in e})
+    out = {}
+    for k in keys:
+        vals = [e.get(k) for e in extras]
+        name = f"{col}_{re.sub(r'[^A-Za-z0-9_]', '_', k)}"
+        if all(v is None or isinstance(v, numbers.Real) for v in vals):
+            out[name] = pa.array([None if v is None else float(v) for v in vals], pa.float64())
+        else:
+            out[name] = pa.array([None if v is None else str(v) for v in vals], pa.string())
+    return out
+
+
+def _report(status: list[str], errors: list[str | None]) -> None:
+    """Rows zeroed by `on_error=zero` are never silent: one warning per shard."""
+    failed = [e for s, e in zip(status, errors, strict=True) if s != "ok"]
+    if failed:
+        log.warning(
+            "reward: %d of %d rows scored 0 (reward.on_error=zero): %d timeouts, %d errors; "
+            "first: %s",
+            len(failed),
+            len(status),
+            status.count("timeout"),
+            status.count("error"),
+            failed[0],
+        )

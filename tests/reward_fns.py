@@ -1,0 +1,95 @@
+"""User reward functions for the reward tests, imported by path in the worker processes,
+and the rollout rows they score."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pyarrow as pa
+
+
+def _record_pid() -> None:
+    """Append this worker's pid to $RFTPIPE_TEST_PIDS (so a test can check it was killed)."""
+    if path := os.environ.get("RFTPIPE_TEST_PIDS"):
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def even_share(sample) -> float:
+    """rftpipe signature: the share of even token ids (dense_even_tokens, by import path)."""
+    ids = sample.response_token_ids
+    return sum(1 for t in ids if t % 2 == 0) / max(1, len(ids))
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl signature, returning a dict of components."""
+    return {
+        "score": float(solution_str.strip() == str(ground_truth)),
+        "length": len(solution_str),
+        "source": data_source,
+    }
+
+
+def trl_length(prompts, completions, completion_ids, **columns) -> list[float]:
+    """TRL signature: one value per completion of the group."""
+    assert len(prompts) == len(completions) == len(columns["prompt_id"])
+    return [len(ids) / 8 for ids in completion_ids]
+
+
+def trl_wrong_length(prompts, completions, **columns) -> list[float]:
+    return [1.0]
+
+
+def sleepy(sample) -> float:
+    """Never returns for sample 0 of every group; the others score like even_share."""
+    if sample.sample_idx == 0:
+        _record_pid()
+        while True:
+            time.sleep(3600)
+    return even_share(sample)
+
+
+def sleep_forever(sample) -> float:
+    _record_pid()
+    while True:
+        time.sleep(3600)
+
+
+def raises_on_odd(sample) -> float:
+    if sample.sample_idx % 2:
+        raise RuntimeError(f"odd sample {sample.sample_idx}")
+    return 1.0
+
+
+def not_a_number(sample):
+    return "high"
+
+
+def exits(sample) -> float:
+    os._exit(3)
+
+
+def prints(sample) -> float:
+    print("a user print that must not corrupt the reply stream")
+    return 0.5
+
+
+def rollouts(prompts: int = 2, n: int = 3, step: int = 1) -> pa.Table:
+    rows = [
+        {
+            "step": step,
+            "prompt_id": p,
+            "sample_idx": k,
+            "prompt": f"What is {p} + {k}?",
+            "response": str(p + k) if k != 2 else "no idea",
+            "answer": str(p + k),
+            "metadata": json.dumps({"source_dataset": "basic_arithmetic"}),
+            "response_token_ids": list(range(k + 1)),
+            "finish_reason": "stop",
+        }
+        for p in range(prompts)
+        for k in range(n)
+    ]
+    return pa.Table.from_pylist(rows)
