@@ -18,7 +18,6 @@ from rftpipe.config.loader import to_dict
 from rftpipe.config.schema import RunConfig
 from rftpipe.dist import Dist
 from rftpipe.driver import maybe_checkpoint, run_step
-from rftpipe.engines.rollout import HFGenerateEngine
 from rftpipe.errors import UserError
 from rftpipe.faults import events, slow
 from rftpipe.metrics import (
@@ -184,14 +183,10 @@ def finish(rt: runtime.Runtime) -> None:
         marker.exists() and read_json(marker)["step"] == rt.cfg.total_steps
     )
     if rt.dist.any(stale):
-        # The HF loop holds the full final weights on every backend (synced after the last
-        # train step); a serving engine's copy is not a transformers module.
-        engine = rt.rollout_engine
-        weights = (
-            engine.model
-            if isinstance(engine, HFGenerateEngine)
-            else rt.train_engine.rollout_weights()
-        )
+        # The trainer's full weights, whatever the rollout engine holds (a serving engine's
+        # copy is not a transformers module): the module itself on one device, gathered
+        # from the shards otherwise.
+        weights = rt.train_engine.rollout_weights()
         if rt.dist.is_main:
             export_final(rt, final, weights)
     rt.dist.barrier()

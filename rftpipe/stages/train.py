@@ -180,7 +180,8 @@ def _micro_step(
         low=cfg.correction_low,
         high=cfg.correction_high,
     )
-    pg_tok = out.loss if cfg.rollout_correction == "none" else out.loss * corr.weight
+    # `none` weighs every token exactly 1.0, which leaves the loss bit for bit as it is.
+    pg_tok = out.loss * corr.weight
     agg = AGGREGATIONS[cfg.loss_agg]
     norm = {"num_tokens": float(count[0]), "num_seqs": float(count[1])}
     loss = agg(pg_tok, mask, **norm)
