@@ -19,10 +19,14 @@ from rftpipe.models import prepare_tiny
 pytest.importorskip("deepspeed", reason="DeepSpeed is installed by tools/setup.sh")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-WEIGHT_TOL = 2e-6
-"""Max |w - w_single| after 8 AdamW updates at lr 1e-3 (fp32): the backends differ only in
-reduction order and in where the flattened parameters are cut (measured: <= 5.7e-7)."""
-LOSS_REL_TOL = 1e-6
+WEIGHT_TOL = 1e-5
+"""Max |w - w_single| after 8 AdamW updates at lr 1e-3 (fp32), which move the weights by
+up to 8.1e-3: the backends differ only in reduction order and in where the flattened
+parameters are cut. Measured with tiny-v2 on this 2-core machine: 1.3e-6 (zero2, fsdp2) to
+1.8e-6 (zero3); Adam divides by sqrt(v), so near-zero gradients amplify last-bit
+differences, and the CI machine's kernels exceeded 2e-6 once. 1e-5 is ~0.1% of the move."""
+LOSS_REL_TOL = 1e-5
+"""Relative agreement of the step metrics (measured at most 2.0e-7, grad_norm)."""
 
 
 def _workers(out: Path, world: int, *fields: str) -> dict:
