@@ -168,13 +168,20 @@ class SyncStage:
     engine_awake: bool = True
 
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
-        sync.run(rt.rollout_engine, rt.train_engine, version=plan.step)
+        sync_weights(rt, plan.step)
         # `step` is the hive key of the dataset's directory: a column of the same name would
         # make pandas and pyarrow refuse to read it.
         return StageOutput(rows=rows().drop_columns(["step"]), extra={"weight_version": plan.step})
 
     def replay(self, rt: Runtime, plan: StepPlan, rows: Rows, manifest: dict[str, Any]) -> None:
-        sync.run(rt.rollout_engine, rt.train_engine, version=plan.step)
+        sync_weights(rt, plan.step)
+
+
+def sync_weights(rt: Runtime, version: int) -> None:
+    """The sync stage's work (also a restart's, for the weights it loaded). With
+    `weight_sync=disk` the weights go through RUN/sync, transient: a replay writes it again."""
+    via = rt.run.root / "sync" if rt.cfg.rollout.inference.weight_sync == "disk" else None
+    sync.run(rt.rollout_engine, rt.train_engine, version, rt.dist, via)
 
 
 def _refuse_corrupt_late_load(rt: Runtime, exc: CorruptionError) -> None:

@@ -23,9 +23,9 @@ from rftpipe import checkpoint
 from rftpipe.driver import stateful_parts
 from rftpipe.errors import UserError
 from rftpipe.faults import events
-from rftpipe.pipeline import PIPELINE
+from rftpipe.pipeline import PIPELINE, sync_weights
 from rftpipe.runtime import Runtime, rebuild_actor
-from rftpipe.stages import FINAL, ORDER, sync
+from rftpipe.stages import FINAL, ORDER
 from rftpipe.store import CorruptionError, RunDir, StageStore, fsync_dir, list_steps
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,6 @@ def prepare(rt: Runtime, repair: bool) -> int:
     rt.dist.barrier()
     step = restore(rt)
     # The engine now serves the restored weights; later rollouts record their version.
-    sync.run(rt.rollout_engine, rt.train_engine, version=step)
+    sync_weights(rt, step)
     rt.dist.barrier()
     return step

@@ -129,6 +129,10 @@ FRESH_CASES = {
         ("train.rollout_correction=tis", "train.old_logprobs=rollout"),
         ("train.rollout_correction", "train.old_logprobs=actor"),
     ),
+    "disk_weight_sync_on_hf": (
+        ("rollout.inference.weight_sync=disk",),
+        ("rollout", "weight_sync=disk", "hf"),
+    ),
 }
 
 

@@ -209,6 +209,11 @@ class RolloutConfig:
                 "inference.tensor_parallel_size > 1 (ranks sharing one engine) is implemented "
                 f"for engine=vllm only, not {self.engine}"
             )
+        if self.engine == "hf" and self.inference.weight_sync == "disk":
+            raise ValueError(
+                "inference.weight_sync=disk is for engines that hold their own copy "
+                "(vllm, sglang); the hf engine samples from the trainer's module itself"
+            )
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.groups_per_call < 1:

@@ -2,13 +2,60 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from rftpipe.dist import Dist
 from rftpipe.engines.rollout import RolloutEngine
 from rftpipe.engines.train import TrainEngine
 
 
-def run(engine: RolloutEngine, trainer: TrainEngine, version: int) -> None:
+def run(
+    engine: RolloutEngine, trainer: TrainEngine, version: int, dist: Dist, via: Path | None
+) -> None:
     """After this, samples from `engine` are drawn from the step-`version` weights.
 
-    Collective under FSDP2 (the full weights are gathered), so every rank calls it.
+    Collective under FSDP2 and ZeRO-3 (the full weights are gathered), so every rank calls
+    it. With `via` (rollout.inference.weight_sync=disk) rank 0 writes the weights as a
+    safetensors directory there and every engine reloads that directory.
     """
-    engine.update_weights(trainer.rollout_weights(), version)
+    weights = trainer.rollout_weights()
+    if via is None:
+        engine.update_weights(weights, version)
+        return
+    target = via / f"v{version}"
+    if dist.is_main:
+        _write(weights, target)
+    dist.barrier()
+    engine.update_weights(target, version)
+
+
+def _write(weights: torch.nn.Module | Mapping[str, torch.Tensor], target: Path) -> None:
+    """Replace every older version under `target.parent` with `target`, written whole
+    before it appears under its name (a reader never sees half a directory)."""
+    state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+    # safetensors refuses tensors that share storage: a tied lm_head is the embedding
+    # again, and loaders of tied models skip it.
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in state.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        tensors[name] = tensor.detach().to("cpu").contiguous()
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    # The engines loaded every older version before this step's collective began.
+    for old in parent.iterdir():
+        shutil.rmtree(old)
+    tmp = parent / f".{target.name}.tmp"
+    tmp.mkdir()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "index.json").write_text(json.dumps({"tensors": len(tensors)}))
+    tmp.rename(target)
