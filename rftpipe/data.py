@@ -10,6 +10,7 @@ which prompts a step uses.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -131,6 +132,12 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def subset(self, prompts: Sequence[Prompt]) -> PromptSet:
+        """The same source and scorer with only `prompts` (already templated)."""
+        out = PromptSet.__new__(PromptSet)
+        out.scorer, out.prompts = self.scorer, list(prompts)
+        return out
+
     def fingerprint(self) -> str:
         h = hashlib.sha256()
         for p in self.prompts:
@@ -156,9 +163,66 @@ def load_prompts(cfg: DataConfig, tokenizer: Any) -> PromptSet:
 def load_eval_prompts(cfg: DataConfig, ecfg: EvalConfig, tokenizer: Any) -> PromptSet:
     """Held-out prompts from the same generator under a different seed."""
     if cfg.source != "reasoning_gym":
-        raise UserError("eval.size: held-out evaluation needs data.source=reasoning_gym")
+        raise UserError(
+            "eval.holdout_fraction: held-out problems of a file source must be carved out of "
+            "it (set eval.holdout_fraction > 0); only reasoning_gym can generate more"
+        )
     rows, ds = _reasoning_gym_rows(cfg, ecfg.size, ecfg.seed)
     return PromptSet(rows, tokenizer, cfg, ds)
+
+
+def content_key(p: Prompt) -> tuple[str, str | None]:
+    """What makes two prompts the same problem, whatever their ids."""
+    return (p.text.strip(), None if p.answer is None else p.answer.strip())
+
+
+def _held_out(key: tuple[str, str | None], salt: int, fraction: float) -> bool:
+    digest = hashlib.sha256(json.dumps([salt, *key]).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def split_held_out(
+    cfg: DataConfig, ecfg: EvalConfig, train: PromptSet, tokenizer: Any
+) -> tuple[PromptSet, PromptSet | None]:
+    """(training prompts, held-out problems), disjoint by content and so by prompt id.
+
+    With `eval.holdout_fraction` the held-out problems are carved out of the training data
+    (each distinct problem once, in data order) and training keeps the rest; otherwise
+    they come from the generator under `eval.seed`, minus any that training also has.
+    """
+    if not ecfg.size:
+        return train, None
+    if ecfg.holdout_fraction:
+        out = [_held_out(content_key(p), ecfg.seed, ecfg.holdout_fraction) for p in train.prompts]
+        held = [p for p, o in zip(train.prompts, out, strict=True) if o]
+        kept = [p for p, o in zip(train.prompts, out, strict=True) if not o]
+        if not kept or not held:
+            raise UserError(
+                f"eval.holdout_fraction={ecfg.holdout_fraction} leaves {len(kept)} training "
+                f"and {len(held)} held-out prompts of {len(train)}; both must be non-empty"
+            )
+        return train.subset(kept), train.subset(_distinct(held)[: ecfg.size])
+    generated = load_eval_prompts(cfg, ecfg, tokenizer)
+    seen = {content_key(p) for p in train.prompts}
+    held = [p for p in _distinct(generated.prompts) if content_key(p) not in seen]
+    if not held:
+        raise UserError(
+            f"eval.size: all {len(generated)} problems drawn with eval.seed={ecfg.seed} also "
+            "occur in the training data; set eval.holdout_fraction to carve held-out "
+            "problems out of it instead"
+        )
+    # Generated ids restart at 0: number them after the training ids, so that an id names
+    # one problem across the run's rows.
+    first = max(p.prompt_id for p in train.prompts) + 1
+    held = [dataclasses.replace(p, prompt_id=first + i) for i, p in enumerate(held)]
+    return train, generated.subset(held)
+
+
+def _distinct(prompts: Sequence[Prompt]) -> list[Prompt]:
+    out: dict[tuple[str, str | None], Prompt] = {}
+    for p in prompts:
+        out.setdefault(content_key(p), p)
+    return list(out.values())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

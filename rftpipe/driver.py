@@ -1,4 +1,4 @@
-"""The step driver: rollout -> score -> advantage -> train -> sync, each stage durable.
+"""The step driver: rollout -> score -> advantage -> train -> sync (-> eval), each stage durable.
 
 A stage whose MANIFEST.json exists is never run again; train steps after the newest
 checkpoint are replayed from their committed advantage rows (`rftpipe.executor`).
@@ -13,7 +13,7 @@ import torch
 from rftpipe import checkpoint
 from rftpipe.data import SamplerState, global_window, rank_slice
 from rftpipe.executor import StepPlan, StepState, execute, no_rows
-from rftpipe.pipeline import PIPELINE
+from rftpipe.pipeline import EVAL, PIPELINE
 from rftpipe.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -23,13 +23,27 @@ def run_step(rt: Runtime, step: int, timings: dict[str, float]) -> dict[str, flo
     """One PPO step; returns the train metrics (committed or replayed)."""
     plan = plan_step(rt, step)
     state = StepState(rows=no_rows, timings=timings)
-    for stage in PIPELINE:
+    evaluate = (EVAL,) if rt.cfg.eval.due(step, rt.cfg.total_steps) else ()
+    for stage in (*PIPELINE, *evaluate):
         if stage.engine_awake:
             rt.rollout_engine.wake()
         else:
             rt.rollout_engine.sleep()
         execute(rt, plan, stage, state)
     return state.manifests["train"]["metrics"]
+
+
+def evaluate_initial(rt: Runtime, ckpt_step: int) -> None:
+    """The evaluation of the initial weights (step 0), once, before step 1.
+
+    Only from the initial weights (`ckpt_step` 0): a restart from a checkpoint holds later
+    ones, and then step 0's evaluation committed long ago (or was not asked for).
+    """
+    if ckpt_step or not rt.cfg.eval.due(0, rt.cfg.total_steps):
+        return
+    plan = StepPlan(step=0, global_ids=[], mine=[], sampler={})
+    rt.rollout_engine.wake()
+    execute(rt, plan, EVAL, StepState(rows=no_rows, timings={}))
 
 
 def plan_step(rt: Runtime, step: int) -> StepPlan:

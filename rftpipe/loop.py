@@ -17,7 +17,7 @@ from rftpipe import evaluate, models, resume, runtime
 from rftpipe.config.loader import to_dict
 from rftpipe.config.schema import RunConfig
 from rftpipe.dist import Dist
-from rftpipe.driver import maybe_checkpoint, run_step
+from rftpipe.driver import evaluate_initial, maybe_checkpoint, run_step
 from rftpipe.errors import UserError
 from rftpipe.faults import events, slow
 from rftpipe.metrics import (
@@ -60,8 +60,9 @@ def train_run(
         finish(rt)
         return 0
     trackers = make_trackers(rt, last_done)
-    trackers.log_committed(rt.store, range(1, last_done + 1))
-    evaluate.maybe_eval(rt, "before", ckpt_step)
+    evaluate_initial(rt, ckpt_step)
+    first = 0 if rt.store.is_committed(0, "eval") else 1
+    trackers.log_committed(rt.store, range(first, last_done + 1))
     bar = progress(cfg, dist, last_done)
     t_replay = t_prev = time.perf_counter()
     ran = 0
@@ -168,13 +169,14 @@ def bar_update(bar, m: dict[str, Any], train_metrics: dict[str, float]) -> None:
 
 
 def finish(rt: runtime.Runtime) -> None:
-    """Held-out evaluation and HF export of the final policy; each done once.
+    """The evaluations' summary and the HF export of the final policy (done once).
 
     No stop check here: once the last step has committed, the run is finished and a late
     signal must not requeue it.
     """
     slow("finish")
-    evaluate.maybe_eval(rt, "after", rt.cfg.total_steps)
+    if rt.dist.is_main:
+        evaluate.write_summary(rt.store, rt.run.root / "eval.json")
     final = rt.run.root / "export"
     marker = final / EXPORT_MARKER
     # Re-exported when a run is extended past the step its export was taken at. Rank 0

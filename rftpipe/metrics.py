@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
+from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -17,14 +20,67 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rftpipe.rewards import data_source_of
 from rftpipe.stages import ORDER
 from rftpipe.store import RunDir, StageStore, atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, Codex)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def summarize(rows: pa.Table, ks: Sequence[int]) -> dict[str, float]:
+    """`eval/...` metrics of committed eval rows: greedy accuracy and pass@k for each of
+    `ks`, overall and under `eval/<data source>/...`."""
+    by_prompt: dict[int, dict[str, Any]] = {}
+    for r in rows.select(["prompt_id", "mode", "metadata", "correct"]).to_pylist():
+        entry = by_prompt.setdefault(
+            r["prompt_id"],
+            {"source": data_source_of(r, json.loads(r["metadata"])), "greedy": 0.0, "c": 0, "n": 0},
+        )
+        if r["mode"] == "greedy":
+            entry["greedy"] = float(r["correct"])
+        else:
+            entry["c"] += int(r["correct"])
+            entry["n"] += 1
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for entry in by_prompt.values():
+        groups["eval"].append(entry)
+        if entry["source"]:
+            groups[f"eval/{entry['source']}"].append(entry)
+    out: dict[str, float] = {}
+    for prefix, entries in sorted(groups.items()):
+        out[f"{prefix}/problems"] = len(entries)
+        out[f"{prefix}/greedy_accuracy"] = sum(e["greedy"] for e in entries) / len(entries)
+        for k in ks:
+            out[f"{prefix}/pass@{k}"] = sum(pass_at_k(e["n"], e["c"], k) for e in entries) / len(
+                entries
+            )
+    return out
+
+
+def eval_metrics(store: StageStore, step: int) -> dict[str, Any]:
+    """eval/* metrics of a committed eval stage, from its rows."""
+    manifest = store.manifest(step, "eval")
+    rows = pa.concat_tables([store.read(step, "eval", r) for r in range(len(manifest["shards"]))])
+    return {
+        **summarize(rows, manifest["k"]),
+        "eval/overlap_with_train": manifest["overlap_with_train"],
+        "perf/eval_s": manifest.get("seconds", 0.0),
+    }
+
+
 def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
-    """rollout/*, advantage/*, train/* and perf/* metrics of a committed step."""
+    """rollout/*, advantage/*, train/*, perf/* and (when it ran) eval/* metrics of a
+    committed step; step 0 has only the evaluation of the initial weights."""
+    evaluated = eval_metrics(store, step) if store.is_committed(step, "eval") else {}
+    if step == 0:
+        return {"step": 0, **evaluated}
     files = [
         store.run.stage_dir(step, "advantage") / s["file"]
         for s in store.manifest(step, "advantage")["shards"]
@@ -68,7 +124,7 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
     out["train/kl_coef"] = store.manifest(step, "advantage").get("kl_coef", 0.0)
     for stage in ORDER:
         out[f"perf/{stage}_s"] = store.manifest(step, stage).get("seconds", 0.0)
-    return out
+    return {**out, **evaluated}
 
 
 class Tracker(Protocol):

@@ -14,11 +14,12 @@ from typing import Any
 
 from rftpipe import perf
 from rftpipe.config.schema import old_logprobs_source
+from rftpipe.data import content_key, rank_slice
 from rftpipe.errors import UserError
 from rftpipe.executor import Rows, Stage, StageOutput, StepPlan
 from rftpipe.faults import events, fault
 from rftpipe.runtime import Runtime
-from rftpipe.stages import ORDER, StageName, advantage, rollout, score, sync, train
+from rftpipe.stages import ORDER, StageName, advantage, evaluation, rollout, score, sync, train
 from rftpipe.store import CorruptionError
 
 log = logging.getLogger(__name__)
@@ -197,6 +198,46 @@ def _refuse_corrupt_late_load(rt: Runtime, exc: CorruptionError) -> None:
         "start the run again to resume from the previous checkpoint"
     ) from exc
 
+
+@dataclass(frozen=True, slots=True)
+class EvalStage(_NoSideEffects):
+    """After sync, when `eval.due(step)`: greedy and sampled completions of the held-out
+    problems with the step's weights, scored (its rows are the evaluation's record)."""
+
+    name: StageName = "eval"
+    publish: bool = False
+    replay_reads_rows: bool = False
+    engine_awake: bool = True
+
+    def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
+        assert rt.held_out is not None, "eval is due only with eval.size > 0"
+        held = rt.held_out.prompts
+        # Dealt like a step's prompts, in whole units of rollout.groups_per_call.
+        mine = rank_slice(
+            range(len(held)), rt.dist.rank, rt.dist.world, rt.cfg.rollout.groups_per_call
+        )
+        inp = evaluation.EvalInputs(
+            step=plan.step,
+            rank=rt.dist.rank,
+            run_seed=rt.cfg.seed,
+            prompts=[held[i] for i in mine],
+            eval=rt.cfg.eval,
+            rollout=rt.cfg.rollout,
+            reward=rt.cfg.reward,
+        )
+        table = evaluation.run(rt.rollout_engine, rt.tokenizer, rt.rewards, inp)
+        train = {content_key(p) for p in rt.prompts.prompts}
+        overlap = sum(content_key(p) in train for p in held)
+        extra = {
+            "problems": len(held),
+            "overlap_with_train": overlap,
+            "k": list(rt.cfg.eval.k) if rt.cfg.eval.samples else [],
+        }
+        return StageOutput(rows=table, extra=extra)
+
+
+EVAL = EvalStage()
+"""Not in PIPELINE: the driver runs it only on the steps `eval.due` names."""
 
 PIPELINE: tuple[Stage, ...] = (
     RolloutStage(),

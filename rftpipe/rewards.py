@@ -16,7 +16,7 @@ import inspect
 import math
 import numbers
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any, Literal, Protocol
@@ -45,6 +45,14 @@ class RewardSample:
     def where(self) -> str:
         """The row, as error messages name it."""
         return f"step {self.step} prompt_id {self.prompt_id} sample_idx {self.sample_idx}"
+
+
+def data_source_of(row: Mapping[str, Any], metadata: Mapping[str, Any]) -> str:
+    """Which dataset a committed row came from ("" if unknown)."""
+    # reasoning-gym names its dataset `source_dataset`; verl-format rows `data_source`.
+    return str(
+        row.get("data_source") or metadata.get("data_source") or metadata.get("source_dataset", "")
+    )
 
 
 Status = Literal["ok", "timeout", "error"]

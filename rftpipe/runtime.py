@@ -20,7 +20,7 @@ from rftpipe import checkpoint, models
 from rftpipe.algos.kl_controller import make_kl_controller
 from rftpipe.ckpt_policy import FixedSchedule, YoungDalySchedule, make_schedule
 from rftpipe.config.schema import RunConfig
-from rftpipe.data import PromptSet, load_prompts
+from rftpipe.data import PromptSet, load_prompts, split_held_out
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout import HFGenerateEngine, RolloutEngine
 from rftpipe.engines.train import TRAIN_ENGINES, TrainEngine
@@ -41,6 +41,9 @@ class Runtime:
     dist: Dist
     tokenizer: Any
     prompts: PromptSet
+    """The training prompts."""
+    held_out: PromptSet | None
+    """The held-out problems of `eval` (None: no evaluation); disjoint from `prompts`."""
     rewards: dict[str, RewardComponent]
     """Column name -> reward function (`reward.functions`), ready to score rows."""
     train_engine: TrainEngine
@@ -129,7 +132,9 @@ def build(
         log.info("launch.retain_host_memory: not glibc, the allocator is left as it is")
     model_dir = models.resolve_model_path(cfg.model.path)
     tokenizer = models.load_tokenizer(model_dir)
-    prompts = load_prompts(cfg.data, tokenizer)
+    prompts, held_out = split_held_out(
+        cfg.data, cfg.eval, load_prompts(cfg.data, tokenizer), tokenizer
+    )
     rewards = resolve_all(cfg.reward, prompts.scorer)
     if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
         preflight(cfg, model_dir)
@@ -161,6 +166,7 @@ def build(
         dist=dist,
         tokenizer=tokenizer,
         prompts=prompts,
+        held_out=held_out,
         rewards=rewards,
         train_engine=engine,
         reference=reference,

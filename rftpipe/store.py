@@ -471,7 +471,8 @@ class StageStore:
         removed: list[Path] = []
         folders = [run.root, run.checkpoints, run.trajectories]
         last = self.newest_complete_step(final_stage)
-        open_steps = [s for s in list_steps(run.stages) if s > last]
+        # The newest complete step too: its evaluation (after its sync) may be uncommitted.
+        open_steps = [s for s in list_steps(run.stages) if s >= last]
         for step in open_steps:
             for stage_dir in run.step_dir(step).iterdir():
                 if not (stage_dir / MANIFEST).exists():

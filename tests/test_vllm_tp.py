@@ -124,6 +124,7 @@ def test_pipeline_with_tp2_matches_tp1(tmp_path: Path) -> None:
         "train.backend=fsdp2",
         "total_steps=2",
         "eval.size=4",
+        "eval.metric=dense_even_tokens",
     )
     runs, evals = {}, {}
     for tp in (1, 2):

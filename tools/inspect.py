@@ -608,7 +608,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bad: list[dict[str, str]] = []
     checked = {"stages": 0, "checkpoints": 0}
     for step in list_steps(rundir.stages):
-        for stage in STAGES:
+        for stage in (*STAGES, "eval"):
             if not store.is_committed(step, stage):
                 continue
             checked["stages"] += 1

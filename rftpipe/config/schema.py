@@ -644,11 +644,56 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EvalConfig:
+    """Held-out evaluation, a durable stage of its own (`eval`) after a step's sync."""
+
     size: int = 0
-    """Held-out prompts scored greedily before the first and after the last step (0: off)."""
+    """Most held-out problems evaluated (0: no evaluation)."""
+
+    holdout_fraction: float = 0.0
+    """Carve the held-out problems out of the training data: a problem (prompt text and
+    answer) is held out when a hash of it salted with `seed` falls below this fraction,
+    and then it is never trained on. 0: draw them from the data generator under `seed`
+    instead (reasoning-gym), dropping any that also occur in the training data."""
 
     seed: int = 1234
-    """Dataset seed of the held-out prompts (a different seed from the training data)."""
+    """Salt of the hold-out hash, or the generator seed of the held-out problems."""
+
+    every: int = 0
+    """Evaluate after every `every`-th step, besides before step 1 and after the last
+    step (0: only those two)."""
+
+    samples: int = 0
+    """Sampled completions per problem (at rollout.temperature and filters) for pass@k,
+    besides the greedy one; seeds derive from (run seed, step, "eval", prompt id)."""
+
+    k: tuple[int, ...] = (1,)
+    """pass@k reported for each k (unbiased estimator over `samples`; each k <= samples)."""
+
+    metric: str = "accuracy"
+    """The reward component (`reward_<metric>` column) that decides whether a completion
+    is correct."""
+
+    threshold: float = 1.0
+    """A completion is correct when its `metric` component is at least this."""
+
+    def __post_init__(self) -> None:
+        if self.size < 0:
+            raise ValueError(f"size must be >= 0, got {self.size}")
+        if not 0.0 <= self.holdout_fraction < 1.0:
+            raise ValueError(f"holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
+        if self.every < 0:
+            raise ValueError(f"every must be >= 0, got {self.every}")
+        if self.samples < 0:
+            raise ValueError(f"samples must be >= 0, got {self.samples}")
+        bad = [k for k in self.k if not 1 <= k <= max(self.samples, 1)]
+        if self.samples and bad:
+            raise ValueError(f"k must be in [1, samples={self.samples}], got {list(self.k)}")
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Whether `step` ends with an evaluation (step 0: the initial weights)."""
+        if not self.size:
+            return False
+        return step in (0, total_steps) or bool(self.every and step % self.every == 0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -744,6 +789,13 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
+        columns = [spec.column for spec in self.reward.specs()]
+        if self.eval.size and f"reward_{self.eval.metric}" not in columns:
+            names = [c.removeprefix("reward_") for c in columns]
+            raise ValueError(
+                f"eval.metric={self.eval.metric!r} is not a reward component (reward.functions "
+                f"gives {names}); set eval.metric to one of them or eval.size=0"
+            )
         samples = self.data.prompts_per_step * self.rollout.n
         if samples % self.train.mini_batches:
             raise ValueError(

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from rftpipe.config.schema import RewardConfig
 from rftpipe.errors import UserError
-from rftpipe.rewards import Outcome, RewardComponent, RewardSample, parse_value
+from rftpipe.rewards import Outcome, RewardComponent, RewardSample, data_source_of, parse_value
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +64,7 @@ def _sample(r: dict[str, Any]) -> RewardSample:
         prompt=r["prompt"],
         response=r["response"],
         answer=r["answer"],
-        # reasoning-gym names its dataset `source_dataset`; verl-format rows `data_source`.
-        data_source=str(
-            r.get("data_source")
-            or metadata.get("data_source")
-            or metadata.get("source_dataset", "")
-        ),
+        data_source=data_source_of(r, metadata),
         metadata=metadata,
         response_token_ids=r["response_token_ids"],
         finish_reason=r["finish_reason"],

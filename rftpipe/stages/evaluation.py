@@ -1,0 +1,108 @@
+"""The `eval` stage: greedy and sampled completions of held-out problems, scored.
+
+It runs after a step's sync when `eval.due(step)` (step 0: the initial weights), with the
+weights of that step. Rows carry `mode` (greedy or sampled) and the score stage's reward
+columns and `correct`; `rftpipe.metrics.eval_metrics` turns committed rows into greedy
+accuracy and pass@k, overall and per data source.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from rftpipe.config.schema import EvalConfig, RewardConfig, RolloutConfig
+from rftpipe.data import Prompt
+from rftpipe.engines.rollout import RolloutEngine
+from rftpipe.rewards import RewardComponent
+from rftpipe.seeding import derive_seed
+from rftpipe.stages import score
+
+EVAL_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("prompt_id", pa.int64()),
+        ("sample_idx", pa.int32()),
+        ("mode", pa.string()),
+        ("rank", pa.int32()),
+        ("prompt", pa.string()),
+        ("response", pa.string()),
+        ("response_token_ids", pa.list_(pa.int32())),
+        ("response_length", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("answer", pa.string()),
+        ("metadata", pa.string()),
+        ("weight_version", pa.int64()),
+    ]
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalInputs:
+    step: int
+    rank: int
+    run_seed: int
+    prompts: Sequence[Prompt]
+    """This rank's held-out problems, whole calls of the global order."""
+    eval: EvalConfig
+    rollout: RolloutConfig
+    reward: RewardConfig
+
+
+def run(
+    engine: RolloutEngine,
+    tokenizer: Any,
+    components: Mapping[str, RewardComponent],
+    inp: EvalInputs,
+) -> pa.Table:
+    """One greedy row (sample_idx -1) and `eval.samples` sampled rows per problem, scored."""
+    cols: dict[str, list] = {name: [] for name in EVAL_SCHEMA.names}
+    budget = inp.rollout.max_new_tokens
+    g = engine.groups_per_call
+    # Calls cut like the rollout stage's, so greedy batches and sampled calls, and with them
+    # the completions, are the same on any world size.
+    calls = [inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)]
+    if not calls and engine.collective:
+        calls = [[]]  # a tensor-parallel group generates together, even for no prompts
+
+    def add(p: Prompt, idx: int, mode: str, toks: list[int], reason: str) -> None:
+        row = {
+            "step": inp.step,
+            "prompt_id": p.prompt_id,
+            "sample_idx": idx,
+            "mode": mode,
+            "rank": inp.rank,
+            "prompt": p.text,
+            "response": tokenizer.decode(toks, skip_special_tokens=True),
+            "response_token_ids": toks,
+            "response_length": len(toks),
+            "finish_reason": reason,
+            "answer": p.answer,
+            "metadata": json.dumps(p.metadata, sort_keys=True, default=str),
+            "weight_version": engine.weight_version,
+        }
+        for name, value in row.items():
+            cols[name].append(value)
+
+    for call in calls:
+        greedy = engine.greedy([p.token_ids for p in call], budget)
+        for p, toks in zip(call, greedy, strict=True):
+            # `greedy` drops the EOS, so a completion shorter than the budget ended on one.
+            add(p, -1, "greedy", toks, "stop" if len(toks) < budget else "length")
+        if not inp.eval.samples:
+            continue
+        seeds = [derive_seed(inp.run_seed, inp.step, "eval", p.prompt_id) for p in call]
+        groups = engine.generate_groups([p.token_ids for p in call], inp.eval.samples, seeds)
+        for p, group in zip(call, groups, strict=True):
+            for k, (toks, reason) in enumerate(
+                zip(group.tokens, group.finish_reasons, strict=True)
+            ):
+                add(p, k, "sampled", list(toks), reason)
+    scored = score.run(inp.reward, components, pa.Table.from_pydict(cols, schema=EVAL_SCHEMA))
+    metric = scored.column(f"reward_{inp.eval.metric}").to_pylist()
+    correct = [v >= inp.eval.threshold for v in metric]
+    return scored.append_column(pa.field("correct", pa.bool_()), pa.array(correct, pa.bool_()))
