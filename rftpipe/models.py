@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def _publish_dir(tmp: Path, final: Path) -> Path:
     except OSError:
         if not (final / "config.json").exists():
             raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the winner's copy is the same model
     return final
 
 
