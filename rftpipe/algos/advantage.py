@@ -1,12 +1,17 @@
-"""Advantage estimators for outcome-reward RL fine-tuning (GRPO family, RLOO, REINFORCE++).
+"""Advantage estimators for outcome-reward RL fine-tuning (GRPO family, RLOO, REINFORCE++, OPO,
+GPG, pass@k, the optimal token baseline).
 
 Every estimator maps an :class:`AdvantageInputs` batch to per-token advantages of shape
 ``(B, T)`` in float64 that are exactly zero on padding. Estimators are looked up by name in
 :data:`ADVANTAGE_ESTIMATORS`; :func:`compute_advantages` is the single entry point.
 
-Group statistics (GRPO, Dr. GRPO, RLOO, the REINFORCE++ baseline) are always computed within
-one rank, because the data loader never splits a prompt's group across ranks. Only the global
-token whitening of REINFORCE++ needs cross-rank sums, which go through ``reduce_sum``.
+Group statistics (GRPO, Dr. GRPO, RLOO, OPO, pass@k, the REINFORCE++ and optimal token
+baselines) are always computed within one rank, because the data loader never splits a
+prompt's group across ranks. Only batch-wide quantities (the token whitening of REINFORCE++,
+GPG's share of informative samples) need cross-rank sums, which go through ``reduce_sum``.
+
+Whether an estimator needs groups of more than one sample is a trait in
+:data:`rftpipe.algos.names.ESTIMATOR_TRAITS` (torch-free, read by the config check).
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ import torch
 from torch import Tensor
 
 # The names live in the torch-free `names` module so the config schema can import them.
-from rftpipe.algos.names import AdvantageName
+from rftpipe.algos.names import ESTIMATOR_TRAITS, AdvantageName
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ESTIMATOR_TRAITS",
     "AdvantageEstimator",
     "AdvantageInputs",
     "AdvantageName",
@@ -53,12 +59,19 @@ class AdvantageInputs:
             positions.
         token_kl_penalty: ``(B, T)`` per-token KL penalty already multiplied by its
             coefficient (KL-in-reward), or None when KL is not put in the reward.
+        logprobs: ``(B, T)`` behaviour-policy log-probabilities of the sampled tokens; only
+            the optimal token baseline reads them (its per-token variance proxy).
+        sum_pi_squared: ``(B, T)`` ``sum_v pi(v)^2`` of the behaviour policy at each
+            position, or None; the optimal token baseline then uses the lower bound
+            ``pi(y_t)^2`` (see :func:`optimal_token_baseline_advantages`).
     """
 
     rewards: Tensor
     group_index: Tensor
     response_mask: Tensor
     token_kl_penalty: Tensor | None = None
+    logprobs: Tensor | None = None
+    sum_pi_squared: Tensor | None = None
 
 
 class AdvantageEstimator(Protocol):
@@ -82,9 +95,10 @@ def _validate(inputs: AdvantageInputs) -> None:
         raise ValueError(
             f"group_index must have shape ({batch},), got {tuple(inputs.group_index.shape)}"
         )
-    kl = inputs.token_kl_penalty
-    if kl is not None and kl.shape != mask.shape:
-        raise ValueError(f"token_kl_penalty must have shape {tuple(mask.shape)}, got {kl.shape}")
+    for name in ("token_kl_penalty", "logprobs", "sum_pi_squared"):
+        value = getattr(inputs, name)
+        if value is not None and value.shape != mask.shape:
+            raise ValueError(f"{name} must have shape {tuple(mask.shape)}, got {value.shape}")
 
 
 def _masked_kl(inputs: AdvantageInputs) -> Tensor:
@@ -245,12 +259,136 @@ def reinforce_pp_baseline_advantages(
     )
 
 
+def opo_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """OPO: score minus the length-weighted group mean. ``(B, T)``.
+
+    Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline" (arXiv:2505.23585): for
+    sequence-level rewards the variance-minimising baseline weights each sample by its
+    gradient's squared norm, which they approximate by the response length:
+    ``b = sum_j |y_j| s_j / sum_j |y_j|`` over the group. A group whose responses are all
+    empty has no tokens to train, so its baseline is 0 rather than 0/0.
+    """
+    scores = _sequence_scores(inputs)
+    lengths = inputs.response_mask.sum(dim=-1).to(torch.float64)
+    onehot = _group_onehot(inputs.group_index)
+    weighted = (onehot @ (lengths * scores)) / (onehot @ lengths).clamp(min=1)
+    count = onehot.sum(dim=-1) @ onehot
+    adv = torch.where(count > 1, scores - weighted @ onehot, 0.0)
+    return _broadcast(adv, inputs.response_mask)
+
+
+def gpg_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """GPG: group-centred score scaled by ``alpha = B / (B - M)``. ``(B, T)``.
+
+    Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model
+    Reasoning" (arXiv:2504.02546): samples of a group whose rewards are all equal
+    (``M`` of the batch's ``B``) carry no gradient, which shrinks the batch-mean gradient;
+    ``alpha`` restores its scale. ``B`` and ``M`` are batch-wide, so they are summed over
+    ranks. The normaliser ``F_norm`` is 1 (the paper's default, as in verl); unlike verl,
+    which counts non-zero raw rewards, ``M`` follows the paper's definition.
+    """
+    scores = _sequence_scores(inputs)
+    count, mean, _ = _group_stats(scores, inputs.group_index)
+    centred = torch.where(count > 1, scores - mean, 0.0)
+    # Compare max and min rather than testing std > 0: the float mean of equal values may
+    # differ from them in the last bit.
+    onehot = _group_onehot(inputs.group_index).to(torch.bool)
+    top = torch.where(onehot, scores[None, :], -torch.inf).amax(dim=-1)
+    bottom = torch.where(onehot, scores[None, :], torch.inf).amin(dim=-1)
+    informative = (top > bottom).to(torch.float64) @ onehot.to(torch.float64)
+    local = torch.stack([torch.ones_like(scores).sum(), informative.sum()])
+    totals = reduce_sum(local)
+    alpha = totals[0] / totals[1].clamp(min=1)
+    return _broadcast(alpha * centred, inputs.response_mask)
+
+
+def grpo_passk_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """Pass@k: only the best sample of a group is credited, with ``(r_max - r_2nd) / std``.
+
+    Chen et al. 2025, "Pass@k Training for Adaptively Balancing Exploration and
+    Exploitation" / verl's ``grpo_passk`` (citing arXiv:2503.19595): the group is rewarded
+    for its best sample only, so the advantage of the arg-max is the margin over the
+    runner-up, standardised by the group's (unbiased) std; every other sample gets 0. Ties
+    for the maximum give a zero margin; the first sample in batch order is the arg-max.
+    """
+    scores = _sequence_scores(inputs)
+    onehot = _group_onehot(inputs.group_index).to(torch.bool)
+    count, _, std = _group_stats(scores, inputs.group_index)
+    member = torch.where(onehot, scores[None, :], -torch.inf)  # (G, B)
+    best = member.amax(dim=-1)  # (G,)
+    positions = torch.arange(scores.numel(), device=scores.device)
+    is_best = onehot & (member == best[:, None])
+    first_best = torch.where(is_best, positions[None, :], scores.numel()).amin(dim=-1)
+    runner_up = torch.where(positions[None, :] == first_best[:, None], -torch.inf, member)
+    margin = best - runner_up.amax(dim=-1)  # (G,); -inf - -inf never occurs for n >= 2
+    winner = (positions[None, :] == first_best[:, None]).to(torch.float64)  # (G, B)
+    adv = (torch.nan_to_num(margin, nan=0.0, posinf=0.0, neginf=0.0) @ winner) / (std + eps)
+    adv = torch.where(count > 1, adv, 0.0)
+    return _broadcast(adv, inputs.response_mask)
+
+
+def _token_returns(inputs: AdvantageInputs) -> Tensor:
+    """``(B, T)`` undiscounted reward-to-go: the outcome reward on the last valid token minus
+    the KL penalty of every token from t on."""
+    mask = inputs.response_mask
+    outcome = inputs.rewards.to(torch.float64)
+    token_rewards = -_masked_kl(inputs) + torch.where(_last_token(mask), outcome[:, None], 0.0)
+    return torch.where(mask, _discounted_returns(token_rewards, 1.0), 0.0)
+
+
+def optimal_token_baseline_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """Optimal token baseline: a per-position baseline weighted by each path's score energy.
+
+    verl's ``optimal_token_baseline`` (the variance-optimal baseline of Greensmith et al.
+    2004, "Variance Reduction Techniques for Gradient Estimates in RL", applied per token):
+    ``B_t = sum_i G_it W_it / sum_i W_it`` over the group's samples still running at ``t``,
+    with ``G_it`` the reward-to-go and ``W_it = sum_{j<=t} (1 - 2 pi_ij + sum_v pi_ij(v)^2)``
+    the accumulated squared norm of the softmax score ``e_y - pi`` (its gradient w.r.t. the
+    logits). ``A_it = G_it - B_t``. Where only one sample of the group is still running its
+    baseline would be its own return, so it is 0 there (verl's ``handle_zero_tail``).
+
+    We do not record ``sum_v pi(v)^2`` in rollout shards; without it the estimator uses the
+    lower bound ``pi(y)^2`` (so ``w = (1 - pi)^2``), which is exact when the rest of the
+    probability mass is spread thin and keeps ``w >= 0``. ``logprobs`` are required.
+    """
+    if inputs.logprobs is None:
+        raise ValueError("optimal_token_baseline needs the behaviour logprobs (inputs.logprobs)")
+    mask = inputs.response_mask
+    pi = torch.exp(torch.where(mask, inputs.logprobs.to(torch.float64), 0.0))
+    if inputs.sum_pi_squared is None:
+        sum_sq = pi.square()
+    else:
+        sum_sq = inputs.sum_pi_squared.to(torch.float64)
+    w = torch.where(mask, 1.0 - 2.0 * pi + sum_sq, 0.0)
+    energy = w.cumsum(dim=-1)  # (B, T)
+    returns = _token_returns(inputs)
+    onehot = _group_onehot(inputs.group_index)  # (G, B)
+    m = mask.to(torch.float64)
+    num = onehot @ (returns * energy * m)  # (G, T)
+    den = onehot @ (energy * m)
+    running = onehot @ m  # samples of the group still running at t
+    baseline = torch.where(running > 1, num / (den + eps), 0.0)
+    return torch.where(mask, returns - onehot.T @ baseline, 0.0)
+
+
 ADVANTAGE_ESTIMATORS: dict[AdvantageName, AdvantageEstimator] = {
     "grpo": grpo_advantages,
     "dr_grpo": dr_grpo_advantages,
     "rloo": rloo_advantages,
     "reinforce_pp": reinforce_pp_advantages,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+    "opo": opo_advantages,
+    "gpg": gpg_advantages,
+    "grpo_passk": grpo_passk_advantages,
+    "optimal_token_baseline": optimal_token_baseline_advantages,
 }
 
 

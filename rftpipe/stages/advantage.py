@@ -85,11 +85,14 @@ def run(
             old32, _ = pad_ragged(out.column(old_column).to_pylist(), torch.float64)
             penalty = cfg.kl_coef * kl_estimate(old32, ref_t, cfg.kl.estimator) * mask
     group = torch.tensor(scored.column("prompt_id").to_pylist(), dtype=torch.int64)
+    # The behaviour policy's logprobs, as committed: the optimal token baseline reads them.
+    behaviour, _ = pad_ragged(out.column(old_column).to_pylist(), torch.float64)
     inputs = AdvantageInputs(
         rewards=torch.tensor(scored.column("reward").to_pylist(), dtype=torch.float64),
         group_index=group,
         response_mask=mask,
         token_kl_penalty=penalty,
+        logprobs=behaviour,
     )
     adv = compute_advantages(
         cfg.advantage.estimator,
