@@ -130,7 +130,7 @@ def build(
     model_dir = models.resolve_model_path(cfg.model.path)
     tokenizer = models.load_tokenizer(model_dir)
     prompts = load_prompts(cfg.data, tokenizer)
-    rewards = resolve_all(cfg.reward, prompts.scorer)
+    rewards = resolve_all(cfg.reward, prompts.scorer, cfg.rollout.max_new_tokens)
     if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
         preflight(cfg, model_dir)
     check_fingerprints(

@@ -286,17 +286,16 @@ def gspo_loss(
     ``s_i`` and the gradient ``s_i * grad log pi_t``; then
     ``loss = max(-A s_it, -A clamp(s_it, 1 - clip_low, 1 + clip_high))``. The paper's ranges
     are far narrower than PPO's (3e-4 / 4e-4). No dual clip; ``seq-mean-token-mean``
-    aggregation is the paper's. The mean log ratio is clamped to +-20 (in the detached part,
-    so the token gradient survives).
+    aggregation is the paper's. The log ratio is clamped to +-20 (verl: at 10).
     """
     _check_clip_args(clip_low, clip_high, None)
     token_log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
-    seq = (token_log_ratio.sum(dim=-1, keepdim=True) / _lengths(mask)).clamp(
-        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
-    )
+    seq = token_log_ratio.sum(dim=-1, keepdim=True) / _lengths(mask)
     live = torch.where(mask, logprobs, 0.0)
     # The order keeps precision: (lp - sg(lp)) is exactly 0 in value, then the sequence term.
-    ratio = torch.exp(live - live.detach() + seq.detach())
+    # Clamped like every log ratio here: beyond +-20 the token carries no gradient.
+    log_ratio = (live - live.detach() + seq.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
     pg_unclipped = -advantages * ratio
     pg_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.where(mask, torch.maximum(pg_unclipped, pg_clipped), 0.0)
@@ -354,7 +353,11 @@ def sapo_loss(
     instead of being cut. The clip range is unused.
     """
     ratio = torch.exp(_log_ratio(logprobs, old_logprobs, mask))
-    tau = torch.where(advantages > 0, params.sapo_tau_pos, params.sapo_tau_neg)
+    # Scalars in where() would give the default dtype (float32); keep the advantages' own.
+    tau_pos, tau_neg = (
+        advantages.new_tensor(t) for t in (params.sapo_tau_pos, params.sapo_tau_neg)
+    )
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     loss = torch.where(mask, -gate * advantages, 0.0)
     return PolicyLossOutputs(

@@ -330,7 +330,7 @@ class RemoteRewardConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RewardConfig:
     functions: tuple[str | RewardFunctionConfig, ...] = ("accuracy", "format")
-    """Reward components: built-in names (accuracy, format, dense_even_tokens, remote),
+    """Reward components: built-in names (accuracy, format, dense_even_tokens, overlong, remote),
     `module:function` import paths, or mappings (RewardFunctionConfig: path, signature,
     name, timeout_s). Each is a column `reward_<name>`."""
 
@@ -826,6 +826,12 @@ class RunConfig:
                 f"rollout.n=1 with advantage.estimator={self.advantage.estimator}, which "
                 "compares samples within a prompt's group: every advantage would be 0; "
                 "set rollout.n >= 2"
+            )
+        uses_overlong = any(f.path == "overlong" for f in self.reward.specs())
+        if uses_overlong and self.reward.overlong_buffer > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer={self.reward.overlong_buffer} exceeds "
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens}"
             )
         samples = self.data.prompts_per_step * self.rollout.n
         if samples % self.train.mini_batches:
