@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rftpipe.stages import ORDER
@@ -37,7 +38,10 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
         f.name for f in schema if f.name.startswith("reward_") and pa.types.is_floating(f.type)
     ]
     status = ["reward_status"] if "reward_status" in schema.names else []
-    rows = [pq.read_table(f, columns=cols + reward_cols + status) for f in files]
+    baseline = ["is_baseline"] if "is_baseline" in schema.names else []
+    tables = [pq.read_table(f, columns=cols + reward_cols + status + baseline) for f in files]
+    # ReMax's greedy rows are the baseline, not the policy's samples: kept out of the means.
+    rows = [t.filter(pc.invert(t.column("is_baseline"))) if baseline else t for t in tables]
     reward = np.concatenate([t.column("reward").to_numpy() for t in rows])
     length = np.concatenate([t.column("response_length").to_numpy() for t in rows])
     stops = sum(t.column("finish_reason").to_pylist().count("stop") for t in rows)
@@ -57,6 +61,12 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
         # nan-mean: a dict entry that some rows lack is null there.
         values = np.concatenate([t.column(c).to_numpy(zero_copy_only=False) for t in rows])
         out[f"rollout/{c}"] = float(np.nanmean(values)) if np.isfinite(values).any() else 0.0
+    if baseline:
+        greedy = np.concatenate(
+            [t.filter(t.column("is_baseline")).column("reward").to_numpy() for t in tables]
+        )
+        if greedy.size:
+            out["rollout/baseline_reward_mean"] = float(greedy.mean())
     if status:
         codes = [s for t in rows for s in t.column("reward_status").to_pylist()]
         out["rollout/reward_errors"] = codes.count("error")

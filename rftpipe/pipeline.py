@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import pyarrow.compute as pc
+
 from rftpipe import perf
+from rftpipe.algos.names import ESTIMATOR_TRAITS
 from rftpipe.config.schema import old_logprobs_source
 from rftpipe.errors import UserError
 from rftpipe.executor import Rows, Stage, StageOutput, StepPlan
@@ -43,7 +46,11 @@ class RolloutStage(_NoSideEffects):
 
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
         inp = rollout.RolloutInputs(
-            step=plan.step, rank=rt.dist.rank, run_seed=rt.cfg.seed, prompts=plan.mine
+            step=plan.step,
+            rank=rt.dist.rank,
+            run_seed=rt.cfg.seed,
+            prompts=plan.mine,
+            baseline=ESTIMATOR_TRAITS[rt.cfg.advantage.estimator].needs_baseline_rollout,
         )
         table = rollout.run(rt.cfg.rollout, rt.rollout_engine, rt.tokenizer, inp)
         return StageOutput(
@@ -141,7 +148,8 @@ class TrainStage:
         inp = train.TrainInputs(
             step=plan.step,
             run_seed=rt.cfg.seed,
-            table=rows(),
+            # ReMax's greedy baseline rows only set the other rows' advantages.
+            table=rows().filter(pc.invert(pc.field("is_baseline"))),
             kl_coef=kl_coef,
             global_samples=[(p, k) for p in plan.global_ids for k in range(n)],
             temperature=rt.cfg.rollout.temperature,

@@ -78,6 +78,7 @@ class AdvCase:
     logprobs: list[list[float]] | None = None
     sum_pi_squared: list[list[float]] | None = None
     gamma: float = 1.0
+    is_baseline: list[bool] | None = None
 
 
 # Shared batch: group 0 rewards (1, 0, 0.5) with lengths (2, 1, 3); group 1 has equal rewards.
@@ -191,6 +192,18 @@ ADVANTAGE_CASES: dict[str, dict[str, AdvCase]] = {
         # the empty response adds no weight; the other is alone at t=0: baseline 0
         "empty_response": AdvCase(RE, GE, LE, [[], [0.0, 0.0]], logprobs=[[], [-1.0, -1.0]]),
     },
+    "remax": {
+        # r - r(greedy) on every token; the greedy rows themselves get 0.
+        # group 0: samples 1 and 0, greedy 0.5; group 1: 0.3 (2 tokens) and an empty
+        # response, greedy 0.7; group 2: a sample equal to its greedy baseline.
+        "greedy_baseline": AdvCase(
+            [1.0, 0.0, 0.5, 0.3, 0.3, 0.7, 0.3, 0.3],
+            [0, 0, 0, 1, 1, 1, 2, 2],
+            [2, 1, 1, 2, 0, 1, 1, 1],
+            [[0.5, 0.5], [-0.5], [0.0], [0.3 - 0.7] * 2, [], [0.0], [0.0], [0.0]],
+            is_baseline=[False, False, True, False, False, True, False, True],
+        ),
+    },
 }
 
 
@@ -208,6 +221,7 @@ def test_advantage_reference(name: str, case: str) -> None:
         response_mask=mask,
         logprobs=None if c.logprobs is None else _pad(c.logprobs, c.lengths),
         sum_pi_squared=None if c.sum_pi_squared is None else _pad(c.sum_pi_squared, c.lengths),
+        is_baseline=None if c.is_baseline is None else torch.tensor(c.is_baseline),
     )
     adv = compute_advantages(name, inputs, eps=EPS, gamma=c.gamma)  # type: ignore[arg-type]
     _assert_ragged(adv, mask, c.expected)

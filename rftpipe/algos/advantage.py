@@ -64,6 +64,9 @@ class AdvantageInputs:
         sum_pi_squared: ``(B, T)`` ``sum_v pi(v)^2`` of the behaviour policy at each
             position, or None; the optimal token baseline then uses the lower bound
             ``pi(y_t)^2`` (see :func:`optimal_token_baseline_advantages`).
+        is_baseline: ``(B,)`` bool; True on the greedy baseline rows of ReMax (one per
+            group), or None when there are none. Only estimators whose trait
+            ``needs_baseline_rollout`` is set accept them; they get a zero advantage.
     """
 
     rewards: Tensor
@@ -72,6 +75,7 @@ class AdvantageInputs:
     token_kl_penalty: Tensor | None = None
     logprobs: Tensor | None = None
     sum_pi_squared: Tensor | None = None
+    is_baseline: Tensor | None = None
 
 
 class AdvantageEstimator(Protocol):
@@ -94,6 +98,11 @@ def _validate(inputs: AdvantageInputs) -> None:
     if inputs.group_index.shape != (batch,):
         raise ValueError(
             f"group_index must have shape ({batch},), got {tuple(inputs.group_index.shape)}"
+        )
+    flags = inputs.is_baseline
+    if flags is not None and (flags.shape != (batch,) or flags.dtype != torch.bool):
+        raise ValueError(
+            f"is_baseline must be a ({batch},) bool tensor, got {flags.dtype} {flags.shape}"
         )
     for name in ("token_kl_penalty", "logprobs", "sum_pi_squared"):
         value = getattr(inputs, name)
@@ -379,6 +388,33 @@ def optimal_token_baseline_advantages(
     return torch.where(mask, returns - onehot.T @ baseline, 0.0)
 
 
+def remax_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """ReMax: reward-to-go minus the reward of the prompt's greedy response. ``(B, T)``.
+
+    Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method
+    for Aligning Large Language Models" (arXiv:2310.10505), Algorithm 1: REINFORCE with the
+    greedy decoding's reward ``r(x, y_greedy)`` as the baseline. The return is the
+    undiscounted reward-to-go (KL-in-reward penalties included, as in verl); the baseline
+    is the greedy row's outcome reward. Every group must hold exactly one ``is_baseline``
+    row; that row's advantage is 0 (it is never trained on).
+    """
+    flags = inputs.is_baseline
+    if flags is None:
+        raise ValueError("remax needs is_baseline rows (the rollout's greedy responses)")
+    onehot = _group_onehot(inputs.group_index)  # (G, B)
+    per_group = onehot @ flags.to(torch.float64)
+    if bool((per_group != 1).any()):
+        raise ValueError(
+            f"remax needs exactly one baseline row per group, got {per_group.tolist()}"
+        )
+    baseline = (onehot @ torch.where(flags, inputs.rewards.to(torch.float64), 0.0)) @ onehot
+    adv = _token_returns(inputs) - baseline[:, None]
+    keep = inputs.response_mask & ~flags[:, None]
+    return torch.where(keep, adv, 0.0)
+
+
 ADVANTAGE_ESTIMATORS: dict[AdvantageName, AdvantageEstimator] = {
     "grpo": grpo_advantages,
     "dr_grpo": dr_grpo_advantages,
@@ -389,6 +425,7 @@ ADVANTAGE_ESTIMATORS: dict[AdvantageName, AdvantageEstimator] = {
     "gpg": gpg_advantages,
     "grpo_passk": grpo_passk_advantages,
     "optimal_token_baseline": optimal_token_baseline_advantages,
+    "remax": remax_advantages,
 }
 
 
@@ -421,5 +458,13 @@ def compute_advantages(
     if eps < 0.0:
         raise ValueError(f"eps must be non-negative, got {eps}")
     _validate(inputs)
+    flags = inputs.is_baseline
+    if (
+        flags is not None
+        and bool(flags.any())
+        and not ESTIMATOR_TRAITS[name].needs_baseline_rollout
+    ):
+        # Baseline rows would otherwise join their group's statistics as ordinary samples.
+        raise ValueError(f"advantage estimator {name!r} takes no baseline rows")
     estimator = ADVANTAGE_ESTIMATORS[name]
     return estimator(inputs, eps=eps, gamma=gamma, reduce_sum=reduce_sum)

@@ -18,6 +18,7 @@ AdvantageName = Literal[
     "gpg",
     "grpo_passk",
     "optimal_token_baseline",
+    "remax",
 ]
 KLEstimatorName = Literal["k1", "k2", "k3", "abs", "k1_st", "k3_st", "abs_st"]
 PolicyLossName = Literal[
@@ -38,6 +39,10 @@ class EstimatorTraits:
     """The baseline comes from the other samples of the prompt's group, so a group of one
     (`rollout.n == 1`) gives every sample a zero advantage: refused at load."""
 
+    needs_baseline_rollout: bool = False
+    """The rollout stage adds one greedy response per prompt (`is_baseline` rows): scored
+    like any row, read by the estimator as the baseline, never trained on."""
+
 
 ESTIMATOR_TRAITS: dict[AdvantageName, EstimatorTraits] = {
     "grpo": EstimatorTraits(needs_groups=True),
@@ -50,6 +55,8 @@ ESTIMATOR_TRAITS: dict[AdvantageName, EstimatorTraits] = {
     "gpg": EstimatorTraits(needs_groups=True),
     "grpo_passk": EstimatorTraits(needs_groups=True),
     "optimal_token_baseline": EstimatorTraits(needs_groups=True),
+    # The greedy response is the baseline, so one sample per prompt is enough.
+    "remax": EstimatorTraits(needs_groups=False, needs_baseline_rollout=True),
 }
 
 

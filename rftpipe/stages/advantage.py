@@ -61,6 +61,8 @@ def run(
     prompts = scored.column("prompt_token_ids").to_pylist()
     responses = scored.column("response_token_ids").to_pylist()
     _, mask = pad_ragged(scored.column("logprobs").to_pylist(), torch.float64)
+    # ReMax's greedy rows (`is_baseline`) are scored but never trained on.
+    is_baseline = torch.tensor(scored.column("is_baseline").to_pylist(), dtype=torch.bool)
     out = scored
     metrics: dict[str, float] = {}
     old_column = "logprobs"
@@ -71,7 +73,8 @@ def run(
             pa.array(actor_logprobs(prompts, responses), pa.list_(pa.float32())),
         )
         old_column = "old_logprobs"
-        metrics = _logprob_diff_metrics(out, mask, reduce_sum, reduce_max)
+        # The greedy rows recorded no sampling logprobs: nothing to compare.
+        metrics = _logprob_diff_metrics(out, mask & ~is_baseline[:, None], reduce_sum, reduce_max)
     penalty = None
     if cfg.kl.mode != "none":
         assert ref_logprobs is not None, "a KL term needs the reference model"
@@ -93,6 +96,7 @@ def run(
         response_mask=mask,
         token_kl_penalty=penalty,
         logprobs=behaviour,
+        is_baseline=is_baseline,
     )
     adv = compute_advantages(
         cfg.advantage.estimator,
