@@ -320,11 +320,12 @@ def grpo_passk_advantages(
 ) -> Tensor:
     """Pass@k: only the best sample of a group is credited, with ``(r_max - r_2nd) / std``.
 
-    Chen et al. 2025, "Pass@k Training for Adaptively Balancing Exploration and
-    Exploitation" / verl's ``grpo_passk`` (citing arXiv:2503.19595): the group is rewarded
-    for its best sample only, so the advantage of the arg-max is the margin over the
-    runner-up, standardised by the group's (unbiased) std; every other sample gets 0. Ties
-    for the maximum give a zero margin; the first sample in batch order is the arg-max.
+    verl's ``grpo_passk``, after Tang et al. 2025 (arXiv:2503.19595, optimising inference-time
+    objectives such as pass@k with RL): the group's objective is its best reward, and the
+    leave-one-out advantage of that max statistic is ``max(all) - max(others)``, i.e. the
+    margin over the runner-up for the arg-max and 0 for every other sample; it is then
+    standardised by the group's (unbiased) std, as in GRPO. Ties for the maximum give a zero
+    margin; the first sample in batch order is the arg-max.
     """
     scores = _sequence_scores(inputs)
     onehot = _group_onehot(inputs.group_index).to(torch.bool)

@@ -3,6 +3,11 @@
 Variants are looked up by name in :data:`KL_ESTIMATORS`, :data:`POLICY_LOSSES` and
 :data:`AGGREGATIONS`. All per-token functions take and return ``(B, T)`` tensors; padding is
 described by a ``(B, T)`` bool mask that is True on valid response tokens.
+
+Conventions shared by every variant: a log ratio is clamped to ``+-LOG_RATIO_CLAMP`` before
+``exp`` (a clamped token has no gradient); padding never reaches ``exp`` or the gradient;
+variant-specific settings travel in :class:`LossParams`; which aggregation a loss needs is a
+trait in :data:`rftpipe.algos.names.POLICY_LOSS_TRAITS` (checked at config load).
 """
 
 from __future__ import annotations
