@@ -9,6 +9,7 @@ group, empty responses (zero tokens), and log ratios of +-50 (clamped to +-20).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -227,6 +228,67 @@ def test_advantage_reference(name: str, case: str) -> None:
     _assert_ragged(adv, mask, c.expected)
 
 
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
+def test_advantage_of_an_empty_batch(name: str) -> None:
+    """A rank may hold no rows: every estimator returns an empty (0, T) tensor, and joins the
+    cross-rank sum all the same (GPG, REINFORCE++), since the others wait in it."""
+    calls: list[Tensor] = []
+
+    def reduce_sum(x: Tensor) -> Tensor:
+        calls.append(x)
+        return x
+
+    inputs = AdvantageInputs(
+        rewards=torch.zeros(0, dtype=F64),
+        group_index=torch.zeros(0, dtype=torch.int64),
+        response_mask=torch.zeros(0, 1, dtype=torch.bool),
+        logprobs=torch.zeros(0, 1, dtype=F64),
+        is_baseline=torch.zeros(0, dtype=torch.bool),
+    )
+    adv = compute_advantages(name, inputs, reduce_sum=reduce_sum)  # type: ignore[arg-type]
+    assert adv.shape == (0, 1)
+    if name in ("gpg", "reinforce_pp", "reinforce_pp_baseline"):
+        assert len(calls) == 1
+
+
+def test_gpg_alpha_counts_samples_of_all_ranks() -> None:
+    """alpha = B / (B - M) over the global batch: rank 0 holds the informative group
+    (rewards 1, 0), rank 1 an uninformative one (2, 2), so alpha = 4 / 2 = 2 on rank 0,
+    where alone it would be 1."""
+    ranks = [([1.0, 0.0], [0, 0]), ([2.0, 2.0], [1, 1])]
+    parts = [
+        AdvantageInputs(
+            rewards=torch.tensor(r, dtype=F64),
+            group_index=torch.tensor(g),
+            response_mask=torch.ones(2, 1, dtype=torch.bool),
+        )
+        for r, g in ranks
+    ]
+    # (samples, informative samples) of each rank: (2, 2) and (2, 0)
+    local = [torch.tensor([2.0, 2.0], dtype=F64), torch.tensor([2.0, 0.0], dtype=F64)]
+    adv = compute_advantages("gpg", parts[0], reduce_sum=lambda x: x + local[1])
+    _assert_ragged(adv, parts[0].response_mask, [[2 * 0.5], [2 * -0.5]])
+    alone = compute_advantages("gpg", parts[0])
+    _assert_ragged(alone, parts[0].response_mask, [[0.5], [-0.5]])
+
+
+def test_estimators_refuse_baseline_rows_they_do_not_use() -> None:
+    """Only ReMax reads `is_baseline` rows; any other estimator would fold them into its
+    group statistics as samples."""
+    inputs = AdvantageInputs(
+        rewards=torch.tensor([1.0, 0.0], dtype=F64),
+        group_index=torch.tensor([0, 0]),
+        response_mask=torch.ones(2, 1, dtype=torch.bool),
+        is_baseline=torch.tensor([False, True]),
+    )
+    with pytest.raises(ValueError, match="baseline rows"):
+        compute_advantages("grpo", inputs)
+    with pytest.raises(ValueError, match="exactly one baseline row"):
+        compute_advantages(
+            "remax", dataclasses.replace(inputs, is_baseline=torch.tensor([False, False]))
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Policy losses
 # ---------------------------------------------------------------------------------------------
@@ -437,6 +499,23 @@ def test_policy_loss_reference(name: str, case: str) -> None:
     assert logprobs.grad is not None and torch.isfinite(logprobs.grad).all()
     if c.grad is not None:
         _assert_ragged(logprobs.grad, mask, c.grad)
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_policy_loss_on_padding_only(name: str) -> None:
+    """A micro-batch of empty responses (padding that holds garbage, even -1000 logprobs):
+    zero loss, and finite zero gradients."""
+    logprobs = torch.tensor([[0.0, -1000.0]], dtype=F64, requires_grad=True)
+    old = torch.tensor([[-1000.0, 0.0]], dtype=F64)
+    adv = torch.tensor([[5.0, -5.0]], dtype=F64)
+    mask = torch.zeros(1, 2, dtype=torch.bool)
+    out = POLICY_LOSSES[name](  # type: ignore[index]
+        logprobs, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0
+    )
+    assert out.loss.tolist() == [[0.0, 0.0]]
+    assert not out.clipped.any() and not out.dual_clipped.any()
+    out.loss.sum().backward()
+    assert logprobs.grad is not None and logprobs.grad.tolist() == [[0.0, 0.0]]
 
 
 def test_gspo_token_gradient_stops_at_the_sequence_ratio() -> None:

@@ -157,6 +157,14 @@ def _group_stats(values: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, T
     return sample_count, sample_mean, sample_std
 
 
+def _group_max(values: Tensor, member: Tensor) -> Tensor:
+    """``(G,)`` largest of each group's ``values`` ``(B,)``; ``member`` is the ``(G, B)`` bool
+    one-hot. amax() refuses an empty dimension, and a rank may hold no rows."""
+    if values.numel() == 0:
+        return values.new_zeros(member.shape[0])
+    return torch.where(member, values[None, :], -torch.inf).amax(dim=-1)
+
+
 def _broadcast(per_sample: Tensor, mask: Tensor) -> Tensor:
     """``(B,)`` -> ``(B, T)``: the sample's value on its valid tokens, 0 on padding."""
     return torch.where(mask, per_sample[:, None], 0.0)
@@ -301,16 +309,16 @@ def gpg_advantages(
     which counts non-zero raw rewards, ``M`` follows the paper's definition.
     """
     scores = _sequence_scores(inputs)
-    count, mean, _ = _group_stats(scores, inputs.group_index)
-    centred = torch.where(count > 1, scores - mean, 0.0)
+    _, mean, _ = _group_stats(scores, inputs.group_index)
     # Compare max and min rather than testing std > 0: the float mean of equal values may
-    # differ from them in the last bit.
-    onehot = _group_onehot(inputs.group_index).to(torch.bool)
-    top = torch.where(onehot, scores[None, :], -torch.inf).amax(dim=-1)
-    bottom = torch.where(onehot, scores[None, :], torch.inf).amin(dim=-1)
-    informative = (top > bottom).to(torch.float64) @ onehot.to(torch.float64)
-    local = torch.stack([torch.ones_like(scores).sum(), informative.sum()])
-    totals = reduce_sum(local)
+    # differ from them in the last bit, which would also leave them a tiny advantage.
+    onehot = _group_onehot(inputs.group_index)
+    member = onehot.to(torch.bool)
+    spread = _group_max(scores, member) > -_group_max(-scores, member)
+    informative = (spread.to(torch.float64) @ onehot) > 0
+    centred = torch.where(informative, scores - mean, 0.0)
+    # Every rank joins the sum, even one without rows.
+    totals = reduce_sum(torch.stack([torch.ones_like(scores).sum(), informative.sum().double()]))
     alpha = totals[0] / totals[1].clamp(min=1)
     return _broadcast(alpha * centred, inputs.response_mask)
 
@@ -328,18 +336,17 @@ def grpo_passk_advantages(
     margin; the first sample in batch order is the arg-max.
     """
     scores = _sequence_scores(inputs)
-    onehot = _group_onehot(inputs.group_index).to(torch.bool)
     count, _, std = _group_stats(scores, inputs.group_index)
-    member = torch.where(onehot, scores[None, :], -torch.inf)  # (G, B)
-    best = member.amax(dim=-1)  # (G,)
-    positions = torch.arange(scores.numel(), device=scores.device)
-    is_best = onehot & (member == best[:, None])
-    first_best = torch.where(is_best, positions[None, :], scores.numel()).amin(dim=-1)
-    runner_up = torch.where(positions[None, :] == first_best[:, None], -torch.inf, member)
-    margin = best - runner_up.amax(dim=-1)  # (G,); -inf - -inf never occurs for n >= 2
-    winner = (positions[None, :] == first_best[:, None]).to(torch.float64)  # (G, B)
-    adv = (torch.nan_to_num(margin, nan=0.0, posinf=0.0, neginf=0.0) @ winner) / (std + eps)
-    adv = torch.where(count > 1, adv, 0.0)
+    onehot = _group_onehot(inputs.group_index)  # (G, B)
+    member = onehot.to(torch.bool)
+    best = _group_max(scores, member)  # (G,)
+    at_best = member & (scores[None, :] == best[:, None])
+    # The first sample of its group (in batch order) that reaches the maximum.
+    winner = (at_best & (at_best.cumsum(dim=-1) == 1)).any(dim=0)  # (B,)
+    runner_up = _group_max(torch.where(winner, -torch.inf, scores), member)
+    # A group of one has no runner-up (-inf); its margin would be inf, and inf * 0 is NaN.
+    margin = torch.where(torch.isfinite(runner_up), best - runner_up, 0.0) @ onehot  # (B,)
+    adv = torch.where(winner & (count > 1), margin / (std + eps), 0.0)
     return _broadcast(adv, inputs.response_mask)
 
 
