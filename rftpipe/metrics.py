@@ -15,9 +15,9 @@ from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from rftpipe.baseline_rows import COLUMN, baseline_flags, without_baseline
 from rftpipe.stages import ORDER
 from rftpipe.store import RunDir, StageStore, atomic_write_bytes
 
@@ -38,10 +38,10 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
         f.name for f in schema if f.name.startswith("reward_") and pa.types.is_floating(f.type)
     ]
     status = ["reward_status"] if "reward_status" in schema.names else []
-    baseline = ["is_baseline"] if "is_baseline" in schema.names else []
+    baseline = [COLUMN] if COLUMN in schema.names else []
     tables = [pq.read_table(f, columns=cols + reward_cols + status + baseline) for f in files]
     # ReMax's greedy rows are the baseline, not the policy's samples: kept out of the means.
-    rows = [t.filter(pc.invert(t.column("is_baseline"))) if baseline else t for t in tables]
+    rows = [without_baseline(t) for t in tables]
     reward = np.concatenate([t.column("reward").to_numpy() for t in rows])
     length = np.concatenate([t.column("response_length").to_numpy() for t in rows])
     stops = sum(t.column("finish_reason").to_pylist().count("stop") for t in rows)
@@ -61,12 +61,14 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
         # nan-mean: a dict entry that some rows lack is null there.
         values = np.concatenate([t.column(c).to_numpy(zero_copy_only=False) for t in rows])
         out[f"rollout/{c}"] = float(np.nanmean(values)) if np.isfinite(values).any() else 0.0
-    if baseline:
-        greedy = np.concatenate(
-            [t.filter(t.column("is_baseline")).column("reward").to_numpy() for t in tables]
-        )
-        if greedy.size:
-            out["rollout/baseline_reward_mean"] = float(greedy.mean())
+    greedy = [
+        r
+        for t in tables
+        for r, b in zip(t["reward"].to_pylist(), baseline_flags(t), strict=True)
+        if b
+    ]
+    if greedy:
+        out["rollout/baseline_reward_mean"] = float(np.mean(greedy))
     if status:
         codes = [s for t in rows for s in t.column("reward_status").to_pylist()]
         out["rollout/reward_errors"] = codes.count("error")

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import pyarrow.compute as pc
-
 from rftpipe import perf
 from rftpipe.algos.names import ESTIMATOR_TRAITS
+from rftpipe.baseline_rows import without_baseline
 from rftpipe.config.schema import old_logprobs_source
 from rftpipe.errors import UserError
 from rftpipe.executor import Rows, Stage, StageOutput, StepPlan
@@ -149,7 +148,7 @@ class TrainStage:
             step=plan.step,
             run_seed=rt.cfg.seed,
             # ReMax's greedy baseline rows only set the other rows' advantages.
-            table=rows().filter(pc.invert(pc.field("is_baseline"))),
+            table=without_baseline(rows()),
             kl_coef=kl_coef,
             global_samples=[(p, k) for p in plan.global_ids for k in range(n)],
             temperature=rt.cfg.rollout.temperature,

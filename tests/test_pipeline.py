@@ -247,3 +247,14 @@ def test_remax_greedy_baseline_rows(tmp_path: Path) -> None:
         assert abs(m["rollout/reward_mean"] - step_samples["reward"].mean()) < 1e-9
         step_greedy = greedy[greedy["step"] == m["step"]]
         assert abs(m["rollout/baseline_reward_mean"] - step_greedy["reward"].mean()) < 1e-9
+    # The run-directory tool leaves them out of its statistics too.
+    r = subprocess.run(
+        [sys.executable, "-m", "tools.inspect", str(run), "summary", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for row in json.loads(r.stdout):
+        step_samples = samples[samples["step"] == row["step"]]
+        assert abs(row["rollout/reward_mean"] - step_samples["reward"].mean()) < 1e-9

@@ -11,6 +11,7 @@ import torch
 
 from rftpipe.algos.advantage import AdvantageInputs, Reducer, compute_advantages
 from rftpipe.algos.losses import kl_estimate
+from rftpipe.baseline_rows import baseline_flags
 from rftpipe.config.schema import AdvantageConfig, KLConfig
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
@@ -62,7 +63,7 @@ def run(
     responses = scored.column("response_token_ids").to_pylist()
     _, mask = pad_ragged(scored.column("logprobs").to_pylist(), torch.float64)
     # ReMax's greedy rows (`is_baseline`) are scored but never trained on.
-    is_baseline = torch.tensor(scored.column("is_baseline").to_pylist(), dtype=torch.bool)
+    is_baseline = torch.tensor(baseline_flags(scored), dtype=torch.bool)
     out = scored
     metrics: dict[str, float] = {}
     old_column = "logprobs"
