@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rftpipe.baseline_rows import COLUMN, baseline_flags, without_baseline
 from rftpipe.rewards import data_source_of
 from rftpipe.stages import ORDER
 from rftpipe.store import RunDir, StageStore, atomic_write_bytes
@@ -93,7 +94,10 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
         f.name for f in schema if f.name.startswith("reward_") and pa.types.is_floating(f.type)
     ]
     status = ["reward_status"] if "reward_status" in schema.names else []
-    rows = [pq.read_table(f, columns=cols + reward_cols + status) for f in files]
+    baseline = [COLUMN] if COLUMN in schema.names else []
+    tables = [pq.read_table(f, columns=cols + reward_cols + status + baseline) for f in files]
+    # ReMax's greedy rows are the baseline, not the policy's samples: kept out of the means.
+    rows = [without_baseline(t) for t in tables]
     reward = np.concatenate([t.column("reward").to_numpy() for t in rows])
     length = np.concatenate([t.column("response_length").to_numpy() for t in rows])
     stops = sum(t.column("finish_reason").to_pylist().count("stop") for t in rows)
@@ -113,6 +117,14 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
         # nan-mean: a dict entry that some rows lack is null there.
         values = np.concatenate([t.column(c).to_numpy(zero_copy_only=False) for t in rows])
         out[f"rollout/{c}"] = float(np.nanmean(values)) if np.isfinite(values).any() else 0.0
+    greedy = [
+        r
+        for t in tables
+        for r, b in zip(t["reward"].to_pylist(), baseline_flags(t), strict=True)
+        if b
+    ]
+    if greedy:
+        out["rollout/baseline_reward_mean"] = float(np.mean(greedy))
     if status:
         codes = [s for t in rows for s in t.column("reward_status").to_pylist()]
         out["rollout/reward_errors"] = codes.count("error")

@@ -13,6 +13,8 @@ from functools import partial
 from typing import Any
 
 from rftpipe import perf
+from rftpipe.algos.names import ESTIMATOR_TRAITS
+from rftpipe.baseline_rows import without_baseline
 from rftpipe.config.schema import old_logprobs_source
 from rftpipe.data import content_key, rank_slice
 from rftpipe.errors import UserError
@@ -44,7 +46,11 @@ class RolloutStage(_NoSideEffects):
 
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
         inp = rollout.RolloutInputs(
-            step=plan.step, rank=rt.dist.rank, run_seed=rt.cfg.seed, prompts=plan.mine
+            step=plan.step,
+            rank=rt.dist.rank,
+            run_seed=rt.cfg.seed,
+            prompts=plan.mine,
+            baseline=ESTIMATOR_TRAITS[rt.cfg.advantage.estimator].needs_baseline_rollout,
         )
         table = rollout.run(rt.cfg.rollout, rt.rollout_engine, rt.tokenizer, inp)
         return StageOutput(
@@ -142,10 +148,12 @@ class TrainStage:
         inp = train.TrainInputs(
             step=plan.step,
             run_seed=rt.cfg.seed,
-            table=rows(),
+            # ReMax's greedy baseline rows only set the other rows' advantages.
+            table=without_baseline(rows()),
             kl_coef=kl_coef,
             global_samples=[(p, k) for p in plan.global_ids for k in range(n)],
             temperature=rt.cfg.rollout.temperature,
+            response_budget=rt.cfg.rollout.max_new_tokens,
         )
         metrics = train.run(rt.cfg.train, rt.cfg.kl, rt.train_engine, rt.dist, inp)
         rt.kl_ctrl.update(metrics["train/kl"], n_steps=len(plan.global_ids) * n)

@@ -136,6 +136,37 @@ def _dense_even_tokens(cfg: RewardConfig, scorer: Any) -> RewardFn:
     return dense
 
 
+def _overlong(cfg: RewardConfig, response_budget: int) -> RewardFn:
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO: An Open-Source LLM
+    Reinforcement Learning System at Scale", arXiv:2503.14476, Eq. 13).
+
+    With ``L_max = rollout.max_new_tokens`` and ``L_cache = reward.overlong_buffer``:
+    0 up to ``L_max - L_cache`` tokens, then falling linearly to ``-overlong_penalty`` at
+    ``L_max`` (and ``-overlong_penalty`` beyond, which our engines never produce). Added to
+    the task reward, it tells a truncated response from a wrong one without the cliff of a
+    hard length penalty.
+    """
+    if not 1 <= cfg.overlong_buffer <= response_budget:
+        raise UserError(
+            f"reward.overlong_buffer={cfg.overlong_buffer} must be in [1, "
+            f"rollout.max_new_tokens={response_budget}]"
+        )
+    start = response_budget - cfg.overlong_buffer
+
+    def overlong(s: RewardSample) -> float:
+        excess = min(len(s.response_token_ids) - start, cfg.overlong_buffer)
+        return -cfg.overlong_penalty * max(0, excess) / cfg.overlong_buffer
+
+    return overlong
+
+
+#: Built-ins scored by the response length against the rollout's budget
+#: (rollout.max_new_tokens), which the reward config alone does not know.
+BUILTIN_LENGTH_REWARDS: dict[str, Callable[[RewardConfig, int], RewardFn]] = {
+    "overlong": _overlong,
+}
+
+
 #: In-process built-ins: ours, fast, and `accuracy` holds the dataset's scorer object,
 #: which no worker process could import by path.
 BUILTIN_REWARDS: dict[str, Callable[[RewardConfig, Any], RewardFn]] = {
@@ -296,11 +327,18 @@ def _check_arguments(spec: RewardFunctionConfig, fn: Callable[..., Any]) -> None
         ) from exc
 
 
-def resolve(spec: RewardFunctionConfig, cfg: RewardConfig, scorer: Any) -> RewardComponent:
+def resolve(
+    spec: RewardFunctionConfig, cfg: RewardConfig, scorer: Any, response_budget: int | None = None
+) -> RewardComponent:
+    builtin = spec.path in BUILTIN_REWARDS or spec.path in BUILTIN_LENGTH_REWARDS
+    if builtin and spec.signature != "rftpipe":
+        raise UserError(f"reward.functions: built-in '{spec.path}' has no signature to set")
     if spec.path in BUILTIN_REWARDS:
-        if spec.signature != "rftpipe":
-            raise UserError(f"reward.functions: built-in '{spec.path}' has no signature to set")
         return InProcess(spec, BUILTIN_REWARDS[spec.path](cfg, scorer))
+    if spec.path in BUILTIN_LENGTH_REWARDS:
+        if response_budget is None:
+            raise UserError(f"reward.functions: '{spec.path}' needs rollout.max_new_tokens")
+        return InProcess(spec, BUILTIN_LENGTH_REWARDS[spec.path](cfg, response_budget))
     if spec.path == "remote":
         from rftpipe.remote_reward import RemoteReward
 
@@ -308,7 +346,8 @@ def resolve(spec: RewardFunctionConfig, cfg: RewardConfig, scorer: Any) -> Rewar
     if ":" not in spec.path:
         raise UserError(
             f"reward.functions: unknown reward '{spec.path}' (built-ins: "
-            f"{sorted([*BUILTIN_REWARDS, 'remote'])}; or give module:function)"
+            f"{sorted([*BUILTIN_REWARDS, *BUILTIN_LENGTH_REWARDS, 'remote'])}; "
+            "or give module:function)"
         )
     _import(spec)
     from rftpipe.reward_pool import Pooled, shared_pool
@@ -316,6 +355,10 @@ def resolve(spec: RewardFunctionConfig, cfg: RewardConfig, scorer: Any) -> Rewar
     return Pooled(spec, spec.timeout_s or cfg.timeout_s, shared_pool(cfg.workers))
 
 
-def resolve_all(cfg: RewardConfig, scorer: Any) -> dict[str, RewardComponent]:
-    """Column name -> component, validated at start-up (before anything runs)."""
-    return {spec.column: resolve(spec, cfg, scorer) for spec in cfg.specs()}
+def resolve_all(
+    cfg: RewardConfig, scorer: Any, response_budget: int | None = None
+) -> dict[str, RewardComponent]:
+    """Column name -> component, validated at start-up (before anything runs).
+
+    `response_budget` is rollout.max_new_tokens, which the length-scored built-ins need."""
+    return {spec.column: resolve(spec, cfg, scorer, response_budget) for spec in cfg.specs()}

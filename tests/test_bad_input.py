@@ -133,6 +133,20 @@ FRESH_CASES = {
         ("rollout.inference.weight_sync=disk",),
         ("rollout", "weight_sync=disk", "hf"),
     ),
+    "group_estimator_with_one_sample": (("rollout.n=1",), ("rollout.n=1", "grpo")),
+    "sequence_loss_needs_seq_mean": (
+        ("train.policy_loss=geo_mean",),
+        ("geo_mean", "seq-mean-token-mean"),
+    ),
+    "overlong_without_buffer": (
+        ("reward.functions=[accuracy,overlong]",),
+        ("reward", "overlong_buffer"),
+    ),
+    "overlong_buffer_past_budget": (
+        ("reward.functions=[accuracy,overlong]", "reward.overlong_buffer=999"),
+        ("reward.overlong_buffer=999", "rollout.max_new_tokens"),
+    ),
+    "entropy_mask_out_of_range": (("train.entropy_mask_top=0",), ("train", "entropy_mask_top")),
 }
 
 

@@ -220,3 +220,41 @@ def test_actor_old_logprobs_with_tis_exact_under_replay(tmp_path: Path) -> None:
     assert [(e["step"], e["identical"]) for e in replays] == [(3, True)], replays
     assert trajectories(run).equals(trajectories(ref))
     assert _update_metrics(run) == metrics
+
+
+def test_remax_greedy_baseline_rows(tmp_path: Path) -> None:
+    """`advantage.estimator=remax`: the rollout commits one greedy row per prompt
+    (sample_idx n, `is_baseline`), the score stage scores it, its reward is the baseline of
+    the group's advantages, and neither the train stage nor the reward metrics see it."""
+    run = tmp_path / "run"
+    out = submit(run, "total_steps=2", "advantage.estimator=remax")
+    assert out.returncode == 0, out.stderr
+    t = trajectories(run).to_pandas()
+    greedy = t[t["is_baseline"]]
+    samples = t[~t["is_baseline"]]
+    assert len(greedy) == 2 * 4 and len(samples) == 2 * 4 * 4
+    assert set(greedy["sample_idx"]) == {4}
+    assert all(a == 0.0 for row in greedy["advantages"] for a in row)
+    for (step, pid), rows in samples.groupby(["step", "prompt_id"]):
+        (b,) = greedy[(greedy["step"] == step) & (greedy["prompt_id"] == pid)]["reward"]
+        for adv, r in zip(rows["advantages"], rows["reward"], strict=True):
+            # float32 column: r - b to float32 precision on every token
+            assert all(abs(a - (r - b)) < 1e-6 for a in adv)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for m in lines:
+        step_samples = samples[samples["step"] == m["step"]]
+        assert m["train/tokens"] == step_samples["response_length"].sum()  # one epoch
+        assert abs(m["rollout/reward_mean"] - step_samples["reward"].mean()) < 1e-9
+        step_greedy = greedy[greedy["step"] == m["step"]]
+        assert abs(m["rollout/baseline_reward_mean"] - step_greedy["reward"].mean()) < 1e-9
+    # The run-directory tool leaves them out of its statistics too.
+    r = subprocess.run(
+        [sys.executable, "-m", "tools.inspect", str(run), "summary", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for row in json.loads(r.stdout):
+        step_samples = samples[samples["step"] == row["step"]]
+        assert abs(row["rollout/reward_mean"] - step_samples["reward"].mean()) < 1e-9

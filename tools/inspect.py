@@ -48,6 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from rftpipe.baseline_rows import COLUMN, without_baseline
 from rftpipe.stages import ORDER as STAGES
 from rftpipe.store import (
     CorruptionError,
@@ -200,7 +201,9 @@ def _shard_stats(frag: ds.Fragment, components: list[str], has_adv: bool) -> Sha
     # decoded; advantages is the only list read, and only when the run has it.
     cols = ["reward", "response_length", "finish_reason", *components]
     cols += ["advantages"] if has_adv else []
-    t = frag.to_table(columns=cols, use_threads=False)
+    # ReMax's greedy baseline rows are not the policy's samples (as in step_metrics).
+    cols += [COLUMN] if COLUMN in frag.physical_schema.names else []
+    t = without_baseline(frag.to_table(columns=cols, use_threads=False))
     st = ShardStats(has_adv=has_adv)
     if t.num_rows == 0:
         return st

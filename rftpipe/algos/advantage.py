@@ -1,12 +1,17 @@
-"""Advantage estimators for outcome-reward RL fine-tuning (GRPO family, RLOO, REINFORCE++).
+"""Advantage estimators for outcome-reward RL fine-tuning (GRPO family, RLOO, REINFORCE++, OPO,
+GPG, pass@k, the optimal token baseline).
 
 Every estimator maps an :class:`AdvantageInputs` batch to per-token advantages of shape
 ``(B, T)`` in float64 that are exactly zero on padding. Estimators are looked up by name in
 :data:`ADVANTAGE_ESTIMATORS`; :func:`compute_advantages` is the single entry point.
 
-Group statistics (GRPO, Dr. GRPO, RLOO, the REINFORCE++ baseline) are always computed within
-one rank, because the data loader never splits a prompt's group across ranks. Only the global
-token whitening of REINFORCE++ needs cross-rank sums, which go through ``reduce_sum``.
+Group statistics (GRPO, Dr. GRPO, RLOO, OPO, pass@k, the REINFORCE++ and optimal token
+baselines) are always computed within one rank, because the data loader never splits a
+prompt's group across ranks. Only batch-wide quantities (the token whitening of REINFORCE++,
+GPG's share of informative samples) need cross-rank sums, which go through ``reduce_sum``.
+
+Whether an estimator needs groups of more than one sample is a trait in
+:data:`rftpipe.algos.names.ESTIMATOR_TRAITS` (torch-free, read by the config check).
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ import torch
 from torch import Tensor
 
 # The names live in the torch-free `names` module so the config schema can import them.
-from rftpipe.algos.names import AdvantageName
+from rftpipe.algos.names import ESTIMATOR_TRAITS, AdvantageName
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ESTIMATOR_TRAITS",
     "AdvantageEstimator",
     "AdvantageInputs",
     "AdvantageName",
@@ -53,12 +59,23 @@ class AdvantageInputs:
             positions.
         token_kl_penalty: ``(B, T)`` per-token KL penalty already multiplied by its
             coefficient (KL-in-reward), or None when KL is not put in the reward.
+        logprobs: ``(B, T)`` behaviour-policy log-probabilities of the sampled tokens; only
+            the optimal token baseline reads them (its per-token variance proxy).
+        sum_pi_squared: ``(B, T)`` ``sum_v pi(v)^2`` of the behaviour policy at each
+            position, or None; the optimal token baseline then uses the lower bound
+            ``pi(y_t)^2`` (see :func:`optimal_token_baseline_advantages`).
+        is_baseline: ``(B,)`` bool; True on the greedy baseline rows of ReMax (one per
+            group), or None when there are none. Only estimators whose trait
+            ``needs_baseline_rollout`` is set accept them; they get a zero advantage.
     """
 
     rewards: Tensor
     group_index: Tensor
     response_mask: Tensor
     token_kl_penalty: Tensor | None = None
+    logprobs: Tensor | None = None
+    sum_pi_squared: Tensor | None = None
+    is_baseline: Tensor | None = None
 
 
 class AdvantageEstimator(Protocol):
@@ -82,9 +99,15 @@ def _validate(inputs: AdvantageInputs) -> None:
         raise ValueError(
             f"group_index must have shape ({batch},), got {tuple(inputs.group_index.shape)}"
         )
-    kl = inputs.token_kl_penalty
-    if kl is not None and kl.shape != mask.shape:
-        raise ValueError(f"token_kl_penalty must have shape {tuple(mask.shape)}, got {kl.shape}")
+    flags = inputs.is_baseline
+    if flags is not None and (flags.shape != (batch,) or flags.dtype != torch.bool):
+        raise ValueError(
+            f"is_baseline must be a ({batch},) bool tensor, got {flags.dtype} {flags.shape}"
+        )
+    for name in ("token_kl_penalty", "logprobs", "sum_pi_squared"):
+        value = getattr(inputs, name)
+        if value is not None and value.shape != mask.shape:
+            raise ValueError(f"{name} must have shape {tuple(mask.shape)}, got {value.shape}")
 
 
 def _masked_kl(inputs: AdvantageInputs) -> Tensor:
@@ -132,6 +155,14 @@ def _group_stats(values: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, T
     var = sq_dev / (counts - 1).clamp(min=1)
     sample_std = var.sqrt() @ onehot
     return sample_count, sample_mean, sample_std
+
+
+def _group_max(values: Tensor, member: Tensor) -> Tensor:
+    """``(G,)`` largest of each group's ``values`` ``(B,)``; ``member`` is the ``(G, B)`` bool
+    one-hot. amax() refuses an empty dimension, and a rank may hold no rows."""
+    if values.numel() == 0:
+        return values.new_zeros(member.shape[0])
+    return torch.where(member, values[None, :], -torch.inf).amax(dim=-1)
 
 
 def _broadcast(per_sample: Tensor, mask: Tensor) -> Tensor:
@@ -245,12 +276,164 @@ def reinforce_pp_baseline_advantages(
     )
 
 
+def opo_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """OPO: score minus the length-weighted group mean. ``(B, T)``.
+
+    Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline" (arXiv:2505.23585): for
+    sequence-level rewards the variance-minimising baseline weights each sample by its
+    gradient's squared norm, which they approximate by the response length:
+    ``b = sum_j |y_j| s_j / sum_j |y_j|`` over the group. A group whose responses are all
+    empty has no tokens to train, so its baseline is 0 rather than 0/0.
+    """
+    scores = _sequence_scores(inputs)
+    lengths = inputs.response_mask.sum(dim=-1).to(torch.float64)
+    onehot = _group_onehot(inputs.group_index)
+    weighted = (onehot @ (lengths * scores)) / (onehot @ lengths).clamp(min=1)
+    count = onehot.sum(dim=-1) @ onehot
+    adv = torch.where(count > 1, scores - weighted @ onehot, 0.0)
+    return _broadcast(adv, inputs.response_mask)
+
+
+def gpg_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """GPG: group-centred score scaled by ``alpha = B / (B - M)``. ``(B, T)``.
+
+    Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model
+    Reasoning" (arXiv:2504.02546): samples of a group whose rewards are all equal
+    (``M`` of the batch's ``B``) carry no gradient, which shrinks the batch-mean gradient;
+    ``alpha`` restores its scale. ``B`` and ``M`` are batch-wide, so they are summed over
+    ranks. The normaliser ``F_norm`` is 1 (the paper's default, as in verl); unlike verl,
+    which counts non-zero raw rewards, ``M`` follows the paper's definition.
+    """
+    scores = _sequence_scores(inputs)
+    _, mean, _ = _group_stats(scores, inputs.group_index)
+    # Compare max and min rather than testing std > 0: the float mean of equal values may
+    # differ from them in the last bit, which would also leave them a tiny advantage.
+    onehot = _group_onehot(inputs.group_index)
+    member = onehot.to(torch.bool)
+    spread = _group_max(scores, member) > -_group_max(-scores, member)
+    informative = (spread.to(torch.float64) @ onehot) > 0
+    centred = torch.where(informative, scores - mean, 0.0)
+    # Every rank joins the sum, even one without rows.
+    totals = reduce_sum(torch.stack([torch.ones_like(scores).sum(), informative.sum().double()]))
+    alpha = totals[0] / totals[1].clamp(min=1)
+    return _broadcast(alpha * centred, inputs.response_mask)
+
+
+def grpo_passk_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """Pass@k: only the best sample of a group is credited, with ``(r_max - r_2nd) / std``.
+
+    verl's ``grpo_passk``, after Tang et al. 2025 (arXiv:2503.19595, optimising inference-time
+    objectives such as pass@k with RL): the group's objective is its best reward, and the
+    leave-one-out advantage of that max statistic is ``max(all) - max(others)``, i.e. the
+    margin over the runner-up for the arg-max and 0 for every other sample; it is then
+    standardised by the group's (unbiased) std, as in GRPO. Ties for the maximum give a zero
+    margin; the first sample in batch order is the arg-max.
+    """
+    scores = _sequence_scores(inputs)
+    count, _, std = _group_stats(scores, inputs.group_index)
+    onehot = _group_onehot(inputs.group_index)  # (G, B)
+    member = onehot.to(torch.bool)
+    best = _group_max(scores, member)  # (G,)
+    at_best = member & (scores[None, :] == best[:, None])
+    # The first sample of its group (in batch order) that reaches the maximum.
+    winner = (at_best & (at_best.cumsum(dim=-1) == 1)).any(dim=0)  # (B,)
+    runner_up = _group_max(torch.where(winner, -torch.inf, scores), member)
+    # A group of one has no runner-up (-inf); its margin would be inf, and inf * 0 is NaN.
+    margin = torch.where(torch.isfinite(runner_up), best - runner_up, 0.0) @ onehot  # (B,)
+    adv = torch.where(winner & (count > 1), margin / (std + eps), 0.0)
+    return _broadcast(adv, inputs.response_mask)
+
+
+def _token_returns(inputs: AdvantageInputs) -> Tensor:
+    """``(B, T)`` undiscounted reward-to-go: the outcome reward on the last valid token minus
+    the KL penalty of every token from t on."""
+    mask = inputs.response_mask
+    outcome = inputs.rewards.to(torch.float64)
+    token_rewards = -_masked_kl(inputs) + torch.where(_last_token(mask), outcome[:, None], 0.0)
+    return torch.where(mask, _discounted_returns(token_rewards, 1.0), 0.0)
+
+
+def optimal_token_baseline_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """Optimal token baseline: a per-position baseline weighted by each path's score energy.
+
+    verl's ``optimal_token_baseline`` (the variance-optimal baseline of Greensmith et al.
+    2004, "Variance Reduction Techniques for Gradient Estimates in RL", applied per token):
+    ``B_t = sum_i G_it W_it / sum_i W_it`` over the group's samples still running at ``t``,
+    with ``G_it`` the reward-to-go and ``W_it = sum_{j<=t} (1 - 2 pi_ij + sum_v pi_ij(v)^2)``
+    the accumulated squared norm of the softmax score ``e_y - pi`` (its gradient w.r.t. the
+    logits). ``A_it = G_it - B_t``. Where only one sample of the group is still running its
+    baseline would be its own return, so it is 0 there (verl's ``handle_zero_tail``).
+
+    We do not record ``sum_v pi(v)^2`` in rollout shards; without it the estimator uses the
+    lower bound ``pi(y)^2`` (so ``w = (1 - pi)^2``), which is exact when the rest of the
+    probability mass is spread thin and keeps ``w >= 0``. ``logprobs`` are required.
+    """
+    if inputs.logprobs is None:
+        raise ValueError("optimal_token_baseline needs the behaviour logprobs (inputs.logprobs)")
+    mask = inputs.response_mask
+    pi = torch.exp(torch.where(mask, inputs.logprobs.to(torch.float64), 0.0))
+    if inputs.sum_pi_squared is None:
+        sum_sq = pi.square()
+    else:
+        sum_sq = inputs.sum_pi_squared.to(torch.float64)
+    w = torch.where(mask, 1.0 - 2.0 * pi + sum_sq, 0.0)
+    energy = w.cumsum(dim=-1)  # (B, T)
+    returns = _token_returns(inputs)
+    onehot = _group_onehot(inputs.group_index)  # (G, B)
+    m = mask.to(torch.float64)
+    num = onehot @ (returns * energy * m)  # (G, T)
+    den = onehot @ (energy * m)
+    running = onehot @ m  # samples of the group still running at t
+    baseline = torch.where(running > 1, num / (den + eps), 0.0)
+    return torch.where(mask, returns - onehot.T @ baseline, 0.0)
+
+
+def remax_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """ReMax: reward-to-go minus the reward of the prompt's greedy response. ``(B, T)``.
+
+    Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method
+    for Aligning Large Language Models" (arXiv:2310.10505), Algorithm 1: REINFORCE with the
+    greedy decoding's reward ``r(x, y_greedy)`` as the baseline. The return is the
+    undiscounted reward-to-go (KL-in-reward penalties included, as in verl); the baseline
+    is the greedy row's outcome reward. Every group must hold exactly one ``is_baseline``
+    row; that row's advantage is 0 (it is never trained on).
+    """
+    flags = inputs.is_baseline
+    if flags is None:
+        raise ValueError("remax needs is_baseline rows (the rollout's greedy responses)")
+    onehot = _group_onehot(inputs.group_index)  # (G, B)
+    per_group = onehot @ flags.to(torch.float64)
+    if bool((per_group != 1).any()):
+        raise ValueError(
+            f"remax needs exactly one baseline row per group, got {per_group.tolist()}"
+        )
+    baseline = (onehot @ torch.where(flags, inputs.rewards.to(torch.float64), 0.0)) @ onehot
+    adv = _token_returns(inputs) - baseline[:, None]
+    keep = inputs.response_mask & ~flags[:, None]
+    return torch.where(keep, adv, 0.0)
+
+
 ADVANTAGE_ESTIMATORS: dict[AdvantageName, AdvantageEstimator] = {
     "grpo": grpo_advantages,
     "dr_grpo": dr_grpo_advantages,
     "rloo": rloo_advantages,
     "reinforce_pp": reinforce_pp_advantages,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+    "opo": opo_advantages,
+    "gpg": gpg_advantages,
+    "grpo_passk": grpo_passk_advantages,
+    "optimal_token_baseline": optimal_token_baseline_advantages,
+    "remax": remax_advantages,
 }
 
 
@@ -283,5 +466,13 @@ def compute_advantages(
     if eps < 0.0:
         raise ValueError(f"eps must be non-negative, got {eps}")
     _validate(inputs)
+    flags = inputs.is_baseline
+    if (
+        flags is not None
+        and bool(flags.any())
+        and not ESTIMATOR_TRAITS[name].needs_baseline_rollout
+    ):
+        # Baseline rows would otherwise join their group's statistics as ordinary samples.
+        raise ValueError(f"advantage estimator {name!r} takes no baseline rows")
     estimator = ADVANTAGE_ESTIMATORS[name]
     return estimator(inputs, eps=eps, gamma=gamma, reduce_sum=reduce_sum)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rftpipe.algos.names import (
+    ESTIMATOR_TRAITS,
+    POLICY_LOSS_TRAITS,
     AdvantageName,
     AggregationName,
     KLControllerName,
@@ -333,7 +335,7 @@ class RemoteRewardConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RewardConfig:
     functions: tuple[str | RewardFunctionConfig, ...] = ("accuracy", "format")
-    """Reward components: built-in names (accuracy, format, dense_even_tokens, remote),
+    """Reward components: built-in names (accuracy, format, dense_even_tokens, overlong, remote),
     `module:function` import paths, or mappings (RewardFunctionConfig: path, signature,
     name, timeout_s). Each is a column `reward_<name>`."""
 
@@ -362,6 +364,14 @@ class RewardConfig:
     remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
     """The reward server of the `remote` component."""
 
+    overlong_buffer: int = 0
+    """The `overlong` component's buffer L_cache in tokens (DAPO's soft overlong
+    punishment): responses longer than rollout.max_new_tokens - overlong_buffer score
+    linearly down to -overlong_penalty at the budget. Must be >= 1 when `overlong` is used."""
+
+    overlong_penalty: float = 1.0
+    """The `overlong` component's score at the full budget, negated (DAPO: 1)."""
+
     def __post_init__(self) -> None:
         if not self.functions:
             raise ValueError("functions must name at least one reward")
@@ -379,6 +389,15 @@ class RewardConfig:
                 "functions names 'remote' but remote.url is empty"
                 if uses_remote
                 else "remote.url is set but functions does not name 'remote'"
+            )
+        if not (math.isfinite(self.overlong_penalty) and self.overlong_penalty >= 0):
+            raise ValueError(
+                f"overlong_penalty must be a finite number >= 0, got {self.overlong_penalty}"
+            )
+        if any(f.path == "overlong" for f in self.specs()) and self.overlong_buffer < 1:
+            raise ValueError(
+                f"functions names 'overlong' but overlong_buffer is {self.overlong_buffer}; "
+                "set it to the soft-punishment length (>= 1)"
             )
         columns = [f.column for f in self.specs()]
         if len(set(columns)) != len(columns):
@@ -497,14 +516,44 @@ class TrainConfig:
     clip_high: float = 0.2
     """Upper clip range: ratio <= 1 + clip_high (raise it for clip-higher)."""
 
-    dual_clip: float | None = None
-    """Dual-clip constant c > 1 bounding the loss for negative advantages (None: off)."""
+    dual_clip: float | None = 3.0
+    """Dual-clip constant c > 1 bounding the loss for negative advantages (None: off).
+    On by default at 3.0, as in verl: a token with a huge ratio and a negative advantage
+    cannot dominate the update. Used by ppo_clip and clip_cov."""
 
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
 
     loss_agg: AggregationName = "token-mean"
-    """How per-token losses become one scalar."""
+    """How per-token losses become one scalar. `seq-mean-token-sum-norm` (Dr. GRPO) divides
+    each response's token sum by rollout.max_new_tokens, a constant, then averages over
+    responses."""
+
+    sapo_tau_pos: float = 1.0
+    """policy_loss=sapo: gate temperature for positive advantages (SAPO paper: 1.0)."""
+
+    sapo_tau_neg: float = 1.05
+    """policy_loss=sapo: gate temperature for negative advantages (SAPO paper: 1.05)."""
+
+    clip_cov_ratio: float = 2e-4
+    """policy_loss=clip_cov: share of valid tokens whose gradient is cut (paper: 2e-4)."""
+
+    clip_cov_lb: float = 1.0
+    """policy_loss=clip_cov: lowest covariance of a token that may be cut."""
+
+    clip_cov_ub: float = 5.0
+    """policy_loss=clip_cov: highest covariance of a token that may be cut."""
+
+    kl_cov_ratio: float = 2e-4
+    """policy_loss=kl_cov: share of valid tokens (highest covariance) given the KL penalty."""
+
+    kl_cov_coef: float = 1.0
+    """policy_loss=kl_cov: coefficient of |log pi - log pi_old| on those tokens."""
+
+    entropy_mask_top: float = 1.0
+    """Train the policy loss only on this top share of each micro-batch's valid tokens by
+    entropy ("Beyond the 80/20 rule": 0.2); 1.0: every token. KL and entropy terms keep
+    all tokens."""
 
     old_logprobs: Literal["auto", "rollout", "actor"] = "auto"
     """Where PPO's old (behaviour) logprobs come from: `rollout`, the rollout engine's
@@ -565,6 +614,7 @@ class TrainConfig:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError("clip_low must be in [0, 1) and clip_high >= 0")
+        self._check_loss_variants()
         if not (math.isfinite(self.correction_cap) and self.correction_cap > 0):
             raise ValueError(
                 f"correction_cap must be a finite number > 0, got {self.correction_cap}"
@@ -573,6 +623,38 @@ class TrainConfig:
             raise ValueError(
                 "correction_low and correction_high must satisfy 0 <= correction_low <= 1 <= "
                 f"correction_high < inf, got {self.correction_low} and {self.correction_high}"
+            )
+
+    def _check_loss_variants(self) -> None:
+        """The settings of the policy-loss variants, and the aggregation each needs."""
+        finite_positive = {
+            "sapo_tau_pos": self.sapo_tau_pos,
+            "sapo_tau_neg": self.sapo_tau_neg,
+        }
+        for key, v in finite_positive.items():
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{key} must be a finite number > 0, got {v}")
+        for key, v in (
+            ("clip_cov_ratio", self.clip_cov_ratio),
+            ("kl_cov_ratio", self.kl_cov_ratio),
+        ):
+            if not 0 < v <= 1:
+                raise ValueError(f"{key} must be in (0, 1], got {v}")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(
+                f"clip_cov_lb must be < clip_cov_ub, got {self.clip_cov_lb} and {self.clip_cov_ub}"
+            )
+        if not (math.isfinite(self.kl_cov_coef) and self.kl_cov_coef >= 0):
+            raise ValueError(f"kl_cov_coef must be a finite number >= 0, got {self.kl_cov_coef}")
+        if not 0 < self.entropy_mask_top <= 1:
+            raise ValueError(f"entropy_mask_top must be in (0, 1], got {self.entropy_mask_top}")
+        if (
+            POLICY_LOSS_TRAITS[self.policy_loss].sequence_level
+            and self.loss_agg != "seq-mean-token-mean"
+        ):
+            raise ValueError(
+                f"policy_loss={self.policy_loss} is a per-response loss and needs "
+                f"loss_agg=seq-mean-token-mean, got {self.loss_agg}"
             )
 
 
@@ -795,6 +877,18 @@ class RunConfig:
             raise ValueError(
                 f"eval.metric={self.eval.metric!r} is not a reward component (reward.functions "
                 f"gives {names}); set eval.metric to one of them or eval.size=0"
+            )
+        if self.rollout.n == 1 and ESTIMATOR_TRAITS[self.advantage.estimator].needs_groups:
+            raise ValueError(
+                f"rollout.n=1 with advantage.estimator={self.advantage.estimator}, which "
+                "compares samples within a prompt's group: every advantage would be 0; "
+                "set rollout.n >= 2"
+            )
+        uses_overlong = any(f.path == "overlong" for f in self.reward.specs())
+        if uses_overlong and self.reward.overlong_buffer > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer={self.reward.overlong_buffer} exceeds "
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens}"
             )
         samples = self.data.prompts_per_step * self.rollout.n
         if samples % self.train.mini_batches:

@@ -11,6 +11,7 @@ import torch
 
 from rftpipe.algos.advantage import AdvantageInputs, Reducer, compute_advantages
 from rftpipe.algos.losses import kl_estimate
+from rftpipe.baseline_rows import baseline_flags
 from rftpipe.config.schema import AdvantageConfig, KLConfig
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
@@ -61,6 +62,8 @@ def run(
     prompts = scored.column("prompt_token_ids").to_pylist()
     responses = scored.column("response_token_ids").to_pylist()
     _, mask = pad_ragged(scored.column("logprobs").to_pylist(), torch.float64)
+    # ReMax's greedy rows (`is_baseline`) are scored but never trained on.
+    is_baseline = torch.tensor(baseline_flags(scored), dtype=torch.bool)
     out = scored
     metrics: dict[str, float] = {}
     old_column = "logprobs"
@@ -71,7 +74,8 @@ def run(
             pa.array(actor_logprobs(prompts, responses), pa.list_(pa.float32())),
         )
         old_column = "old_logprobs"
-        metrics = _logprob_diff_metrics(out, mask, reduce_sum, reduce_max)
+        # The greedy rows recorded no sampling logprobs: nothing to compare.
+        metrics = _logprob_diff_metrics(out, mask & ~is_baseline[:, None], reduce_sum, reduce_max)
     penalty = None
     if cfg.kl.mode != "none":
         assert ref_logprobs is not None, "a KL term needs the reference model"
@@ -85,11 +89,15 @@ def run(
             old32, _ = pad_ragged(out.column(old_column).to_pylist(), torch.float64)
             penalty = cfg.kl_coef * kl_estimate(old32, ref_t, cfg.kl.estimator) * mask
     group = torch.tensor(scored.column("prompt_id").to_pylist(), dtype=torch.int64)
+    # The behaviour policy's logprobs, as committed: the optimal token baseline reads them.
+    behaviour, _ = pad_ragged(out.column(old_column).to_pylist(), torch.float64)
     inputs = AdvantageInputs(
         rewards=torch.tensor(scored.column("reward").to_pylist(), dtype=torch.float64),
         group_index=group,
         response_mask=mask,
         token_kl_penalty=penalty,
+        logprobs=behaviour,
+        is_baseline=is_baseline,
     )
     adv = compute_advantages(
         cfg.advantage.estimator,

@@ -1,4 +1,5 @@
-"""Stage 1, rollout: n samples per prompt, grouped, with sampling logprobs."""
+"""Stage 1, rollout: n samples per prompt, grouped, with sampling logprobs (and, for
+estimators with a greedy baseline such as ReMax, one greedy row per prompt)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ ROLLOUT_SCHEMA = pa.schema(
         ("answer", pa.string()),
         ("metadata", pa.string()),
         ("weight_version", pa.int64()),
+        ("is_baseline", pa.bool_()),
     ]
 )
 
@@ -40,6 +42,9 @@ class RolloutInputs:
     run_seed: int
     prompts: Sequence[Prompt]
     """This rank's prompts; each becomes one group of `n` consecutive rows."""
+    baseline: bool = False
+    """Also generate one greedy response per prompt (sample_idx n, `is_baseline`): the
+    baseline of ReMax. Greedy decoding needs no seed, so it is the same on any replay."""
 
 
 def run(cfg: RolloutConfig, engine: RolloutEngine, tokenizer, inp: RolloutInputs) -> pa.Table:
@@ -54,6 +59,8 @@ def run(cfg: RolloutConfig, engine: RolloutEngine, tokenizer, inp: RolloutInputs
         # The ranks of a tensor-parallel engine generate together (one call each): a rank
         # without prompts this step still joins its group's call.
         engine.generate_groups([], cfg.n, [])
+        if inp.baseline:
+            engine.greedy([], cfg.max_new_tokens)
     for call in calls:
         seeds = [derive_seed(inp.run_seed, inp.step, "rollout", p.prompt_id) for p in call]
         groups = engine.generate_groups([p.token_ids for p in call], cfg.n, seeds)
@@ -61,22 +68,50 @@ def run(cfg: RolloutConfig, engine: RolloutEngine, tokenizer, inp: RolloutInputs
             for k, (toks, lps, reason) in enumerate(
                 zip(group.tokens, group.logprobs, group.finish_reasons, strict=True)
             ):
-                row = {
-                    "step": inp.step,
-                    "prompt_id": p.prompt_id,
-                    "sample_idx": k,
-                    "rank": inp.rank,
-                    "prompt": p.text,
-                    "prompt_token_ids": list(p.token_ids),
-                    "response": tokenizer.decode(toks, skip_special_tokens=True),
-                    "response_token_ids": toks,
-                    "response_length": len(toks),
-                    "finish_reason": reason,
-                    "logprobs": lps,
-                    "answer": p.answer,
-                    "metadata": json.dumps(p.metadata, sort_keys=True, default=str),
-                    "weight_version": engine.weight_version,
-                }
-                for name, value in row.items():
-                    cols[name].append(value)
+                _append(cols, _row(inp, engine, tokenizer, p, k, toks, lps, reason))
+        if inp.baseline:
+            outs = engine.greedy([p.token_ids for p in call], cfg.max_new_tokens)
+            for p, toks in zip(call, outs, strict=True):
+                # Engines return greedy responses without EOS: one shorter than the budget
+                # stopped on it, which is put back so the row reads like a sample.
+                reason = "length" if len(toks) >= cfg.max_new_tokens else "stop"
+                if reason == "stop" and tokenizer.eos_token_id is not None:
+                    toks = [*toks, tokenizer.eos_token_id]
+                # Never trained on, so no sampling logprobs: zeros keep the column's lengths.
+                row = _row(inp, engine, tokenizer, p, cfg.n, toks, [0.0] * len(toks), reason)
+                _append(cols, {**row, "is_baseline": True})
     return pa.Table.from_pydict(cols, schema=ROLLOUT_SCHEMA)
+
+
+def _row(
+    inp: RolloutInputs,
+    engine: RolloutEngine,
+    tokenizer,
+    p: Prompt,
+    k: int,
+    toks: list[int],
+    lps: list[float],
+    reason: str,
+) -> dict:
+    return {
+        "step": inp.step,
+        "prompt_id": p.prompt_id,
+        "sample_idx": k,
+        "rank": inp.rank,
+        "prompt": p.text,
+        "prompt_token_ids": list(p.token_ids),
+        "response": tokenizer.decode(toks, skip_special_tokens=True),
+        "response_token_ids": toks,
+        "response_length": len(toks),
+        "finish_reason": reason,
+        "logprobs": lps,
+        "answer": p.answer,
+        "metadata": json.dumps(p.metadata, sort_keys=True, default=str),
+        "weight_version": engine.weight_version,
+        "is_baseline": False,
+    }
+
+
+def _append(cols: dict[str, list], row: dict) -> None:
+    for name, value in row.items():
+        cols[name].append(value)

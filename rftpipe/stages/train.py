@@ -21,7 +21,13 @@ import torch
 
 from rftpipe import perf
 from rftpipe.algos.correction import ROLLOUT_CORRECTIONS
-from rftpipe.algos.losses import AGGREGATIONS, POLICY_LOSSES, kl_estimate
+from rftpipe.algos.losses import (
+    AGGREGATIONS,
+    POLICY_LOSSES,
+    LossParams,
+    entropy_top_mask,
+    kl_estimate,
+)
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.train import TrainEngine, split_micro_batches
@@ -66,6 +72,9 @@ class TrainInputs:
     """(prompt_id, sample_idx) of every sample of the step on all ranks."""
     kl_coef: float
     temperature: float
+    response_budget: int = 0
+    """rollout.max_new_tokens: the constant length of `seq-mean-token-sum-norm` (0: the
+    micro-batch's padded width, verl's fallback)."""
 
 
 def minibatch_plan(inp: TrainInputs, epoch: int, mini_batches: int) -> list[list[int]]:
@@ -169,8 +178,17 @@ def _micro_step(
         with_entropy=True,
     )
     old, adv, mask = old.to(lp.device), adv.to(lp.device), mask.to(lp.device)
+    # The high-entropy token mask narrows only the policy loss; KL and entropy keep all tokens.
+    pg_mask = entropy_top_mask(ent, mask, cfg.entropy_mask_top)
     out = POLICY_LOSSES[cfg.policy_loss](
-        lp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip
+        lp,
+        old,
+        adv,
+        pg_mask,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip,
+        params=_loss_params(cfg),
     )
     corr = ROLLOUT_CORRECTIONS[cfg.rollout_correction](
         old,
@@ -183,8 +201,16 @@ def _micro_step(
     # `none` weighs every token exactly 1.0, which leaves the loss bit for bit as it is.
     pg_tok = out.loss * corr.weight
     agg = AGGREGATIONS[cfg.loss_agg]
-    norm = {"num_tokens": float(count[0]), "num_seqs": float(count[1])}
-    loss = agg(pg_tok, mask, **norm)
+    norm = {
+        # With the entropy mask, token-mean divides by the expected number of kept tokens
+        # (top x all valid ones), as the paper's mean over kept tokens; each micro-batch
+        # keeps ceil(top x its tokens), so this matches it up to rounding while the
+        # micro-batch shares still add up. x1.0 leaves the unmasked case bit for bit.
+        "num_tokens": float(count[0]) * cfg.entropy_mask_top,
+        "num_seqs": float(count[1]),
+        "norm_len": float(inp.response_budget) if inp.response_budget else None,
+    }
+    loss = agg(pg_tok, pg_mask, **norm)
     if kl.mode != "none":
         ref, _ = pad_ragged([r["ref_logprobs"] for r in chunk], torch.float32)
         ref = ref.to(lp.device)
@@ -192,10 +218,11 @@ def _micro_step(
     else:
         # Without a reference, report the drift from the old (behaviour) policy instead.
         kl_tok = kl_estimate(lp, old, "k3") * mask
+    full = {**norm, "num_tokens": float(count[0])}  # KL and entropy keep every token
     if kl.mode == "loss":
-        loss = loss + inp.kl_coef * agg(kl_tok, mask, **norm)
+        loss = loss + inp.kl_coef * agg(kl_tok, mask, **full)
     if cfg.entropy_coef:
-        loss = loss - cfg.entropy_coef * agg(ent, mask, **norm)
+        loss = loss - cfg.entropy_coef * agg(ent, mask, **full)
     # An invalid (non-finite) micro-batch on any rank is skipped on all of them together,
     # so no rank waits in a backward collective that the others never enter.
     if dist.any(not bool(torch.isfinite(loss))):
@@ -211,9 +238,22 @@ def _micro_step(
         sums["kl"] += float(kl_tok.sum())
         sums["entropy"] += float((ent * mask).sum())
         sums["ratio"] += float((out.ratio * mask).sum())
-        sums["pg_loss"] += float(agg(pg_tok, mask, **norm))
+        sums["pg_loss"] += float(agg(pg_tok, pg_mask, **norm))
         sums["correction_weight"] += float((corr.weight * mask).sum())
         sums["correction_masked"] += float(corr.masked.sum())
+
+
+def _loss_params(cfg: TrainConfig) -> LossParams:
+    """The variant-specific settings of the policy losses, from the train config."""
+    return LossParams(
+        sapo_tau_pos=cfg.sapo_tau_pos,
+        sapo_tau_neg=cfg.sapo_tau_neg,
+        clip_cov_ratio=cfg.clip_cov_ratio,
+        clip_cov_lb=cfg.clip_cov_lb,
+        clip_cov_ub=cfg.clip_cov_ub,
+        kl_cov_ratio=cfg.kl_cov_ratio,
+        kl_cov_coef=cfg.kl_cov_coef,
+    )
 
 
 def _finish_metrics(sums: dict[str, float], dist: Dist, correction: bool) -> dict[str, float]:
