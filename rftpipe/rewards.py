@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import math
 import numbers
 import re
@@ -23,6 +24,8 @@ from typing import Any, Literal, Protocol
 
 from rftpipe.config.schema import RewardConfig, RewardFunctionConfig, RewardSignature
 from rftpipe.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -306,6 +309,29 @@ def resolve(spec: RewardFunctionConfig, cfg: RewardConfig, scorer: Any) -> Rewar
     from rftpipe.reward_pool import Pooled, shared_pool
 
     return Pooled(spec, spec.timeout_s or cfg.timeout_s, shared_pool(cfg.workers))
+
+
+def applies(spec: RewardFunctionConfig, data_source: str) -> bool:
+    """Whether `spec` scores rows of `data_source` (no declared sources: every row)."""
+    return not spec.data_sources or data_source in spec.data_sources
+
+
+def check_coverage(cfg: RewardConfig, data_sources: set[str]) -> None:
+    """Refuse data whose rows of some source no reward function would score (their reward
+    would be a silent 0); warn about declared sources the data does not have."""
+    specs = cfg.specs()
+    uncovered = sorted(d for d in data_sources if not any(applies(s, d) for s in specs))
+    if uncovered:
+        raise UserError(
+            f"reward.functions: no function scores data source {uncovered[0]!r} (the data "
+            f"has {sorted(data_sources)}); add it to a function's `data_sources`, or leave "
+            "one function's `data_sources` empty to score every source"
+        )
+    for s in specs:
+        if missing := sorted(set(s.data_sources) - data_sources):
+            log.warning(
+                "reward.functions: %s declares data sources %s the data lacks", s.path, missing
+            )
 
 
 def resolve_all(cfg: RewardConfig, scorer: Any) -> dict[str, RewardComponent]:

@@ -26,7 +26,7 @@ from rftpipe.engines.rollout import HFGenerateEngine, RolloutEngine
 from rftpipe.engines.train import TRAIN_ENGINES, TrainEngine
 from rftpipe.errors import UserError
 from rftpipe.preemption import NoStop, StopFlag
-from rftpipe.rewards import RewardComponent, resolve_all
+from rftpipe.rewards import RewardComponent, check_coverage, resolve_all
 from rftpipe.store import RUN_LAYOUT_VERSION, RunDir, StageStore, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ def build(
     model_dir = models.resolve_model_path(cfg.model.path)
     tokenizer = models.load_tokenizer(model_dir)
     prompts = load_prompts(cfg.data, tokenizer)
+    check_coverage(cfg.reward, prompts.data_sources())
     rewards = resolve_all(cfg.reward, prompts.scorer)
     if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
         preflight(cfg, model_dir)
