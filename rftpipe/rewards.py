@@ -12,13 +12,14 @@ The score stage (`rftpipe.stages.score`) turns outcomes into columns and applies
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import logging
 import math
 import numbers
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 from typing import Any, Literal, Protocol
 
@@ -130,6 +131,24 @@ def _dense_even_tokens(cfg: RewardConfig, scorer: Any) -> RewardFn:
 
     return dense
 
+
+def math_verify_score(s: RewardSample) -> float:
+    """1.0 if the response's final mathematical answer equals the reference by
+    math-verify (parse both, then verify: LaTeX, fractions, decimals, sets, boxed answers;
+    `\\frac{1}{2}` equals 0.5), else 0.0. Runs in the worker pool (`POOLED_BUILTINS`):
+    sympy can take unbounded time on adversarial input, and the pool kills it."""
+    from math_verify import parse, verify
+
+    if s.answer is None:
+        raise ValueError("math_verify needs an answer column")
+    gold = parse(s.answer)
+    if not gold:
+        raise ValueError(f"math_verify cannot parse the reference answer {s.answer!r}")
+    return float(verify(gold, parse(s.response)))
+
+
+#: Built-ins that run in the killable worker processes, by name -> import path.
+POOLED_BUILTINS: dict[str, str] = {"math_verify": "rftpipe.rewards:math_verify_score"}
 
 #: In-process built-ins: ours, fast, and `accuracy` holds the dataset's scorer object,
 #: which no worker process could import by path.
@@ -296,6 +315,18 @@ def resolve(spec: RewardFunctionConfig, cfg: RewardConfig, scorer: Any) -> Rewar
         if spec.signature != "rftpipe":
             raise UserError(f"reward.functions: built-in '{spec.path}' has no signature to set")
         return InProcess(spec, BUILTIN_REWARDS[spec.path](cfg, scorer))
+    if spec.path in POOLED_BUILTINS:
+        if spec.signature != "rftpipe":
+            raise UserError(f"reward.functions: built-in '{spec.path}' has no signature to set")
+        if importlib.util.find_spec(spec.path) is None:
+            raise UserError(
+                f"reward.functions: built-in '{spec.path}' needs the {spec.path.replace('_', '-')} "
+                f"package (pip install {spec.path.replace('_', '-')})"
+            )
+        from rftpipe.reward_pool import Pooled, shared_pool
+
+        pooled = replace(spec, path=POOLED_BUILTINS[spec.path], name=spec.name or spec.path)
+        return Pooled(pooled, spec.timeout_s or cfg.timeout_s, shared_pool(cfg.workers))
     if spec.path == "remote":
         from rftpipe.remote_reward import RemoteReward
 
@@ -303,7 +334,7 @@ def resolve(spec: RewardFunctionConfig, cfg: RewardConfig, scorer: Any) -> Rewar
     if ":" not in spec.path:
         raise UserError(
             f"reward.functions: unknown reward '{spec.path}' (built-ins: "
-            f"{sorted([*BUILTIN_REWARDS, 'remote'])}; or give module:function)"
+            f"{sorted([*BUILTIN_REWARDS, *POOLED_BUILTINS, 'remote'])}; or give module:function)"
         )
     _import(spec)
     from rftpipe.reward_pool import Pooled, shared_pool

@@ -201,3 +201,33 @@ def test_every_data_source_needs_a_function() -> None:
     assert "\n" not in str(err.value)
     # A function without declared sources scores them all.
     check_coverage(from_dict(RewardConfig, {"functions": [routed, "format"]}), {"gsm", "math"})
+
+
+def test_math_verify_builtin() -> None:
+    """Hand-written responses against their reference answers, scored in the worker pool."""
+    cases = [
+        ("0.5", "Half of it: $\\frac{1}{2}$", 1.0),  # LaTeX-equivalent
+        ("\\frac{1}{2}", "so the share is 0.5", 1.0),
+        ("72", "48 + 24 = 72 clips.\n#### 72", 1.0),
+        ("72", "She sold \\boxed{71} clips.", 0.0),  # wrong
+        ("3", "I cannot tell.", 0.0),  # no answer at all
+        ("0.75", "It is $\\dfrac{6}{8}$ of the cake", 1.0),
+    ]
+    rows = [
+        {
+            "step": 1,
+            "prompt_id": i,
+            "sample_idx": 0,
+            "prompt": "q",
+            "response": response,
+            "answer": answer,
+            "metadata": "{}",
+            "response_token_ids": [1],
+            "finish_reason": "stop",
+        }
+        for i, (answer, response, _) in enumerate(cases)
+    ]
+    cfg = from_dict(RewardConfig, {"functions": ["math_verify"]})
+    t = score.run(cfg, resolve_all(cfg, None), pa.Table.from_pylist(rows)).to_pydict()
+    assert t["reward_math_verify"] == [want for *_, want in cases]
+    assert t["reward_status"] == ["ok"] * len(cases)

@@ -426,9 +426,9 @@ class RemoteRewardConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RewardConfig:
     functions: tuple[str | RewardFunctionConfig, ...] = ("accuracy", "format")
-    """Reward components: built-in names (accuracy, format, dense_even_tokens, remote),
-    `module:function` import paths, or mappings (RewardFunctionConfig: path, signature,
-    name, timeout_s). Each is a column `reward_<name>`."""
+    """Reward components: built-in names (accuracy, format, dense_even_tokens, math_verify,
+    remote), `module:function` import paths, or mappings (RewardFunctionConfig: path,
+    signature, name, timeout_s, data_sources). Each is a column `reward_<name>`."""
 
     weights: tuple[float, ...] = ()
     """Weight of each component in `reward` (empty: all 1.0)."""
