@@ -7,6 +7,7 @@ stage receives exactly the pieces it uses.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -207,7 +208,12 @@ def _hf_engine(
         else models.load_causal_lm(model_dir, cfg.model.dtype).to(dist.device)
     )
     return HFGenerateEngine(
-        rollout_model, cfg.rollout, tokenizer.eos_token_id, tokenizer.pad_token_id
+        rollout_model,
+        cfg.rollout,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        # Special tokens stay in the text, as in vLLM's detokenizer (skip_special_tokens off).
+        decode=functools.partial(tokenizer.decode, skip_special_tokens=False),
     )
 
 
