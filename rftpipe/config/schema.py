@@ -304,6 +304,9 @@ class RolloutConfig:
             raise ValueError(f"groups_per_call must be >= 1, got {self.groups_per_call}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.engine == "sglang" and (self.stop or self.eos_token_ids):
+            # SGLang's engine checks that only the tokenizer's EOS ends a response.
+            raise ValueError("stop and eos_token_ids are implemented for engine=hf|vllm only")
         if any(t < 0 for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids must be >= 0, got {list(self.eos_token_ids)}")
         if self.max_new_tokens < 1:
