@@ -220,6 +220,8 @@ def _has_column(schema: Any, dotted: str) -> bool:
     """Whether `dotted` names a column, or (`a.b`) field b of struct column a."""
     import pyarrow as pa
 
+    if dotted in schema.names:  # a column whose name has a dot in it
+        return True
     head, _, rest = dotted.partition(".")
     if head not in schema.names:
         return False
@@ -232,6 +234,9 @@ def _has_column(schema: Any, dotted: str) -> bool:
 
 
 def _get(rec: dict[str, Any], dotted: str) -> Any:
+    """The cell `_has_column` found: the column `dotted`, or a field of a struct column."""
+    if dotted in rec:
+        return rec[dotted]
     value: Any = rec
     for part in dotted.split("."):
         value = value.get(part) if isinstance(value, dict) else None
@@ -276,6 +281,7 @@ class PromptSet:
         weights: Sequence[float] = (1.0,),
     ) -> None:
         self.scorer = scorer
+        self._hash_rows = cfg.source == "datasets"
         self.weights = tuple(weights)
         """Mixing weight of each dataset (one entry: a single source)."""
         self.prompts: list[Prompt] = []
@@ -329,6 +335,10 @@ class PromptSet:
         h = hashlib.sha256()
         for p in self.prompts:
             h.update(json.dumps([p.prompt_id, p.token_ids, p.answer]).encode())
+            if self._hash_rows:
+                # What reward functions see besides the answer (data_source, extra_info);
+                # the older sources' fingerprints stay what they always were.
+                h.update(json.dumps(p.metadata, sort_keys=True, default=str).encode())
         if self.weights != (1.0,):
             # A mix's weights decide which prompts each step takes; a single source's
             # fingerprint stays what it always was.

@@ -257,3 +257,15 @@ def test_bad_dataset_rows_refused(tmp_path: Path, rows: list, kw: dict, needle: 
     path.write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(UserError, match=re.escape(needle)):
         load_source_rows(DatasetSourceConfig(path=str(path), **kw))
+
+
+def test_dataset_fingerprint_covers_what_rewards_see(tmp_path: Path) -> None:
+    tok = build_tiny_tokenizer()
+    path = tmp_path / "d.parquet"
+    rows = verl_rows(3)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    cfg = datasets_cfg(DatasetSourceConfig(path=str(path), format="verl"))
+    before = load_prompts(cfg, tok).fingerprint()
+    rows[1]["extra_info"]["split"] = "test"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert load_prompts(cfg, tok).fingerprint() != before
