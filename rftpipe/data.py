@@ -137,8 +137,10 @@ def load_source_rows(src: DatasetSourceConfig, index: int = 0) -> list[RawRow]:
     column or the row on anything malformed). `index` is its position in the list: it
     offsets the prompt ids (by `index * ID_STRIDE`) and names it in error messages.
 
-    >>> rows = load_source_rows(DatasetSourceConfig(path="gsm8k.parquet", format="verl"))
-    >>> rows[0].messages, rows[0].answer, rows[0].data_source, rows[0].metadata["extra_info"]
+    Usage::
+
+        rows = load_source_rows(DatasetSourceConfig(path="gsm8k.parquet", format="verl"))
+        rows[0].messages, rows[0].answer, rows[0].data_source, rows[0].metadata["extra_info"]
     """
     where = f"data.datasets[{index}]"
     table = _read_table(src, where)
@@ -153,39 +155,42 @@ def load_source_rows(src: DatasetSourceConfig, index: int = 0) -> list[RawRow]:
             raise UserError(
                 f"{where}.{key}: column '{col}' not in '{src.path}' (has {table.column_names})"
             )
-    default_source = src.data_source or Path(src.path.rstrip("/")).stem
-    rows = []
-    for i, rec in enumerate(table.to_pylist()):
-        row = f"{where}: row {i} of '{src.path}'"
-        text, messages = _prompt_of(rec[src.prompt_col], row, src.prompt_col)
-        answer = _get(rec, src.answer_col) if src.answer_col else None
-        data_source = _get(rec, src.data_source_col) if src.data_source_col else default_source
-        if not isinstance(data_source, str) or not data_source:
-            raise UserError(f"{row} has an empty or non-string '{src.data_source_col}'")
-        local_id = rec[src.id_column] if src.id_column else i
-        if not isinstance(local_id, int) or not 0 <= local_id < ID_STRIDE:
-            raise UserError(f"{row} has an id in '{src.id_column}' outside [0, {ID_STRIDE})")
-        # Every other column travels with the row for the reward functions (verl's
-        # `extra_info`, `ability`, `reward_model`), the data source among them, which is
-        # where the score stage reads it.
-        metadata = {k: v for k, v in rec.items() if k != src.prompt_col}
-        metadata["data_source"] = data_source
-        rows.append(
-            RawRow(
-                prompt_id=index * ID_STRIDE + local_id,
-                text=text,
-                answer=None if answer is None else str(answer),
-                metadata=metadata,
-                messages=messages,
-                data_source=data_source,
-                source=index,
-            )
-        )
+    rows = [_raw_row(src, index, i, rec) for i, rec in enumerate(table.to_pylist())]
     if len({r.prompt_id for r in rows}) != len(rows):
         raise UserError(f"{where}.id_column: ids in '{src.id_column}' are not unique")
     if not rows:
         raise UserError(f"{where}.path: '{src.path}' has no rows")
     return rows
+
+
+def _raw_row(src: DatasetSourceConfig, index: int, i: int, rec: dict[str, Any]) -> RawRow:
+    """Row i of dataset `index`, its routed columns validated."""
+    row = f"data.datasets[{index}]: row {i} of '{src.path}'"
+    text, messages = _prompt_of(rec[src.prompt_col], row, src.prompt_col)
+    answer = _get(rec, src.answer_col) if src.answer_col else None
+    if src.data_source_col:
+        data_source = _get(rec, src.data_source_col)
+    else:
+        data_source = src.data_source or Path(src.path.rstrip("/")).stem
+    if not isinstance(data_source, str) or not data_source:
+        raise UserError(f"{row} has an empty or non-string '{src.data_source_col}'")
+    local_id = rec[src.id_column] if src.id_column else i
+    if not isinstance(local_id, int) or not 0 <= local_id < ID_STRIDE:
+        raise UserError(f"{row} has an id in '{src.id_column}' outside [0, {ID_STRIDE})")
+    # Every other column travels with the row for the reward functions (verl's
+    # `extra_info`, `ability`, `reward_model`), the data source among them, which is where
+    # the score stage reads it.
+    metadata = {k: v for k, v in rec.items() if k != src.prompt_col}
+    metadata["data_source"] = data_source
+    return RawRow(
+        prompt_id=index * ID_STRIDE + local_id,
+        text=text,
+        answer=None if answer is None else str(answer),
+        metadata=metadata,
+        messages=messages,
+        data_source=data_source,
+        source=index,
+    )
 
 
 def _read_table(src: DatasetSourceConfig, where: str) -> Any:
