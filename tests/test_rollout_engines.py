@@ -258,3 +258,36 @@ def test_stop_strings_and_extra_eos_ids(name: str, model_dir: Path) -> None:
     # Greedy (evaluation) ends the same way, without the EOS.
     for toks in greedy:
         assert not eos_ids & set(toks) and stop_length(decode, toks, (stop,)) == len(toks)
+
+
+def test_windowed_stop_check_equals_decoding_the_whole_response() -> None:
+    """`stop_length` decodes only a window of the last tokens; on long texts with multi-byte
+    characters it finds the same token as decoding every prefix whole would."""
+    import random
+
+    from rftpipe.engines.rollout import completes_stop
+    from rftpipe.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    decode = functools.partial(tok.decode, skip_special_tokens=False)
+    rng = random.Random(0)
+    alphabet = list("abcdefgh é😀\n") + ["</answer>"]
+    stops = ("é😀", "</answer>", "\n\n")
+    found = late = 0
+    for _ in range(40):
+        # Filler that holds no stop string, then text that may.
+        filler = "".join(rng.choice("abcdefgh é") for _ in range(rng.randrange(0, 120)))
+        text = filler + "".join(rng.choice(alphabet) for _ in range(20))
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        whole = next(
+            (
+                i + 1
+                for i in range(len(ids))
+                if completes_stop(decode(ids[:i]), decode(ids[: i + 1]), stops)
+            ),
+            len(ids),
+        )
+        assert stop_length(decode, ids, stops) == whole
+        found += whole < len(ids)
+        late += len(ids) > whole > 60  # past the window (52 tokens here)
+    assert found > 10 and late > 3, (found, late)  # the stop strings were really met
