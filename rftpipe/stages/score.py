@@ -39,7 +39,10 @@ def run(
     out = rollouts
     for (col, comp), w in zip(components.items(), weights, strict=True):
         mine = [i for i, s in enumerate(samples) if applies(comp.spec, s.data_source)]
-        outcomes = comp.score([samples[i] for i in mine], fail_fast=cfg.on_error == "fail")
+        # A shard with none of its sources makes no call (a remote server sees nothing).
+        outcomes = (
+            comp.score([samples[i] for i in mine], fail_fast=cfg.on_error == "fail") if mine else []
+        )
         if cfg.on_error == "fail":
             _fail_on_first_failure(comp.spec.path, [samples[i] for i in mine], outcomes)
         values: list[float | None] = [None] * len(samples)
