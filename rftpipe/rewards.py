@@ -12,7 +12,6 @@ The score stage (`rftpipe.stages.score`) turns outcomes into columns and applies
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
 import logging
 import math
@@ -147,8 +146,11 @@ def math_verify_score(s: RewardSample) -> float:
     return float(verify(gold, parse(s.response)))
 
 
-#: Built-ins that run in the killable worker processes, by name -> import path.
-POOLED_BUILTINS: dict[str, str] = {"math_verify": "rftpipe.rewards:math_verify_score"}
+#: Built-ins that run in the killable worker processes: name -> (import path, the module
+#: it needs, the package that provides it).
+POOLED_BUILTINS: dict[str, tuple[str, str, str]] = {
+    "math_verify": ("rftpipe.rewards:math_verify_score", "math_verify", "math-verify")
+}
 
 #: In-process built-ins: ours, fast, and `accuracy` holds the dataset's scorer object,
 #: which no worker process could import by path.
@@ -318,14 +320,18 @@ def resolve(spec: RewardFunctionConfig, cfg: RewardConfig, scorer: Any) -> Rewar
     if spec.path in POOLED_BUILTINS:
         if spec.signature != "rftpipe":
             raise UserError(f"reward.functions: built-in '{spec.path}' has no signature to set")
-        if importlib.util.find_spec(spec.path) is None:
+        path, module, package = POOLED_BUILTINS[spec.path]
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
             raise UserError(
-                f"reward.functions: built-in '{spec.path}' needs the {spec.path.replace('_', '-')} "
-                f"package (pip install {spec.path.replace('_', '-')})"
-            )
+                f"reward.functions: built-in '{spec.path}' needs the {package} package "
+                f"(pip install {package}): {exc}"
+            ) from exc
         from rftpipe.reward_pool import Pooled, shared_pool
 
-        pooled = replace(spec, path=POOLED_BUILTINS[spec.path], name=spec.name or spec.path)
+        # The worker imports it by path; the column keeps the built-in's name.
+        pooled = replace(spec, path=path, name=spec.name or spec.path)
         return Pooled(pooled, spec.timeout_s or cfg.timeout_s, shared_pool(cfg.workers))
     if spec.path == "remote":
         from rftpipe.remote_reward import RemoteReward

@@ -331,3 +331,12 @@ def test_malformed_chat_messages(tmp_path: Path) -> None:
         f"data.datasets=[{{path: {path}, format: verl}}]",
         needles=("data.datasets[0]", "row 2", "malformed chat messages", "'prompt'"),
     )
+
+
+def test_math_verify_not_installed(tmp_path: Path) -> None:
+    _fresh(
+        tmp_path,
+        "reward.functions=[math_verify]",
+        env=_without(tmp_path, "math_verify"),
+        needles=("reward.functions", "'math_verify'", "pip install math-verify"),
+    )
