@@ -269,3 +269,27 @@ def test_dataset_fingerprint_covers_what_rewards_see(tmp_path: Path) -> None:
     rows[1]["extra_info"]["split"] = "test"
     pq.write_table(pa.Table.from_pylist(rows), path)
     assert load_prompts(cfg, tok).fingerprint() != before
+
+
+def test_datasets_config_checks() -> None:
+    from rftpipe.config.loader import ConfigError, load_config
+    from rftpipe.config.schema import RunConfig
+
+    one = "data.datasets=[{path: x.parquet, format: verl}]"
+    cfg = load_config(RunConfig, None, ["data.source=datasets", one])
+    src = cfg.data.datasets[0]
+    assert (src.prompt_col, src.answer_col, src.data_source_col) == (
+        "prompt",
+        "reward_model.ground_truth",
+        "data_source",
+    )
+    plain = DatasetSourceConfig(path="x.jsonl", answer_column="")
+    assert (plain.answer_col, plain.data_source_col) == (None, None)
+    for overrides, needle in [
+        (["data.source=datasets"], "source is 'datasets' but datasets is empty"),
+        ([one], "datasets is set but source is 'reasoning_gym'"),
+        (["data.source=datasets", "data.datasets=[{path: x, weight: 0}]"], "weight must be"),
+        (["data.source=datasets", "data.datasets=[{path: x, format: hf}]"], "format"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            load_config(RunConfig, None, overrides)
