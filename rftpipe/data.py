@@ -6,21 +6,29 @@ windows of the endless sequence of epochs, so a batch may straddle an epoch boun
 every prompt is still used exactly once per epoch. Ranks take contiguous slices of the
 global window, so changing the number of ranks changes who rolls out a prompt, never
 which prompts a step uses.
+
+Several datasets (``data.source=datasets``) share the stream through a fixed, periodic
+schedule (a smooth weighted round-robin): position p of the stream belongs to dataset
+``schedule[p % period]``, so how many prompts each dataset has given is a function of
+``consumed`` alone, and each dataset runs through its own epochs exactly as one would.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rftpipe.config.schema import DataConfig, EvalConfig
+from rftpipe.config.schema import DataConfig, DatasetSourceConfig, EvalConfig
 from rftpipe.errors import UserError
 
 
@@ -35,14 +43,29 @@ class Prompt:
     """Chat-templated prompt tokens, generation prompt included."""
     answer: str | None
     metadata: dict[str, Any]
+    data_source: str = ""
+    """The row's data source, which routes it to reward functions."""
+
+
+Message = dict[str, str]
+"""One chat message, {role, content}."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RawRow:
+    """One dataset row before templating."""
+
     prompt_id: int
     text: str
+    """The user message (of a chat prompt: its last user message)."""
     answer: str | None
     metadata: dict[str, Any]
+    messages: tuple[Message, ...] | None = None
+    """A chat prompt as given, templated as it is (None: `text` is the one user message)."""
+    data_source: str = ""
+    """The row's data source (verl's `data_source`)."""
+    source: int = 0
+    """Index of its dataset in `data.datasets` (0 for the single-source kinds)."""
 
 
 def _reasoning_gym_rows(cfg: DataConfig, size: int, seed: int) -> tuple[list[RawRow], Any]:
@@ -54,7 +77,13 @@ def _reasoning_gym_rows(cfg: DataConfig, size: int, seed: int) -> tuple[list[Raw
     except Exception as exc:  # the generator validates its own kwargs
         raise UserError(f"data.reasoning_gym: {rg.name!r} rejected its settings: {exc}") from exc
     rows = [
-        RawRow(prompt_id=i, text=e["question"], answer=str(e["answer"]), metadata=e["metadata"])
+        RawRow(
+            prompt_id=i,
+            text=e["question"],
+            answer=str(e["answer"]),
+            metadata=e["metadata"],
+            data_source=str(e["metadata"].get("source_dataset", "")),
+        )
         for i, e in enumerate(ds)
     ]
     return rows, ds
@@ -100,14 +129,173 @@ def _file_rows(cfg: DataConfig) -> list[RawRow]:
     return rows
 
 
+#: Dataset k of `data.datasets` owns the prompt ids [k * ID_STRIDE, (k + 1) * ID_STRIDE).
+ID_STRIDE = 1_000_000_000
+_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+def load_source_rows(src: DatasetSourceConfig, index: int = 0) -> list[RawRow]:
+    """The rows of one dataset of `data.datasets`, validated (exit 2 naming the field, the
+    column or the row on anything malformed). `index` is its position in the list: it
+    offsets the prompt ids (by `index * ID_STRIDE`) and names it in error messages.
+
+    Usage::
+
+        rows = load_source_rows(DatasetSourceConfig(path="gsm8k.parquet", format="verl"))
+        rows[0].messages, rows[0].answer, rows[0].data_source, rows[0].metadata["extra_info"]
+    """
+    where = f"data.datasets[{index}]"
+    table = _read_table(src, where)
+    routed = {
+        "prompt_column": src.prompt_col,
+        "answer_column": src.answer_col,
+        "data_source_column": src.data_source_col,
+        "id_column": src.id_column,
+    }
+    for key, col in routed.items():
+        if col is not None and not _has_column(table.schema, col):
+            raise UserError(
+                f"{where}.{key}: column '{col}' not in '{src.path}' (has {table.column_names})"
+            )
+    rows = [_raw_row(src, index, i, rec) for i, rec in enumerate(table.to_pylist())]
+    if len({r.prompt_id for r in rows}) != len(rows):
+        raise UserError(f"{where}.id_column: ids in '{src.id_column}' are not unique")
+    if not rows:
+        raise UserError(f"{where}.path: '{src.path}' has no rows")
+    return rows
+
+
+def _raw_row(src: DatasetSourceConfig, index: int, i: int, rec: dict[str, Any]) -> RawRow:
+    """Row i of dataset `index`, its routed columns validated."""
+    row = f"data.datasets[{index}]: row {i} of '{src.path}'"
+    text, messages = _prompt_of(rec[src.prompt_col], row, src.prompt_col)
+    answer = _get(rec, src.answer_col) if src.answer_col else None
+    if src.data_source_col:
+        data_source = _get(rec, src.data_source_col)
+    else:
+        data_source = src.data_source or Path(src.path.rstrip("/")).stem
+    if not isinstance(data_source, str) or not data_source:
+        raise UserError(f"{row} has an empty or non-string '{src.data_source_col}'")
+    local_id = rec[src.id_column] if src.id_column else i
+    if not isinstance(local_id, int) or not 0 <= local_id < ID_STRIDE:
+        raise UserError(f"{row} has an id in '{src.id_column}' outside [0, {ID_STRIDE})")
+    # Every other column travels with the row for the reward functions (verl's
+    # `extra_info`, `ability`, `reward_model`), the data source among them, which is where
+    # the score stage reads it.
+    metadata = {k: v for k, v in rec.items() if k != src.prompt_col}
+    metadata["data_source"] = data_source
+    return RawRow(
+        prompt_id=index * ID_STRIDE + local_id,
+        text=text,
+        answer=None if answer is None else str(answer),
+        metadata=metadata,
+        messages=messages,
+        data_source=data_source,
+        source=index,
+    )
+
+
+def _read_table(src: DatasetSourceConfig, where: str) -> Any:
+    """The dataset as a pyarrow Table: a Parquet or JSON-lines file, or a `save_to_disk`
+    directory (a `DatasetDict` gives its `split`)."""
+    import pyarrow.json as pj
+    import pyarrow.parquet as pq
+
+    path = Path(src.path).expanduser()
+    if not path.exists():
+        raise UserError(f"{where}.path: '{src.path}' does not exist")
+    try:
+        if path.is_dir():
+            import datasets
+
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                if src.split not in ds:
+                    raise UserError(
+                        f"{where}.split: '{src.path}' has no split '{src.split}' (has {list(ds)})"
+                    )
+                ds = ds[src.split]
+            return ds.data.table
+        return pq.read_table(path) if path.suffix == ".parquet" else pj.read_json(path)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"{where}.path: cannot read '{src.path}': {exc}") from exc
+
+
+def _has_column(schema: Any, dotted: str) -> bool:
+    """Whether `dotted` names a column, or (`a.b`) field b of struct column a."""
+    import pyarrow as pa
+
+    if dotted in schema.names:  # a column whose name has a dot in it
+        return True
+    head, _, rest = dotted.partition(".")
+    if head not in schema.names:
+        return False
+    typ = schema.field(head).type
+    for part in rest.split(".") if rest else ():
+        if not pa.types.is_struct(typ) or typ.get_field_index(part) < 0:
+            return False
+        typ = typ.field(part).type
+    return True
+
+
+def _get(rec: dict[str, Any], dotted: str) -> Any:
+    """The cell `_has_column` found: the column `dotted`, or a field of a struct column."""
+    if dotted in rec:
+        return rec[dotted]
+    value: Any = rec
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _prompt_of(value: Any, row: str, col: str) -> tuple[str, tuple[Message, ...] | None]:
+    """(user text, chat messages or None) of a prompt cell: a string or a list of messages."""
+    if isinstance(value, str):
+        if not value:
+            raise UserError(f"{row} has an empty '{col}'")
+        return value, None
+    if not isinstance(value, list) or not value:
+        raise UserError(f"{row} has a '{col}' that is neither a string nor chat messages")
+    for j, m in enumerate(value):
+        ok = (
+            isinstance(m, dict)
+            and m.get("role") in _ROLES
+            and isinstance(m.get("content"), str)
+            and bool(m["content"])
+        )
+        if not ok:
+            raise UserError(
+                f"{row} has malformed chat messages in '{col}': message {j} is not "
+                f"{{role: system|user|assistant|tool, content: non-empty string}} ({m!r:.80})"
+            )
+    users = [m["content"] for m in value if m["role"] == "user"]
+    if not users:
+        raise UserError(f"{row} has malformed chat messages in '{col}': no user message")
+    return users[-1], tuple({"role": m["role"], "content": m["content"]} for m in value)
+
+
 class PromptSet:
     """The prompts of one epoch, templated and length-checked, plus the dataset's scorer."""
 
-    def __init__(self, rows: list[RawRow], tokenizer: Any, cfg: DataConfig, scorer: Any) -> None:
+    def __init__(
+        self,
+        rows: list[RawRow],
+        tokenizer: Any,
+        cfg: DataConfig,
+        scorer: Any,
+        weights: Sequence[float] = (1.0,),
+    ) -> None:
         self.scorer = scorer
+        self._hash_rows = cfg.source == "datasets"
+        self.weights = tuple(weights)
+        """Mixing weight of each dataset (one entry: a single source)."""
         self.prompts: list[Prompt] = []
+        self.sizes = [0] * len(self.weights)
+        """Prompts kept per dataset; the prompt list holds them dataset after dataset."""
         for i, row in enumerate(rows):
-            ids = template_prompt(tokenizer, cfg.system_prompt, row.text)
+            ids = template_prompt(tokenizer, cfg.system_prompt, row.text, row.messages)
             if len(ids) > cfg.max_prompt_tokens:
                 if cfg.overlong == "error":
                     raise UserError(
@@ -124,32 +312,80 @@ class PromptSet:
                     token_ids=tuple(ids),
                     answer=row.answer,
                     metadata=row.metadata,
+                    data_source=row.data_source,
                 )
             )
+            self.sizes[row.source] += 1
         if not self.prompts:
             raise UserError("data: no prompts left after applying data.max_prompt_tokens")
+        if len(self.sizes) > 1 and not all(self.sizes):
+            empty = self.sizes.index(0)
+            raise UserError(
+                f"data.datasets[{empty}]: no prompts left after applying data.max_prompt_tokens"
+            )
+        self._period = _schedule(self.weights)
 
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def data_sources(self) -> set[str]:
+        """The data sources of the prompts ('' for rows that name none)."""
+        return {p.data_source for p in self.prompts}
+
+    def window(self, seed: int, shuffle: bool, state: SamplerState, count: int) -> list[int]:
+        """Indexes (into `prompts`) of the next `count` prompts after `state`."""
+        if len(self.sizes) == 1:
+            return global_window(len(self.prompts), seed, shuffle, state, count)
+        return mixed_window(self.sizes, self._period, seed, shuffle, state, count)
+
     def subset(self, prompts: Sequence[Prompt]) -> PromptSet:
-        """The same source and scorer with only `prompts` (already templated)."""
-        out = PromptSet.__new__(PromptSet)
-        out.scorer, out.prompts = self.scorer, list(prompts)
+        """The same datasets, weights and scorer with only `prompts` (a subsequence of
+        this set's, so still dataset after dataset)."""
+        dataset = {}
+        start = 0
+        for k, size in enumerate(self.sizes):
+            for p in self.prompts[start : start + size]:
+                dataset[id(p)] = k
+            start += size
+        out = copy.copy(self)
+        out.prompts = list(prompts)
+        out.sizes = [0] * len(self.sizes)
+        for p in out.prompts:
+            out.sizes[dataset[id(p)]] += 1
         return out
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
         for p in self.prompts:
             h.update(json.dumps([p.prompt_id, p.token_ids, p.answer]).encode())
+            if self._hash_rows:
+                # What reward functions see besides the answer (data_source, extra_info);
+                # the older sources' fingerprints stay what they always were.
+                h.update(json.dumps(p.metadata, sort_keys=True, default=str).encode())
+        if self.weights != (1.0,):
+            # A mix's weights decide which prompts each step takes; a single source's
+            # fingerprint stays what it always was.
+            h.update(json.dumps(self.weights).encode())
         return h.hexdigest()
 
 
-def template_prompt(tokenizer: Any, system_prompt: str | None, text: str) -> list[int]:
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": text}
-    ]
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+def template_prompt(
+    tokenizer: Any,
+    system_prompt: str | None,
+    text: str,
+    messages: Sequence[Message] | None = None,
+) -> list[int]:
+    """Chat-templated prompt tokens with the generation prompt. Chat `messages` are
+    templated as they are; `system_prompt` goes first only when they have no system
+    message of their own (the dataset's per-row choice wins over the config's default)."""
+    if messages is None:
+        messages = [{"role": "user", "content": text}]
+    has_system = any(m["role"] == "system" for m in messages)
+    if system_prompt and not has_system:
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    out = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, return_dict=True
+    )
     return list(out["input_ids"])
 
 
@@ -157,6 +393,9 @@ def load_prompts(cfg: DataConfig, tokenizer: Any) -> PromptSet:
     if cfg.source == "reasoning_gym":
         rows, ds = _reasoning_gym_rows(cfg, cfg.reasoning_gym.size, cfg.reasoning_gym.seed)
         return PromptSet(rows, tokenizer, cfg, ds)
+    if cfg.source == "datasets":
+        rows = [r for k, d in enumerate(cfg.datasets) for r in load_source_rows(d, k)]
+        return PromptSet(rows, tokenizer, cfg, None, [d.weight for d in cfg.datasets])
     return PromptSet(_file_rows(cfg), tokenizer, cfg, None)
 
 
@@ -214,8 +453,9 @@ def split_held_out(
     # Generated ids restart at 0: number them after the training ids, so that an id names
     # one problem across the run's rows.
     first = max(p.prompt_id for p in train.prompts) + 1
-    held = [dataclasses.replace(p, prompt_id=first + i) for i, p in enumerate(held)]
-    return train, generated.subset(held)
+    out = generated.subset(held)
+    out.prompts = [dataclasses.replace(p, prompt_id=first + i) for i, p in enumerate(held)]
+    return train, out
 
 
 def _distinct(prompts: Sequence[Prompt]) -> list[Prompt]:
@@ -259,3 +499,72 @@ def rank_slice(items: Sequence[int], rank: int, world: int, unit: int = 1) -> li
     base, extra = divmod(len(units), world)
     start = rank * base + min(rank, extra)
     return [x for u in units[start : start + base + (1 if rank < extra else 0)] for x in u]
+
+
+#: Longest schedule period accepted (the weights' integer ratio summed).
+MAX_PERIOD = 100_000
+
+
+def _schedule(weights: Sequence[float]) -> list[int]:
+    """One period of the smooth weighted round-robin over `weights` (nginx's): each
+    position adds every dataset's weight to its credit and picks the one with the most
+    credit (the first on ties), which pays the total back. With integer weights w_k the
+    credits return to zero after sum(w) positions, in which dataset k was picked w_k times,
+    spread as evenly as the weights allow. Float weights become their integer ratio
+    (each to 1/1000)."""
+    fracs = [Fraction(w).limit_denominator(1000) for w in weights]
+    scale = math.lcm(*(f.denominator for f in fracs))
+    ints = [int(f * scale) for f in fracs]
+    g = math.gcd(*ints)
+    ints = [w // g for w in ints]
+    total = sum(ints)
+    if total > MAX_PERIOD:
+        raise UserError(
+            f"data.datasets: weights {list(weights)} have an integer ratio {ints} summing to "
+            f"{total} > {MAX_PERIOD}; use rounder weights"
+        )
+    credit = [0] * len(ints)
+    period = []
+    for _ in range(total):
+        credit = [c + w for c, w in zip(credit, ints, strict=True)]
+        pick = max(range(len(ints)), key=lambda k: (credit[k], -k))
+        credit[pick] -= total
+        period.append(pick)
+    return period
+
+
+def source_counts(period: Sequence[int], k: int, pos: int) -> int:
+    """Prompts dataset k gave in stream positions [0, pos)."""
+    full, rest = divmod(pos, len(period))
+    return full * period.count(k) + period[:rest].count(k)
+
+
+def mixed_window(
+    sizes: Sequence[int],
+    period: Sequence[int],
+    seed: int,
+    shuffle: bool,
+    state: SamplerState,
+    count: int,
+) -> list[int]:
+    """`global_window` for datasets laid out one after another in the prompt list, sizes
+    `sizes`, mixed by the schedule `period`. Dataset k's epochs are permutations of
+    (its seed, epoch), its seed `seed` for k=0 and derived from (seed, k) for the others."""
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    taken = {k: source_counts(period, k, state.consumed) for k in range(len(sizes))}
+    orders: dict[tuple[int, int], np.ndarray] = {}
+    out: list[int] = []
+    for pos in range(state.consumed, state.consumed + count):
+        k = period[pos % len(period)]
+        epoch, offset = divmod(taken[k], sizes[k])
+        if (k, epoch) not in orders:
+            orders[k, epoch] = epoch_order(sizes[k], _source_seed(seed, k), epoch, shuffle)
+        out.append(int(offsets[k] + orders[k, epoch][offset]))
+        taken[k] += 1
+    return out
+
+
+def _source_seed(seed: int, k: int) -> int:
+    from rftpipe.seeding import derive_seed
+
+    return seed if k == 0 else derive_seed(seed, k, "sampler", "dataset")

@@ -11,7 +11,7 @@ import logging
 import torch
 
 from rftpipe import checkpoint
-from rftpipe.data import SamplerState, global_window, rank_slice
+from rftpipe.data import SamplerState, rank_slice
 from rftpipe.executor import StepPlan, StepState, execute, no_rows
 from rftpipe.pipeline import EVAL, PIPELINE
 from rftpipe.runtime import Runtime
@@ -52,8 +52,8 @@ def plan_step(rt: Runtime, step: int) -> StepPlan:
         0 if step == 1 else rt.store.manifest(step - 1, "rollout")["sampler"]["consumed_after"]
     )
     d = rt.cfg.data
-    window = global_window(
-        len(rt.prompts), rt.cfg.seed, d.shuffle, SamplerState(consumed=consumed), d.prompts_per_step
+    window = rt.prompts.window(
+        rt.cfg.seed, d.shuffle, SamplerState(consumed=consumed), d.prompts_per_step
     )
     prompts = rt.prompts.prompts
     return StepPlan(

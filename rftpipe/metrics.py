@@ -40,6 +40,8 @@ def summarize(rows: pa.Table, ks: Sequence[int]) -> dict[str, float]:
     `ks`, overall and under `eval/<data source>/...`."""
     by_prompt: dict[int, dict[str, Any]] = {}
     for r in rows.select(["prompt_id", "mode", "metadata", "correct"]).to_pylist():
+        if r["correct"] is None:
+            continue  # a data source the metric's reward function does not score
         entry = by_prompt.setdefault(
             r["prompt_id"],
             {"source": data_source_of(r, json.loads(r["metadata"])), "greedy": 0.0, "c": 0, "n": 0},

@@ -40,6 +40,10 @@ class _WorkerDied(Exception):
     pass
 
 
+WORKER_START_S = 120.0
+"""How long a new worker may take to start (a Python start and our imports)."""
+
+
 class _Worker:
     """One worker process and the bytes of its next reply read so far."""
 
@@ -61,6 +65,21 @@ class _Worker:
         os.set_blocking(self.fd, False)
         self.buf = bytearray()
         self.send(("init", list(sys.path)))
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """Block until the worker has started (its start-up is not a call's time)."""
+        deadline = time.monotonic() + WORKER_START_S
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.fd, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                sel.select(timeout=max(0.0, deadline - time.monotonic()))
+                if (reply := self.poll_reply()) is not None:
+                    if reply[0] != "ready":
+                        raise _WorkerDied(f"worker {self.pid} answered {reply[0]!r} to init")
+                    return
+        self.kill()
+        raise _WorkerDied(f"worker {self.pid} did not start within {WORKER_START_S} s")
 
     @property
     def pid(self) -> int:

@@ -1,7 +1,8 @@
 """One reward worker process: ``python -m rftpipe.reward_worker PARENT_PID``.
 
 It reads length-prefixed pickled requests on stdin and answers each on the stdout it
-started with: ``("init", sys_path)`` sets the import path to the parent's; ``(path,
+started with: ``("init", sys_path)`` sets the import path to the parent's and answers
+``("ready", None)``; ``(path,
 signature, samples)`` imports ``module:function`` by path (cached) and calls it under the
 signature (`rftpipe.rewards.SIGNATURES`), answering ``("ok", values)`` or ``("error",
 "Type: message")``. Functions travel as import paths, never pickled, so closures and
@@ -70,6 +71,10 @@ def main() -> None:
         msg = pickle.loads(data)
         if msg[0] == "init":
             sys.path[:] = msg[1]
+            # Ready: the parent starts a call's clock only now, so the interpreter's start
+            # (slow on a loaded machine) never counts against a function's timeout.
+            replies.write(frame(pickle.dumps(("ready", None))))
+            replies.flush()
             continue
         path, signature, samples = msg
         try:

@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import math
 import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 from typing import Any, Literal, Protocol
 
 from rftpipe.config.schema import RewardConfig, RewardFunctionConfig, RewardSignature
 from rftpipe.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -166,6 +169,27 @@ BUILTIN_LENGTH_REWARDS: dict[str, Callable[[RewardConfig, int], RewardFn]] = {
     "overlong": _overlong,
 }
 
+
+def math_verify_score(s: RewardSample) -> float:
+    """1.0 if the response's final mathematical answer equals the reference by
+    math-verify (parse both, then verify: LaTeX, fractions, decimals, sets, boxed answers;
+    `\\frac{1}{2}` equals 0.5), else 0.0. Runs in the worker pool (`POOLED_BUILTINS`):
+    sympy can take unbounded time on adversarial input, and the pool kills it."""
+    from math_verify import parse, verify
+
+    if s.answer is None:
+        raise ValueError("math_verify needs an answer column")
+    gold = parse(s.answer)
+    if not gold:
+        raise ValueError(f"math_verify cannot parse the reference answer {s.answer!r}")
+    return float(verify(gold, parse(s.response)))
+
+
+#: Built-ins that run in the killable worker processes: name -> (import path, the module
+#: it needs, the package that provides it).
+POOLED_BUILTINS: dict[str, tuple[str, str, str]] = {
+    "math_verify": ("rftpipe.rewards:math_verify_score", "math_verify", "math-verify")
+}
 
 #: In-process built-ins: ours, fast, and `accuracy` holds the dataset's scorer object,
 #: which no worker process could import by path.
@@ -339,6 +363,22 @@ def resolve(
         if response_budget is None:
             raise UserError(f"reward.functions: '{spec.path}' needs rollout.max_new_tokens")
         return InProcess(spec, BUILTIN_LENGTH_REWARDS[spec.path](cfg, response_budget))
+    if spec.path in POOLED_BUILTINS:
+        if spec.signature != "rftpipe":
+            raise UserError(f"reward.functions: built-in '{spec.path}' has no signature to set")
+        path, module, package = POOLED_BUILTINS[spec.path]
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise UserError(
+                f"reward.functions: built-in '{spec.path}' needs the {package} package "
+                f"(pip install {package}): {exc}"
+            ) from exc
+        from rftpipe.reward_pool import Pooled, shared_pool
+
+        # The worker imports it by path; the column keeps the built-in's name.
+        pooled = replace(spec, path=path, name=spec.name or spec.path)
+        return Pooled(pooled, spec.timeout_s or cfg.timeout_s, shared_pool(cfg.workers))
     if spec.path == "remote":
         from rftpipe.remote_reward import RemoteReward
 
@@ -346,13 +386,36 @@ def resolve(
     if ":" not in spec.path:
         raise UserError(
             f"reward.functions: unknown reward '{spec.path}' (built-ins: "
-            f"{sorted([*BUILTIN_REWARDS, *BUILTIN_LENGTH_REWARDS, 'remote'])}; "
+            f"{sorted([*BUILTIN_REWARDS, *BUILTIN_LENGTH_REWARDS, *POOLED_BUILTINS, 'remote'])}; "
             "or give module:function)"
         )
     _import(spec)
     from rftpipe.reward_pool import Pooled, shared_pool
 
     return Pooled(spec, spec.timeout_s or cfg.timeout_s, shared_pool(cfg.workers))
+
+
+def applies(spec: RewardFunctionConfig, data_source: str) -> bool:
+    """Whether `spec` scores rows of `data_source` (no declared sources: every row)."""
+    return not spec.data_sources or data_source in spec.data_sources
+
+
+def check_coverage(cfg: RewardConfig, data_sources: set[str]) -> None:
+    """Refuse data whose rows of some source no reward function would score (their reward
+    would be a silent 0); warn about declared sources the data does not have."""
+    specs = cfg.specs()
+    uncovered = sorted(d for d in data_sources if not any(applies(s, d) for s in specs))
+    if uncovered:
+        raise UserError(
+            f"reward.functions: no function scores data source {uncovered[0]!r} (the data "
+            f"has {sorted(data_sources)}); add it to a function's `data_sources`, or leave "
+            "one function's `data_sources` empty to score every source"
+        )
+    for s in specs:
+        if missing := sorted(set(s.data_sources) - data_sources):
+            log.warning(
+                "reward.functions: %s declares data sources %s the data lacks", s.path, missing
+            )
 
 
 def resolve_all(

@@ -7,6 +7,7 @@ stage receives exactly the pieces it uses.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from rftpipe.engines.rollout import HFGenerateEngine, RolloutEngine
 from rftpipe.engines.train import TRAIN_ENGINES, TrainEngine
 from rftpipe.errors import UserError
 from rftpipe.preemption import NoStop, StopFlag
-from rftpipe.rewards import RewardComponent, resolve_all
+from rftpipe.rewards import RewardComponent, check_coverage, resolve_all
 from rftpipe.store import RUN_LAYOUT_VERSION, RunDir, StageStore, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ def build(
     prompts, held_out = split_held_out(
         cfg.data, cfg.eval, load_prompts(cfg.data, tokenizer), tokenizer
     )
+    check_coverage(cfg.reward, prompts.data_sources())
     rewards = resolve_all(cfg.reward, prompts.scorer, cfg.rollout.max_new_tokens)
     if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
         preflight(cfg, model_dir)
@@ -212,7 +214,12 @@ def _hf_engine(
         else models.load_causal_lm(model_dir, cfg.model.dtype).to(dist.device)
     )
     return HFGenerateEngine(
-        rollout_model, cfg.rollout, tokenizer.eos_token_id, tokenizer.pad_token_id
+        rollout_model,
+        cfg.rollout,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        # Special tokens stay in the text, as in vLLM's detokenizer (skip_special_tokens off).
+        decode=functools.partial(tokenizer.decode, skip_special_tokens=False),
     )
 
 

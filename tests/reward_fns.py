@@ -76,7 +76,11 @@ def prints(sample) -> float:
     return 0.5
 
 
-def rollouts(prompts: int = 2, n: int = 3, step: int = 1) -> pa.Table:
+def rollouts(
+    prompts: int = 2, n: int = 3, step: int = 1, sources: tuple[str, ...] = ()
+) -> pa.Table:
+    """`prompts` groups of `n` rows; `sources[p]` is prompt p's data_source (default: the
+    reasoning-gym dataset's name)."""
     rows = [
         {
             "step": step,
@@ -85,7 +89,9 @@ def rollouts(prompts: int = 2, n: int = 3, step: int = 1) -> pa.Table:
             "prompt": f"What is {p} + {k}?",
             "response": str(p + k) if k != 2 else "no idea",
             "answer": str(p + k),
-            "metadata": json.dumps({"source_dataset": "basic_arithmetic"}),
+            "metadata": json.dumps(
+                {"data_source": sources[p]} if sources else {"source_dataset": "basic_arithmetic"}
+            ),
             "response_token_ids": list(range(k + 1)),
             "finish_reason": "stop",
         }
@@ -93,3 +99,14 @@ def rollouts(prompts: int = 2, n: int = 3, step: int = 1) -> pa.Table:
         for k in range(n)
     ]
     return pa.Table.from_pylist(rows)
+
+
+def verl_echo(data_source, solution_str, ground_truth, extra_info=None):
+    """verl signature: echoes what it was given, as extra reward columns."""
+    return {
+        "score": 1.0,
+        "data_source": data_source,
+        "ground_truth": ground_truth,
+        "extra_index": (extra_info or {}).get("index", -1),
+        "extra_split": (extra_info or {}).get("split", ""),
+    }

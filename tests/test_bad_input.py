@@ -300,3 +300,61 @@ def test_vllm_cannot_load_architecture(tmp_path: Path) -> None:
         needles=("model.path", "XLNetLMHeadModel", "rollout.engine=hf"),
     )
     assert not (tmp_path / "new" / "run.json").exists()
+
+
+def _verl_parquet(tmp_path: Path, rows: list[dict]) -> Path:
+    path = tmp_path / "verl.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def _verl_row(i: int, source: str = "openai/gsm8k") -> dict:
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": f"{i} + 1?"}],
+        "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+        "extra_info": {"index": i},
+    }
+
+
+def test_dataset_missing_the_routed_column(tmp_path: Path) -> None:
+    rows = [{k: v for k, v in _verl_row(i).items() if k != "data_source"} for i in range(4)]
+    path = _verl_parquet(tmp_path, rows)
+    _fresh(
+        tmp_path,
+        "data.source=datasets",
+        f"data.datasets=[{{path: {path}, format: verl}}]",
+        needles=("data.datasets[0].data_source_column", "'data_source'", "verl.parquet"),
+    )
+
+
+def test_data_source_no_reward_function_covers(tmp_path: Path) -> None:
+    path = _verl_parquet(tmp_path, [_verl_row(0), _verl_row(1), _verl_row(2, "math"), _verl_row(3)])
+    _fresh(
+        tmp_path,
+        "data.source=datasets",
+        f"data.datasets=[{{path: {path}, format: verl}}]",
+        "reward.functions=[{path: dense_even_tokens, data_sources: [openai/gsm8k]}]",
+        needles=("reward.functions", "no function scores data source 'math'"),
+    )
+
+
+def test_malformed_chat_messages(tmp_path: Path) -> None:
+    rows = [_verl_row(i) for i in range(4)]
+    rows[2]["prompt"] = [{"role": "user", "content": ""}]
+    path = _verl_parquet(tmp_path, rows)
+    _fresh(
+        tmp_path,
+        "data.source=datasets",
+        f"data.datasets=[{{path: {path}, format: verl}}]",
+        needles=("data.datasets[0]", "row 2", "malformed chat messages", "'prompt'"),
+    )
+
+
+def test_math_verify_not_installed(tmp_path: Path) -> None:
+    _fresh(
+        tmp_path,
+        "reward.functions=[math_verify]",
+        env=_without(tmp_path, "math_verify"),
+        needles=("reward.functions", "'math_verify'", "pip install math-verify"),
+    )

@@ -13,10 +13,10 @@ from rftpipe.config.loader import ConfigError, field_docs, iter_fields, load_con
 from rftpipe.config.schema import RunConfig, old_logprobs_source
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml")) + sorted(ROOT.glob("examples/*/config.yaml"))
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT)) for p in CONFIGS])
 def test_shipped_config_loads(path: Path) -> None:
     cfg = load_config(RunConfig, path)
     assert cfg.total_steps >= 1

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from rftpipe.config.schema import DataConfig, FileDataConfig
-from rftpipe.data import SamplerState, global_window, load_prompts, rank_slice
+from rftpipe.config.schema import DataConfig, DatasetSourceConfig, FileDataConfig
+from rftpipe.data import (
+    ID_STRIDE,
+    SamplerState,
+    _schedule,
+    global_window,
+    load_prompts,
+    load_source_rows,
+    mixed_window,
+    rank_slice,
+    source_counts,
+)
 from rftpipe.errors import UserError
 from rftpipe.models import build_tiny_tokenizer
 
@@ -68,3 +81,215 @@ def test_file_source_with_column_mapping_and_truncation(tmp_path: Path) -> None:
     assert [p.prompt_id for p in kept.prompts] == [7]
     cut = load_prompts(DataConfig(**base, overlong="truncate"), tok)
     assert [p.prompt_id for p in cut.prompts] == [7, 9] and len(cut.prompts[1].token_ids) == 64
+
+
+# ------------------------------------------------------------------ datasets and mixing
+
+
+def verl_rows(n: int, source: str = "openai/gsm8k") -> list[dict]:
+    """Rows in verl's GSM8K Parquet layout."""
+    return [
+        {
+            "data_source": source,
+            "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+            "extra_info": {"split": "train", "index": i, "answer": f"#### {2 * i}"},
+        }
+        for i in range(n)
+    ]
+
+
+def chat_ids(tok: object, conv: list[dict]) -> list[int]:
+    out = tok.apply_chat_template(conv, add_generation_prompt=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def datasets_cfg(*sources: DatasetSourceConfig, **kw: object) -> DataConfig:
+    return DataConfig(source="datasets", datasets=sources, max_prompt_tokens=256, **kw)
+
+
+def test_verl_parquet_as_is(tmp_path: Path) -> None:
+    path = tmp_path / "gsm8k.parquet"
+    pq.write_table(pa.Table.from_pylist(verl_rows(3)), path)
+    tok = build_tiny_tokenizer()
+    ps = load_prompts(datasets_cfg(DatasetSourceConfig(path=str(path), format="verl")), tok)
+    p = ps.prompts[2]
+    assert (p.prompt_id, p.text, p.answer, p.data_source) == (
+        2,
+        "What is 2 + 2?",
+        "4",
+        "openai/gsm8k",
+    )
+    assert p.metadata["extra_info"] == {"split": "train", "index": 2, "answer": "#### 4"}
+    assert p.metadata["data_source"] == "openai/gsm8k" and p.metadata["ability"] == "math"
+    assert list(p.token_ids) == chat_ids(tok, [{"role": "user", "content": "What is 2 + 2?"}])
+    # The rows alone, for callers that template themselves (held-out evaluation).
+    rows = load_source_rows(DatasetSourceConfig(path=str(path), format="verl"), 1)
+    assert rows[0].prompt_id == ID_STRIDE and rows[0].messages == (
+        {"role": "user", "content": "What is 0 + 0?"},
+    )
+
+
+def test_chat_prompts_keep_their_own_system_message(tmp_path: Path) -> None:
+    path = tmp_path / "chat.jsonl"
+    convs = [
+        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "1+1?"}],
+        [{"role": "user", "content": "2+2?"}],
+    ]
+    path.write_text("\n".join(json.dumps({"prompt": c, "answer": "x"}) for c in convs))
+    tok = build_tiny_tokenizer()
+    src = DatasetSourceConfig(path=str(path), data_source="toy")
+    ps = load_prompts(datasets_cfg(src, system_prompt="Think."), tok)
+    system = {"role": "system", "content": "Think."}
+    for p, conv in zip(ps.prompts, [convs[0], [system, *convs[1]]], strict=True):
+        assert list(p.token_ids) == chat_ids(tok, conv)
+    assert ps.data_sources() == {"toy"}
+
+
+def test_saved_hf_datasets(tmp_path: Path) -> None:
+    import datasets
+
+    rows = verl_rows(4)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows[:2]), "test": datasets.Dataset.from_list(rows)}
+    ).save_to_disk(str(tmp_path / "dict"))
+    tok = build_tiny_tokenizer()
+    one = load_prompts(
+        datasets_cfg(DatasetSourceConfig(path=str(tmp_path / "one"), format="verl")), tok
+    )
+    assert [p.answer for p in one.prompts] == ["0", "2", "4", "6"]
+    split = DatasetSourceConfig(path=str(tmp_path / "dict"), format="verl", split="test")
+    assert len(load_prompts(datasets_cfg(split), tok)) == 4
+    with pytest.raises(UserError, match=r"data.datasets\[0\].split.*has no split 'dev'"):
+        load_prompts(
+            datasets_cfg(DatasetSourceConfig(path=str(tmp_path / "dict"), split="dev")), tok
+        )
+
+
+def test_schedule_period_follows_the_weights() -> None:
+    assert _schedule([1.0]) == [0]
+    assert _schedule([2, 1]) == [0, 1, 0]
+    period = _schedule([0.7, 0.3])
+    assert len(period) == 10 and period.count(0) == 7
+    # Smooth: the minority source is never two positions apart from its share.
+    assert max(len(run) for run in "".join(map(str, period)).split("1")) <= 3
+
+
+@pytest.mark.parametrize("weights", [(2.0, 1.0), (1.0, 1.0, 3.0), (0.25, 0.75)])
+def test_mix_uses_each_prompt_once_per_epoch_of_its_dataset(weights: tuple[float, ...]) -> None:
+    sizes = [5, 3, 7][: len(weights)]
+    period = _schedule(weights)
+    state, taken = SamplerState(), []
+    for _ in range(40):
+        w = mixed_window(sizes, period, 3, True, state, 4)
+        taken += w
+        state = SamplerState(consumed=state.consumed + len(w))
+    offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+    for k, n in enumerate(sizes):
+        mine = [i - offsets[k] for i in taken if offsets[k] <= i < offsets[k] + n]
+        assert len(mine) == source_counts(period, k, len(taken))
+        for e in range(len(mine) // n):
+            assert sorted(mine[e * n : (e + 1) * n]) == list(range(n))
+        # Its share of the stream is its weight's (to within one period).
+        share = weights[k] / sum(weights)
+        assert abs(len(mine) - share * len(taken)) <= len(period)
+    # Resumed from the one integer: the same stream.
+    again = mixed_window(sizes, period, 3, True, SamplerState(), 57) + mixed_window(
+        sizes, period, 3, True, SamplerState(consumed=57), len(taken) - 57
+    )
+    assert again == taken
+
+
+def test_mixed_prompt_set_ids_and_windows(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.parquet", tmp_path / "b.jsonl"
+    pq.write_table(pa.Table.from_pylist(verl_rows(4, "gsm8k")), a)
+    b.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(3)))
+    cfg = datasets_cfg(
+        DatasetSourceConfig(path=str(a), format="verl", weight=1.0),
+        DatasetSourceConfig(path=str(b), weight=2.0),
+    )
+    ps = load_prompts(cfg, build_tiny_tokenizer())
+    assert ps.sizes == [4, 3]
+    assert [p.prompt_id for p in ps.prompts] == [
+        0,
+        1,
+        2,
+        3,
+        ID_STRIDE,
+        ID_STRIDE + 1,
+        ID_STRIDE + 2,
+    ]
+    assert ps.data_sources() == {"gsm8k", "b"}
+    w = ps.window(0, True, SamplerState(), 6)
+    assert sum(i >= 4 for i in w) == 4  # weight 2 of 3
+    single = load_prompts(datasets_cfg(DatasetSourceConfig(path=str(b))), build_tiny_tokenizer())
+    assert single.window(5, True, SamplerState(consumed=2), 5) == global_window(
+        3, 5, True, SamplerState(consumed=2), 5
+    )
+    assert single.fingerprint() != ps.fingerprint()
+
+
+def test_default_data_unchanged() -> None:
+    """The shipped tiny config's prompts, ids and answers hash as before datasets existed."""
+    from rftpipe.config.loader import load_config
+    from rftpipe.config.schema import RunConfig
+
+    cfg = load_config(RunConfig, Path(__file__).parent.parent / "configs" / "tiny_dense.yaml")
+    fp = load_prompts(cfg.data, build_tiny_tokenizer()).fingerprint()
+    assert fp == "dd08f7aba2485f0b30fc4d07c36d392b5f6dedb524f61231dbdf4f7740a0e0c2"
+
+
+@pytest.mark.parametrize(
+    ("rows", "kw", "needle"),
+    [
+        ([{"prompt": "q", "answer": "1"}], {"format": "verl"}, "answer_column: column 'reward_model.ground_truth'"),
+        ([{"prompt": "q", "reward_model": {"ground_truth": "1"}}], {"format": "verl"}, "data_source_column: column 'data_source'"),
+        ([{"prompt": "q"}], {}, "answer_column: column 'answer'"),
+        ([{"prompt": [{"role": "user", "content": "q"}], "answer": "1"}, {"prompt": [{"role": "usr", "content": "q"}], "answer": "1"}], {}, "row 1 of"),
+        ([{"prompt": [{"role": "system", "content": "s"}], "answer": "1"}], {}, "no user message"),
+        ([{"prompt": 3, "answer": "1"}], {}, "neither a string nor chat messages"),
+    ],
+)  # fmt: skip
+def test_bad_dataset_rows_refused(tmp_path: Path, rows: list, kw: dict, needle: str) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(UserError, match=re.escape(needle)):
+        load_source_rows(DatasetSourceConfig(path=str(path), **kw))
+
+
+def test_dataset_fingerprint_covers_what_rewards_see(tmp_path: Path) -> None:
+    tok = build_tiny_tokenizer()
+    path = tmp_path / "d.parquet"
+    rows = verl_rows(3)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    cfg = datasets_cfg(DatasetSourceConfig(path=str(path), format="verl"))
+    before = load_prompts(cfg, tok).fingerprint()
+    rows[1]["extra_info"]["split"] = "test"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert load_prompts(cfg, tok).fingerprint() != before
+
+
+def test_datasets_config_checks() -> None:
+    from rftpipe.config.loader import ConfigError, load_config
+    from rftpipe.config.schema import RunConfig
+
+    one = "data.datasets=[{path: x.parquet, format: verl}]"
+    cfg = load_config(RunConfig, None, ["data.source=datasets", one])
+    src = cfg.data.datasets[0]
+    assert (src.prompt_col, src.answer_col, src.data_source_col) == (
+        "prompt",
+        "reward_model.ground_truth",
+        "data_source",
+    )
+    plain = DatasetSourceConfig(path="x.jsonl", answer_column="")
+    assert (plain.answer_col, plain.data_source_col) == (None, None)
+    for overrides, needle in [
+        (["data.source=datasets"], "source is 'datasets' but datasets is empty"),
+        ([one], "datasets is set but source is 'reasoning_gym'"),
+        (["data.source=datasets", "data.datasets=[{path: x, weight: 0}]"], "weight must be"),
+        (["data.source=datasets", "data.datasets=[{path: x, format: hf}]"], "format"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            load_config(RunConfig, None, overrides)

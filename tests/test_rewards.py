@@ -14,7 +14,7 @@ from rftpipe import reward_pool
 from rftpipe.config.loader import ConfigError, from_dict
 from rftpipe.config.schema import RewardConfig, RunConfig
 from rftpipe.errors import UserError
-from rftpipe.rewards import resolve_all
+from rftpipe.rewards import check_coverage, resolve_all
 from rftpipe.stages import score
 
 
@@ -164,3 +164,70 @@ def test_reward_config() -> None:
                 if "ftp" in override or "@" in override
                 else [override],
             )
+
+
+def test_data_source_routing() -> None:
+    """A function with `data_sources` scores only those rows; the others' column is null
+    and adds nothing to `reward`."""
+    cfg = from_dict(
+        RewardConfig,
+        {
+            "functions": [
+                {"path": "reward_fns:compute_score", "signature": "verl", "data_sources": ["gsm"]},
+                {"path": "reward_fns:trl_length", "signature": "trl", "data_sources": ["math"]},
+                "dense_even_tokens",
+            ]
+        },
+    )
+    t = score.run(cfg, resolve_all(cfg, None), rollouts(sources=("gsm", "math"))).to_pydict()
+    assert t["reward_compute_score"] == [1.0, 1.0, 0.0, None, None, None]
+    assert t["reward_compute_score_source"] == ["gsm"] * 3 + [None] * 3
+    assert t["reward_trl_length"] == [None, None, None, 1 / 8, 2 / 8, 3 / 8]
+    even = t["reward_dense_even_tokens"]
+    assert None not in even
+    assert t["reward"] == [
+        (c or 0.0) + (tl or 0.0) + e
+        for c, tl, e in zip(t["reward_compute_score"], t["reward_trl_length"], even, strict=True)
+    ]
+    assert t["reward_status"] == ["ok"] * 6
+
+
+def test_every_data_source_needs_a_function() -> None:
+    routed = {"path": "reward_fns:even_share", "data_sources": ["gsm"]}
+    cfg = from_dict(RewardConfig, {"functions": [routed]})
+    check_coverage(cfg, {"gsm"})
+    with pytest.raises(UserError, match="no function scores data source 'math'") as err:
+        check_coverage(cfg, {"gsm", "math"})
+    assert "\n" not in str(err.value)
+    # A function without declared sources scores them all.
+    check_coverage(from_dict(RewardConfig, {"functions": [routed, "format"]}), {"gsm", "math"})
+
+
+def test_math_verify_builtin() -> None:
+    """Hand-written responses against their reference answers, scored in the worker pool."""
+    cases = [
+        ("0.5", "Half of it: $\\frac{1}{2}$", 1.0),  # LaTeX-equivalent
+        ("\\frac{1}{2}", "so the share is 0.5", 1.0),
+        ("72", "48 + 24 = 72 clips.\n#### 72", 1.0),
+        ("72", "She sold \\boxed{71} clips.", 0.0),  # wrong
+        ("3", "I cannot tell.", 0.0),  # no answer at all
+        ("0.75", "It is $\\dfrac{6}{8}$ of the cake", 1.0),
+    ]
+    rows = [
+        {
+            "step": 1,
+            "prompt_id": i,
+            "sample_idx": 0,
+            "prompt": "q",
+            "response": response,
+            "answer": answer,
+            "metadata": "{}",
+            "response_token_ids": [1],
+            "finish_reason": "stop",
+        }
+        for i, (answer, response, _) in enumerate(cases)
+    ]
+    cfg = from_dict(RewardConfig, {"functions": ["math_verify"]})
+    t = score.run(cfg, resolve_all(cfg, None), pa.Table.from_pylist(rows)).to_pydict()
+    assert t["reward_math_verify"] == [want for *_, want in cases]
+    assert t["reward_status"] == ["ok"] * len(cases)

@@ -10,6 +10,8 @@ reasons, greedy decoding, and new weights reaching the samples.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,7 @@ from helpers import save_perturbed_tiny, vllm_spec
 
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.dist import Dist
-from rftpipe.engines.rollout import HFGenerateEngine, RolloutEngine
+from rftpipe.engines.rollout import HFGenerateEngine, RolloutEngine, stop_length
 from rftpipe.engines.train import build_micro_batch, response_logprobs
 from rftpipe.models import load_causal_lm, load_tokenizer
 
@@ -47,7 +49,11 @@ def _build(name: str, model_dir: Path, cfg: RolloutConfig) -> RolloutEngine:
     tok = load_tokenizer(model_dir)
     if name == "hf":
         return HFGenerateEngine(
-            load_causal_lm(model_dir, "float32"), cfg, tok.eos_token_id, tok.pad_token_id
+            load_causal_lm(model_dir, "float32"),
+            cfg,
+            tok.eos_token_id,
+            tok.pad_token_id,
+            decode=functools.partial(tok.decode, skip_special_tokens=False),
         )
     if name == "vllm":
         from rftpipe.engines.vllm_engine import VLLMEngine
@@ -182,3 +188,106 @@ def test_serving_engine_samples_do_not_depend_on_their_batch(name: str, model_di
         assert all(eos not in t[:5] and len(t) >= 5 for g in together for t in g.tokens)
     finally:
         _close(eng)
+
+
+def _ascii_pair(groups, decode) -> str:
+    """Two consecutive printable-ASCII tokens' text from the middle of some sample."""
+    for g in groups:
+        for toks in g.tokens:
+            for i in range(1, len(toks) - 2):
+                text = decode(toks[i : i + 2])
+                if len(text) == 2 and text.isascii() and text.isprintable():
+                    return text
+    raise AssertionError("no sample holds two printable ASCII tokens")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "hf",
+        pytest.param(
+            "vllm",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("vllm") is None, reason="vLLM not installed"
+            ),
+        ),
+    ],
+)
+def test_stop_strings_and_extra_eos_ids(name: str, model_dir: Path) -> None:
+    """A response ends at the token that completes a stop string (kept) or at an extra EOS
+    id (kept), finish_reason stop; its tokens are the ones the model generated, i.e. the
+    unstopped sample cut there. A two-token stop string taken from one sample's middle
+    makes sure a multi-token string is matched; one extra EOS id taken from another."""
+    decode = functools.partial(load_tokenizer(model_dir).decode, skip_special_tokens=False)
+    seeds = list(range(12))
+    plain = _build(name, model_dir, CFG)
+    try:
+        ref = plain.generate_groups(PROMPTS * 4, CFG.n, seeds)
+    finally:
+        _close(plain)
+    stop = _ascii_pair(ref, decode)
+    extra_eos = ref[-1].tokens[0][2]
+    cfg = dataclasses.replace(CFG, stop=(stop,), eos_token_ids=(extra_eos,))
+    eng = _build(name, model_dir, cfg)
+    try:
+        got = eng.generate_groups(PROMPTS * 4, CFG.n, seeds)
+        greedy = eng.greedy(PROMPTS, 8)
+    finally:
+        _close(eng)
+    eos_ids = {load_tokenizer(model_dir).eos_token_id, extra_eos}
+    cut_by = {"eos": 0, "stop": 0, "length": 0}
+    for r, g in zip(ref, got, strict=True):
+        for full, toks, lps, reason, full_lps in zip(
+            r.tokens, g.tokens, g.logprobs, g.finish_reasons, r.logprobs, strict=True
+        ):
+            at_eos = next((i + 1 for i, t in enumerate(full) if t in eos_ids), len(full))
+            at_stop = stop_length(decode, full, (stop,))
+            end = min(at_eos, at_stop)
+            assert toks == full[:end], (full, toks, stop, extra_eos)
+            assert len(lps) == len(toks) and lps == pytest.approx(full_lps[:end], abs=1e-5)
+            ended = (
+                end < len(full)
+                or full[-1] in eos_ids
+                or at_stop == len(full)
+                and (stop in decode(full))
+            )
+            assert reason == ("stop" if ended else "length"), (full, toks, reason)
+            kind = "length" if not ended else "eos" if toks[-1] in eos_ids else "stop"
+            cut_by[kind] += 1
+    assert cut_by["stop"] and cut_by["eos"], cut_by  # both kinds of end were exercised
+    # Greedy (evaluation) ends the same way, without the EOS.
+    for toks in greedy:
+        assert not eos_ids & set(toks) and stop_length(decode, toks, (stop,)) == len(toks)
+
+
+def test_windowed_stop_check_equals_decoding_the_whole_response() -> None:
+    """`stop_length` decodes only a window of the last tokens; on long texts with multi-byte
+    characters it finds the same token as decoding every prefix whole would."""
+    import random
+
+    from rftpipe.engines.rollout import completes_stop
+    from rftpipe.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    decode = functools.partial(tok.decode, skip_special_tokens=False)
+    rng = random.Random(0)
+    alphabet = list("abcdefgh é😀\n") + ["</answer>"]
+    stops = ("é😀", "</answer>", "\n\n")
+    found = late = 0
+    for _ in range(40):
+        # Filler that holds no stop string, then text that may.
+        filler = "".join(rng.choice("abcdefgh é") for _ in range(rng.randrange(0, 120)))
+        text = filler + "".join(rng.choice(alphabet) for _ in range(20))
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        whole = next(
+            (
+                i + 1
+                for i in range(len(ids))
+                if completes_stop(decode(ids[:i]), decode(ids[: i + 1]), stops)
+            ),
+            len(ids),
+        )
+        assert stop_length(decode, ids, stops) == whole
+        found += whole < len(ids)
+        late += len(ids) > whole > 60  # past the window (52 tokens here)
+    assert found > 10 and late > 3, (found, late)  # the stop strings were really met

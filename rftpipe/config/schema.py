@@ -97,9 +97,77 @@ class FileDataConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class DatasetSourceConfig:
+    """One dataset of `data.datasets` (`data.source=datasets`): a file or a saved HF dataset,
+    in verl's layout or with named columns, drawn with a weight among the others."""
+
+    path: str
+    """A local .parquet, .jsonl or .json-lines file, or a directory written by HF datasets'
+    `save_to_disk`."""
+
+    format: Literal["columns", "verl"] = "columns"
+    """Row layout. `verl`: verl's RL Parquet (chat-message `prompt`, `data_source`,
+    `reward_model.ground_truth` as the answer, `extra_info`); the column fields below
+    default to those. `columns`: the column fields below name the columns."""
+
+    prompt_column: str | None = None
+    """Column holding the prompt: a string (the user message) or a list of chat messages
+    {role, content} templated as they are (None: `prompt`)."""
+
+    answer_column: str | None = None
+    """Column of the reference answer; `a.b` reads field b of struct column a (None:
+    `reward_model.ground_truth` for verl, `answer` for columns; empty string: no answer)."""
+
+    data_source_column: str | None = None
+    """Column naming each row's data source, which routes rows to reward functions (None:
+    `data_source` for verl, none for columns; empty string: none)."""
+
+    data_source: str = ""
+    """Data source of every row when there is no data-source column (empty: the file or
+    directory name without its suffix)."""
+
+    id_column: str | None = None
+    """Column with a stable integer prompt id in [0, 1e9) (None: the row index). Dataset k of
+    `data.datasets` (from 0) adds k * 1e9, so ids stay unique across datasets."""
+
+    split: str = "train"
+    """Split to take from a saved `DatasetDict` directory (ignored for files and single datasets)."""
+
+    weight: float = 1.0
+    """Share of the prompt stream drawn from this dataset, relative to the others' weights."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("path must name a file or a save_to_disk directory")
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(f"weight must be a finite number > 0, got {self.weight}")
+
+    @property
+    def prompt_col(self) -> str:
+        """The prompt column, the format's default resolved."""
+        return self.prompt_column or "prompt"
+
+    @property
+    def answer_col(self) -> str | None:
+        """The answer column (dotted for a struct field), None if the rows have none."""
+        if self.answer_column is None:
+            return "reward_model.ground_truth" if self.format == "verl" else "answer"
+        return self.answer_column or None
+
+    @property
+    def data_source_col(self) -> str | None:
+        """The data-source column, None if every row takes `data_source`."""
+        if self.data_source_column is None:
+            return "data_source" if self.format == "verl" else None
+        return self.data_source_column or None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
-    source: Literal["reasoning_gym", "file"] = "reasoning_gym"
-    """Where prompts come from."""
+    source: Literal["reasoning_gym", "file", "datasets"] = "reasoning_gym"
+    """Where prompts come from: a reasoning-gym generator, one file of string prompts
+    (`file`), or one or more weighted datasets (`datasets`: verl Parquet, chat messages,
+    saved HF datasets)."""
 
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
     """Settings of the reasoning-gym source."""
@@ -107,8 +175,14 @@ class DataConfig:
     file: FileDataConfig = field(default_factory=FileDataConfig)
     """Settings of the file source."""
 
+    datasets: tuple[DatasetSourceConfig, ...] = ()
+    """The datasets of `source=datasets`, mixed by weight: position p of the prompt stream
+    belongs to the dataset a smooth weighted round-robin picks there, and each dataset
+    runs through its own shuffled epochs (every prompt once per epoch of its dataset)."""
+
     system_prompt: str | None = None
-    """System message prepended through the tokenizer's chat template."""
+    """System message prepended through the tokenizer's chat template; a prompt given as chat
+    messages that already has a system message keeps its own instead."""
 
     max_prompt_tokens: int = 256
     """Longest prompt (after the chat template) in tokens."""
@@ -129,6 +203,12 @@ class DataConfig:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.source == "file" and not self.file.path:
             raise ValueError("source is 'file' but file.path is empty")
+        if (self.source == "datasets") != bool(self.datasets):
+            raise ValueError(
+                "source is 'datasets' but datasets is empty"
+                if self.datasets == ()
+                else f"datasets is set but source is '{self.source}', not 'datasets'"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -200,6 +280,15 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus filter (1.0: off). Logprobs are recorded before filtering."""
 
+    stop: tuple[str, ...] = ()
+    """Stop strings: a response ends with the token that completes one of them (the string
+    stays in the response, its tokens are the ones generated) and finish_reason `stop`.
+    Not checked before min_new_tokens."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    """Token ids that end a response like the tokenizer's EOS does (kept as its last
+    token, finish_reason `stop`), e.g. a chat model's end-of-turn id."""
+
     groups_per_call: int = 1
     """Groups generated together in one (left-padded) call. Calls are cut from the step's
     global prompt order and ranks get whole calls, so samples stay identical on any world
@@ -220,6 +309,13 @@ class RolloutConfig:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.groups_per_call < 1:
             raise ValueError(f"groups_per_call must be >= 1, got {self.groups_per_call}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if self.engine == "sglang" and (self.stop or self.eos_token_ids):
+            # SGLang's engine checks that only the tokenizer's EOS ends a response.
+            raise ValueError("stop and eos_token_ids are implemented for engine=hf|vllm only")
+        if any(t < 0 for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be >= 0, got {list(self.eos_token_ids)}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
@@ -260,6 +356,11 @@ class RewardFunctionConfig:
 
     timeout_s: float | None = None
     """Seconds one call may run before its worker process is killed (None: reward.timeout_s)."""
+
+    data_sources: tuple[str, ...] = ()
+    """Data sources (a row's `data_source`) this function scores (empty: all). A row from
+    another source is not sent to it: its `reward_<name>` is null and adds nothing to
+    `reward`. A run whose data holds a source that no function scores is refused."""
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -335,9 +436,9 @@ class RemoteRewardConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RewardConfig:
     functions: tuple[str | RewardFunctionConfig, ...] = ("accuracy", "format")
-    """Reward components: built-in names (accuracy, format, dense_even_tokens, overlong, remote),
-    `module:function` import paths, or mappings (RewardFunctionConfig: path, signature,
-    name, timeout_s). Each is a column `reward_<name>`."""
+    """Reward components: built-in names (accuracy, format, dense_even_tokens, math_verify,
+    overlong, remote), `module:function` import paths, or mappings (RewardFunctionConfig:
+    path, signature, name, timeout_s, data_sources). Each is a column `reward_<name>`."""
 
     weights: tuple[float, ...] = ()
     """Weight of each component in `reward` (empty: all 1.0)."""

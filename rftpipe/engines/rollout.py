@@ -7,7 +7,7 @@ and sleep/wake around training.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -85,15 +85,29 @@ class HFGenerateEngine:
     stage), so padding and batch shape, and with them the samples, are the same on any
     world size. The engine shares the trainer's module when colocated on one device, which
     makes a weight sync free.
+
+    A response ends at the tokenizer's EOS or any of `rollout.eos_token_ids` (kept as its
+    last token), or at the token that completes one of `rollout.stop` (`decode`, the
+    tokenizer's, turns a response prefix into text), as vLLM ends it.
     """
 
     def __init__(
-        self, model: torch.nn.Module, cfg: RolloutConfig, eos_id: int, pad_id: int
+        self,
+        model: torch.nn.Module,
+        cfg: RolloutConfig,
+        eos_id: int,
+        pad_id: int,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
+        if cfg.stop and decode is None:
+            raise ValueError("rollout.stop needs the tokenizer's decode to find stop strings")
         self.model = model
         self.cfg = cfg
         self.eos_id = eos_id
+        self.eos_ids = [eos_id, *(t for t in cfg.eos_token_ids if t != eos_id)]
+        """Every id that ends a response."""
         self.pad_id = pad_id
+        self.decode = decode
         self.weight_version = 0
 
     @property
@@ -138,6 +152,10 @@ class HFGenerateEngine:
         pos = pos[:, -1:].repeat_interleave(n, dim=0)
         rows = logits.shape[0]
         done = torch.zeros(rows, dtype=torch.bool, device=device)
+        eos = torch.tensor(self.eos_ids, device=device)
+        # Per row, its length once it ended (EOS or stop string), None while it runs.
+        ends: list[int | None] = [None] * rows
+        texts = _StopText(self.decode, cfg.stop, rows) if cfg.stop else None
         new_tokens: list[torch.Tensor] = []
         new_lps: list[torch.Tensor] = []
         for t in range(cfg.max_new_tokens):
@@ -146,7 +164,14 @@ class HFGenerateEngine:
             tok = torch.where(done, self.pad_id, tok)
             new_tokens.append(tok)
             new_lps.append(torch.log_softmax(scaled, dim=-1).gather(-1, tok[:, None]).squeeze(1))
-            done |= tok == self.eos_id
+            hit = torch.isin(tok, eos) & ~done
+            if texts is not None:
+                hit |= texts.completed(tok.tolist(), (~done).tolist(), t >= cfg.min_new_tokens).to(
+                    device
+                )
+            for r in hit.nonzero().flatten().tolist():
+                ends[r] = t + 1
+            done |= hit
             if bool(done.all()) or t == cfg.max_new_tokens - 1:
                 break
             mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
@@ -160,13 +185,12 @@ class HFGenerateEngine:
             ).logits[:, -1]
         self.model.train(was_training)
         tokens, logprobs, reasons = [], [], []
-        for row, row_lp in zip(
-            torch.stack(new_tokens, 1).tolist(), torch.stack(new_lps, 1).tolist(), strict=True
+        for row, row_lp, end in zip(
+            torch.stack(new_tokens, 1).tolist(), torch.stack(new_lps, 1).tolist(), ends, strict=True
         ):
-            end = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
             tokens.append(row[:end])
             logprobs.append(row_lp[:end])
-            reasons.append("stop" if row[end - 1] == self.eos_id else "length")
+            reasons.append("length" if end is None else "stop")
         return split_groups(tokens, logprobs, reasons, n)
 
     def _filter(self, scaled: torch.Tensor, t: int) -> torch.Tensor:
@@ -175,7 +199,7 @@ class HFGenerateEngine:
         cfg = self.cfg
         if t < cfg.min_new_tokens:
             scaled = scaled.clone()
-            scaled[:, self.eos_id] = -torch.inf
+            scaled[:, self.eos_ids] = -torch.inf
         if 0 < cfg.top_k < scaled.shape[-1]:
             kth = torch.topk(scaled, cfg.top_k, dim=-1).values[:, -1:]
             scaled = scaled.masked_fill(scaled < kth, -torch.inf)
@@ -196,7 +220,7 @@ class HFGenerateEngine:
         cfg = GenerationConfig(
             do_sample=False,
             max_new_tokens=max_new_tokens,
-            eos_token_id=self.eos_id,
+            eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
             use_cache=True,
         )
@@ -210,7 +234,13 @@ class HFGenerateEngine:
             width = ids.shape[1]
             seq = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
             for row in seq[:, width:].tolist():
-                outs.append(row[: row.index(self.eos_id)] if self.eos_id in row else row)
+                end = next((i for i, t in enumerate(row) if t in self.eos_ids), len(row))
+                row = row[:end]
+                if self.cfg.stop:
+                    # Greedy rows do not depend on each other, so cutting a row after its
+                    # stop string equals having stopped it there.
+                    row = row[: stop_length(self.decode, row, self.cfg.stop)]
+                outs.append(row)
         self.model.train(was_training)
         return outs
 
@@ -228,6 +258,59 @@ class HFGenerateEngine:
 
     def wake(self) -> None:
         """See `sleep`."""
+
+
+def completes_stop(before: str, after: str, stop: Sequence[str]) -> bool:
+    """Whether `after` (a response's text, one token longer than `before`) holds a stop
+    string that ends in the new token's text: vLLM's rule, which looks for stop strings
+    only where they could end in the text a token added."""
+    return any(after.find(s, max(0, len(before) - len(s) + 1)) != -1 for s in stop)
+
+
+def last_token_stops(
+    decode: Callable[[list[int]], str], tokens: list[int], stop: Sequence[str]
+) -> bool:
+    """Whether the last of `tokens` completes a stop string.
+
+    Only a window of the last tokens is decoded, so the check costs the same at any
+    length (2.2 ms per step for 32 rows with SmolLM2's tokenizer on one CPU core;
+    decoding whole responses grew with their length, 3.4 ms per step on average over
+    256 tokens). Decoding a window can garble only its first characters (a UTF-8
+    sequence cut in two, SentencePiece's leading space), never its end; a token is at
+    least one byte, so the window's exact tail is longer than any stop string plus the
+    newest token's own text.
+    """
+    window = 16 + 4 * max(len(s.encode()) for s in stop)
+    start = max(0, len(tokens) - window)
+    return completes_stop(decode(tokens[start:-1]), decode(tokens[start:]), stop)
+
+
+def stop_length(decode: Callable[[list[int]], str], tokens: list[int], stop: Sequence[str]) -> int:
+    """Length of `tokens` up to and including the first token that completes a stop string
+    (all of them if none does)."""
+    for i in range(len(tokens)):
+        if last_token_stops(decode, tokens[: i + 1], stop):
+            return i + 1
+    return len(tokens)
+
+
+class _StopText:
+    """Each running row's tokens so far, to find the token that completes a stop string."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str], rows: int):
+        self.decode = decode
+        self.stop = stop
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+
+    def completed(self, toks: list[int], running: list[bool], check: bool) -> torch.Tensor:
+        """Rows whose new token completes a stop string (only when `check`: before
+        min_new_tokens no stop string counts, as in vLLM)."""
+        hits = torch.zeros(len(toks), dtype=torch.bool)
+        for r, (tok, alive) in enumerate(zip(toks, running, strict=True)):
+            if alive:
+                self.tokens[r].append(tok)
+                hits[r] = check and last_token_stops(self.decode, self.tokens[r], self.stop)
+        return hits
 
 
 def split_groups(

@@ -127,6 +127,8 @@ class VLLMEngine:
         self.spec = spec
         self.dist = dist
         self.weight_version = 0
+        self.eos_ids = [spec.eos_id, *(t for t in cfg.eos_token_ids if t != spec.eos_id)]
+        """Every id that ends a response."""
         self._asleep = False
         self._needs_weights = False
         self._on_gpu = torch.cuda.is_available()
@@ -206,12 +208,16 @@ class VLLMEngine:
         c = self.cfg
         common = {
             "max_tokens": max_tokens,
-            "stop_token_ids": [self.spec.eos_id],
-            # Only our EOS ends a response, as in the HF loop (a config's extra EOS ids
-            # would end it silently).
+            "stop_token_ids": self.eos_ids,
+            # Only our EOS ids end a response, as in the HF loop (the model config's own
+            # extra EOS ids would end it silently).
             "ignore_eos": True,
             "skip_special_tokens": False,
-            "detokenize": False,
+            # Stop strings are matched in the detokenized text; the stop string stays in
+            # the output, so the committed token ids are all the tokens generated.
+            "stop": list(c.stop),
+            "include_stop_str_in_output": True,
+            "detokenize": bool(c.stop),
         }
         if greedy:
             return self._vllm.SamplingParams(temperature=0.0, **common)
@@ -282,7 +288,9 @@ class VLLMEngine:
             tokens.append(toks)
             lps = comp.logprobs or []
             logprobs.append([float(step[tok].logprob) for tok, step in zip(toks, lps, strict=True)])
-            reasons.append("stop" if toks and toks[-1] == self.spec.eos_id else "length")
+            # vLLM's `stop`: an EOS id or a stop string ended it; anything else (`length`,
+            # or an abort) counts as cut short.
+            reasons.append("stop" if comp.finish_reason == "stop" else "length")
         return split_groups(tokens, logprobs, reasons, n)
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
@@ -290,7 +298,7 @@ class VLLMEngine:
         result = []
         for out in outs:
             toks = list(out.outputs[0].token_ids)
-            result.append(toks[:-1] if toks and toks[-1] == self.spec.eos_id else toks)
+            result.append(toks[:-1] if toks and toks[-1] in self.eos_ids else toks)
         return result
 
     # -- weights and memory -------------------------------------------------------------

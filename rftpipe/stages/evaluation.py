@@ -104,5 +104,6 @@ def run(
                 add(p, k, "sampled", list(toks), reason)
     scored = score.run(inp.reward, components, pa.Table.from_pydict(cols, schema=EVAL_SCHEMA))
     metric = scored.column(f"reward_{inp.eval.metric}").to_pylist()
-    correct = [v >= inp.eval.threshold for v in metric]
+    # Null where the metric's function does not score the row's data source.
+    correct = [None if v is None else v >= inp.eval.threshold for v in metric]
     return scored.append_column(pa.field("correct", pa.bool_()), pa.array(correct, pa.bool_()))

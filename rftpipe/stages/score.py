@@ -1,5 +1,8 @@
 """Stage 2, score: every reward function becomes its own column; `reward` is their weighted sum.
 
+A function that declares `data_sources` sees only the rows of those sources: the other
+rows' `reward_<name>` is null (not applied) and adds nothing to `reward`.
+
 Each row also gets `reward_status` (ok, or the first function's timeout / error) and
 `reward_error` (what failed, null when ok). A failed row stops the run under
 `reward.on_error=fail`; under `zero` its component scores 0, is counted in the step's
@@ -20,7 +23,14 @@ import pyarrow as pa
 
 from rftpipe.config.schema import RewardConfig
 from rftpipe.errors import UserError
-from rftpipe.rewards import Outcome, RewardComponent, RewardSample, data_source_of, parse_value
+from rftpipe.rewards import (
+    Outcome,
+    RewardComponent,
+    RewardSample,
+    applies,
+    data_source_of,
+    parse_value,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +45,20 @@ def run(
     errors: list[str | None] = [None] * len(samples)
     out = rollouts
     for (col, comp), w in zip(components.items(), weights, strict=True):
-        outcomes = comp.score(samples, fail_fast=cfg.on_error == "fail")
+        mine = [i for i, s in enumerate(samples) if applies(comp.spec, s.data_source)]
+        # A shard with none of its sources makes no call (a remote server sees nothing).
+        outcomes = (
+            comp.score([samples[i] for i in mine], fail_fast=cfg.on_error == "fail") if mine else []
+        )
         if cfg.on_error == "fail":
-            _fail_on_first_failure(comp.spec.path, samples, outcomes)
-        values, extras = [], []
-        for i, (s, o) in enumerate(zip(samples, outcomes, strict=True)):
-            v, extra = _value(comp.spec.path, s, o)
+            _fail_on_first_failure(comp.spec.path, [samples[i] for i in mine], outcomes)
+        values: list[float | None] = [None] * len(samples)
+        extras: list[dict[str, Any]] = [{} for _ in samples]
+        for i, o in zip(mine, outcomes, strict=True):
+            v, extras[i] = _value(comp.spec.path, samples[i], o)
             if o is not None and o.status != "ok" and status[i] == "ok":
                 status[i], errors[i] = o.status, f"{comp.spec.path}: {o.error}"
-            values.append(v)
-            extras.append(extra)
+            values[i] = v
             total[i] += w * v
         out = out.append_column(pa.field(col, pa.float64()), pa.array(values, pa.float64()))
         for name, array in _extra_columns(col, extras).items():
