@@ -296,7 +296,27 @@ def _check_arguments(spec: RewardFunctionConfig, fn: Callable[..., Any]) -> None
         ) from exc
 
 
-def resolve(spec: RewardFunctionConfig, cfg: RewardConfig, scorer: Any) -> RewardComponent:
+def _reward_model(spec: RewardFunctionConfig, cfg: RewardConfig, device: Any) -> RewardComponent:
+    # Imported on use: it loads transformers, which a config without a model never needs.
+    from rftpipe.reward_model import RewardModel
+
+    return RewardModel.build(spec, device)
+
+
+#: Built-ins that are components of their own (a model, rather than a function per row),
+#: built from (spec, reward config, this rank's device: a torch.device or its name).
+BUILTIN_COMPONENTS: dict[
+    str, Callable[[RewardFunctionConfig, RewardConfig, Any], RewardComponent]
+] = {
+    "reward_model": _reward_model,
+}
+
+
+def resolve(
+    spec: RewardFunctionConfig, cfg: RewardConfig, scorer: Any, device: Any = "cpu"
+) -> RewardComponent:
+    if spec.path in BUILTIN_COMPONENTS:
+        return BUILTIN_COMPONENTS[spec.path](spec, cfg, device)
     if spec.path in BUILTIN_REWARDS:
         if spec.signature != "rftpipe":
             raise UserError(f"reward.functions: built-in '{spec.path}' has no signature to set")
@@ -308,7 +328,8 @@ def resolve(spec: RewardFunctionConfig, cfg: RewardConfig, scorer: Any) -> Rewar
     if ":" not in spec.path:
         raise UserError(
             f"reward.functions: unknown reward '{spec.path}' (built-ins: "
-            f"{sorted([*BUILTIN_REWARDS, 'remote'])}; or give module:function)"
+            f"{sorted([*BUILTIN_REWARDS, *BUILTIN_COMPONENTS, 'remote'])}; or give "
+            "module:function)"
         )
     _import(spec)
     from rftpipe.reward_pool import Pooled, shared_pool
@@ -316,6 +337,7 @@ def resolve(spec: RewardFunctionConfig, cfg: RewardConfig, scorer: Any) -> Rewar
     return Pooled(spec, spec.timeout_s or cfg.timeout_s, shared_pool(cfg.workers))
 
 
-def resolve_all(cfg: RewardConfig, scorer: Any) -> dict[str, RewardComponent]:
-    """Column name -> component, validated at start-up (before anything runs)."""
-    return {spec.column: resolve(spec, cfg, scorer) for spec in cfg.specs()}
+def resolve_all(cfg: RewardConfig, scorer: Any, device: Any = "cpu") -> dict[str, RewardComponent]:
+    """Column name -> component, validated at start-up (before anything runs); a reward
+    model is loaded onto `device` (this rank's)."""
+    return {spec.column: resolve(spec, cfg, scorer, device) for spec in cfg.specs()}

@@ -135,7 +135,7 @@ def build(
     prompts, held_out = split_held_out(
         cfg.data, cfg.eval, load_prompts(cfg.data, tokenizer), tokenizer
     )
-    rewards = resolve_all(cfg.reward, prompts.scorer)
+    rewards = resolve_all(cfg.reward, prompts.scorer, dist.device)
     if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
         preflight(cfg, model_dir)
     check_fingerprints(
