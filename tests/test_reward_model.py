@@ -109,3 +109,48 @@ def test_model_field_only_with_reward_model() -> None:
             RewardConfig,
             {"functions": [{"path": "dense_even_tokens", "model": {"path": "x"}}]},
         )
+
+
+@pytest.mark.slow
+def test_end_to_end_with_rule_reward(tmp_path: Path) -> None:
+    """The tiny policy scored by `dense_even_tokens` and the tiny reward model: the model's
+    column is committed, enters `reward` with its weight, and is the same in a second run."""
+    from helpers import submit, trajectories
+
+    overrides = (
+        "total_steps=2",
+        "reward.functions=[dense_even_tokens, "
+        "{path: reward_model, name: rm, model: {path: 'builtin:tiny-reward', batch_size: 3}}]",
+        "reward.weights=[1.0,0.5]",
+    )
+    tables = []
+    for name in ("a", "b"):
+        out = submit(tmp_path / name, *overrides)
+        assert out.returncode == 0, out.stderr[-3000:]
+        tables.append(trajectories(tmp_path / name))
+    t = tables[0].to_pydict()
+    assert len(t["reward_rm"]) == 2 * 4 * 4
+    assert len(set(t["reward_rm"])) > 1
+    want = [d + 0.5 * r for d, r in zip(t["reward_dense_even_tokens"], t["reward_rm"], strict=True)]
+    assert t["reward"] == pytest.approx(want, abs=1e-12)
+    assert tables[0].equals(tables[1])
+    # The committed scores are the model's on the committed texts.
+    rows = tables[0].slice(0, 5)
+    cfg = _config(batch_size=2)
+    rescored = score.run(cfg, resolve_all(cfg, None), rows.select(_ROLLOUT_COLUMNS))
+    assert rescored.column("reward_rm").to_pylist() == pytest.approx(
+        rows.column("reward_rm").to_pylist(), abs=1e-6, rel=0
+    )
+
+
+_ROLLOUT_COLUMNS = [
+    "step",
+    "prompt_id",
+    "sample_idx",
+    "prompt",
+    "response",
+    "answer",
+    "metadata",
+    "response_token_ids",
+    "finish_reason",
+]
