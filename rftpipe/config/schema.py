@@ -636,8 +636,8 @@ class TrainConfig:
             raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
         if self.ema_decay and self.backend == "deepspeed":
             raise ValueError(
-                "ema_decay needs backend=single or fsdp2 (DeepSpeed keeps its parameters "
-                "in its own flat partitions)"
+                "ema_decay is not available with backend=deepspeed (it keeps its parameters "
+                "in flat partitions of its own); use backend=single or fsdp2"
             )
         if not (0 <= self.correction_low <= 1 <= self.correction_high < math.inf):
             raise ValueError(
