@@ -157,7 +157,7 @@ TINY_REWARD = "builtin:tiny-reward"
 def prepare_tiny_reward_model() -> Path:
     """A seeded random-init 2-layer Llama sequence classifier with one label, sharing
     `builtin:tiny`'s tokenizer (the reward model of tests, `builtin:tiny-reward`)."""
-    final = cache_root() / "tiny-reward-v1"
+    final = cache_root() / "tiny-reward-v2"
     if (final / "config.json").exists():
         return final
     import torch
@@ -168,9 +168,10 @@ def prepare_tiny_reward_model() -> Path:
     model = AutoModelForSequenceClassification.from_config(_tiny_llama_config(tok, num_labels=1))
     with torch.no_grad():
         # The default init (std 0.02) gives scores within about 0.01 of each other; a
-        # wider head makes the differences between responses plain in tests.
-        model.score.weight.normal_(0.0, 1.0)
-    tmp = final.with_name(f".tmp-tiny-reward-v1-{os.getpid()}")
+        # wider head makes the differences between responses plain in tests, while the
+        # scores stay below 1, where float32 rounding is below 1e-6.
+        model.score.weight.normal_(0.0, 0.1)
+    tmp = final.with_name(f".tmp-tiny-reward-v2-{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     return _publish_dir(tmp, final)

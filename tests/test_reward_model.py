@@ -27,7 +27,7 @@ def _config(**model: object) -> RewardConfig:
     return from_dict(RewardConfig, {"functions": ["dense_even_tokens", entry], "weights": [1, 2]})
 
 
-def _texts_and_rows(n_prompts: int = 3, n: int = 3) -> tuple[list[str], object]:
+def _texts_and_rows(n_prompts: int = 16, n: int = 4) -> tuple[list[str], object]:
     table = rollouts(prompts=n_prompts, n=n)
     rows = table.to_pylist()
     tok = AutoTokenizer.from_pretrained(prepare_tiny_reward_model())
@@ -72,8 +72,8 @@ def test_scores_equal_direct_forward(batch_size: int) -> None:
     # The scores are not all alike (a broken model scoring a constant would pass the above
     # only if the direct forward were broken the same way).
     assert max(want) - min(want) > 1e-3
-    dense = t["reward_dense_even_tokens"]
-    assert t["reward"] == pytest.approx([d + 2 * r for d, r in zip(dense, want, strict=True)])
+    dense, rm = t["reward_dense_even_tokens"], t["reward_rm"]
+    assert t["reward"] == pytest.approx([d + 2 * r for d, r in zip(dense, rm, strict=True)])
 
 
 def test_left_truncation_scale_and_shift() -> None:
