@@ -86,6 +86,18 @@ def test_left_truncation_scale_and_shift() -> None:
     assert t["reward_rm"] != pytest.approx([-3.0 * x + 0.5 for x in _direct(texts)], abs=1e-4)
 
 
+def test_bfloat16_scores_close_to_float32() -> None:
+    """The GPU option, run on the CPU: bf16 weights and compute, scores within bf16's
+    rounding of the fp32 ones (and not equal to them, so the dtype was applied)."""
+    _, table = _texts_and_rows(4, 2)
+    got = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = _config(batch_size=4, dtype=dtype)
+        got[dtype] = score.run(cfg, resolve_all(cfg, None), table).column("reward_rm").to_pylist()
+    assert got["bfloat16"] == pytest.approx(got["float32"], abs=0.05, rel=0)
+    assert got["bfloat16"] != got["float32"]
+
+
 @pytest.mark.parametrize(
     ("path", "needle"),
     [
