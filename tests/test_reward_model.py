@@ -10,7 +10,7 @@ import torch
 from reward_fns import rollouts
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from rftpipe.config.loader import from_dict
+from rftpipe.config.loader import ConfigError, from_dict
 from rftpipe.config.schema import RewardConfig
 from rftpipe.errors import UserError
 from rftpipe.models import prepare_tiny, prepare_tiny_reward_model
@@ -114,12 +114,17 @@ def test_bad_reward_model_path(path: str, needle: str, tmp_path: Path) -> None:
 
 
 def test_model_field_only_with_reward_model() -> None:
-    with pytest.raises(Exception, match="reward_model"):
+    with pytest.raises(ConfigError, match="reward_model"):
         from_dict(RewardConfig, {"functions": [{"path": "reward_model"}]})
-    with pytest.raises(Exception, match="not reward_model"):
+    with pytest.raises(ConfigError, match="not reward_model"):
         from_dict(
             RewardConfig,
             {"functions": [{"path": "dense_even_tokens", "model": {"path": "x"}}]},
+        )
+    with pytest.raises(ConfigError, match="no signature or timeout_s"):
+        from_dict(
+            RewardConfig,
+            {"functions": [{"path": "reward_model", "timeout_s": 5, "model": {"path": "x"}}]},
         )
 
 

@@ -316,6 +316,8 @@ class RewardFunctionConfig:
                 if self.model is None
                 else f"`model` is set but path is {self.path!r}, not reward_model"
             )
+        if self.model is not None and (self.signature != "rftpipe" or self.timeout_s is not None):
+            raise ValueError("a reward_model entry has no signature or timeout_s to set")
         if self.timeout_s is not None and not (
             math.isfinite(self.timeout_s) and self.timeout_s > 0
         ):
