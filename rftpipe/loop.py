@@ -18,6 +18,7 @@ from rftpipe.config.loader import to_dict
 from rftpipe.config.schema import RunConfig
 from rftpipe.dist import Dist
 from rftpipe.driver import evaluate_initial, maybe_checkpoint, run_step
+from rftpipe.engines.ema import ParameterEMA
 from rftpipe.errors import UserError
 from rftpipe.faults import events, slow
 from rftpipe.metrics import (
@@ -183,7 +184,7 @@ def finish(rt: runtime.Runtime) -> None:
     # the shards otherwise.
     _export_once(rt, rt.run.root / "export", rt.train_engine.rollout_weights)
     if (ema := rt.train_engine.ema) is not None:
-        _export_once(rt, rt.run.root / "export_ema", lambda: _ema_module(rt, ema.full_params()))
+        _export_once(rt, rt.run.root / "export_ema", lambda: _ema_weights(rt, ema))
     rt.dist.barrier()
 
 
@@ -205,9 +206,15 @@ def _export_once(
             export_final(rt, final, state)
 
 
-def _ema_module(rt: runtime.Runtime, params: Mapping[str, torch.Tensor]) -> torch.nn.Module:
-    """A fresh policy module holding the averages (by parameter name, so a tied head
+def _ema_weights(
+    rt: runtime.Runtime, ema: ParameterEMA
+) -> torch.nn.Module | Mapping[str, torch.Tensor]:
+    """The averages, gathered on every rank (collective under fsdp2); on rank 0, the one
+    that exports, as a fresh policy module holding them (by parameter name, so a tied head
     takes its embedding's average, as it does in training)."""
+    params = ema.full_params()
+    if not rt.dist.is_main:
+        return params
     model = models.load_causal_lm(rt.model_dir, rt.cfg.model.dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
