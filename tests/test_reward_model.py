@@ -160,6 +160,24 @@ def test_end_to_end_with_rule_reward(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
+def test_each_rank_scores_its_own_rows(tmp_path: Path) -> None:
+    """Two ranks (fsdp2), each with its own copy of the reward model, score the rows that
+    one rank scores alone (to float rounding: the rows share other batches)."""
+    from helpers import submit, trajectories
+
+    rm = "{path: reward_model, name: rm, model: {path: 'builtin:tiny-reward', batch_size: 4}}"
+    overrides = ("total_steps=1", f"reward.functions=[{rm}]", "train.backend=fsdp2")
+    tables = {}
+    for tasks in ("1", "2"):
+        out = submit(tmp_path / tasks, *overrides, extra=("--tasks-per-node", tasks))
+        assert out.returncode == 0, out.stderr[-3000:]
+        tables[tasks] = trajectories(tmp_path / tasks)
+    assert set(tables["2"].column("rank").to_pylist()) == {0, 1}
+    one, two = (tables[k].column("reward_rm").to_pylist() for k in ("1", "2"))
+    assert len(one) == 16 and two == pytest.approx(one, abs=1e-6, rel=0)
+
+
 _ROLLOUT_COLUMNS = [
     "step",
     "prompt_id",
