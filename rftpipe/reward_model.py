@@ -100,43 +100,44 @@ class RewardModel:
     """A loaded reward model, scoring rows in batches (see the module docstring)."""
 
     spec: RewardFunctionConfig
+    cfg: RewardModelConfig
+    """`spec.model`, never None here."""
     model: torch.nn.Module
     tokenizer: Any
     device: torch.device
 
     @classmethod
     def build(cls, spec: RewardFunctionConfig, device: torch.device | str) -> RewardModel:
-        assert spec.model is not None  # RewardFunctionConfig requires it for reward_model
+        if spec.model is None:
+            raise ValueError(f"reward.functions: {spec.path} has no `model`")
         device = torch.device(device)
         model, tok = load(spec.model, device)
         log.info("reward model %s loaded on %s (%s)", spec.model.path, device, spec.model.dtype)
-        return cls(spec, model, tok, device)
+        return cls(spec, spec.model, model, tok, device)
 
     def logits(self, samples: Sequence[RewardSample]) -> list[float]:
         """(B,) raw logits of the rows, in order, `batch_size` rows per forward."""
-        cfg = self.spec.model
-        assert cfg is not None
+        size = self.cfg.batch_size
         out: list[float] = []
         all_texts = texts(self.tokenizer, samples)
-        for i in range(0, len(all_texts), cfg.batch_size):
+        for i in range(0, len(all_texts), size):
             enc = self.tokenizer(
-                all_texts[i : i + cfg.batch_size],
+                all_texts[i : i + size],
                 padding=True,
                 truncation=True,
-                max_length=cfg.max_length,
+                max_length=self.cfg.max_length,
                 add_special_tokens=False,  # the chat template has its own
                 return_tensors="pt",
             ).to(self.device)
             with torch.no_grad():
                 logits = self.model(
                     input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]
-                ).logits
+                ).logits  # (B, 1)
             out.extend(logits[:, 0].float().tolist())
         return out
 
     def score(self, samples: Sequence[RewardSample], fail_fast: bool) -> list[Outcome | None]:
         # A model forward has no per-row failure: an exception here is a bug or an
         # out-of-memory, which must stop the run rather than score rows 0.
-        cfg = self.spec.model
-        assert cfg is not None
-        return [Outcome("ok", cfg.scale * x + cfg.shift) for x in self.logits(samples)]
+        scale, shift = self.cfg.scale, self.cfg.shift
+        return [Outcome("ok", scale * x + shift) for x in self.logits(samples)]
