@@ -7,7 +7,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from rftpipe.config.loader import to_dict
 from rftpipe.config.schema import RunConfig
 from rftpipe.dist import Dist
 from rftpipe.driver import evaluate_initial, maybe_checkpoint, run_step
+from rftpipe.engines.ema import ParameterEMA
 from rftpipe.errors import UserError
 from rftpipe.faults import events, slow
 from rftpipe.metrics import (
@@ -169,7 +170,8 @@ def bar_update(bar, m: dict[str, Any], train_metrics: dict[str, float]) -> None:
 
 
 def finish(rt: runtime.Runtime) -> None:
-    """The evaluations' summary and the HF export of the final policy (done once).
+    """The evaluations' summary and the HF export of the final policy (done once), and of
+    the actor's parameter average with `train.ema_decay` (RUN/export_ema).
 
     No stop check here: once the last step has committed, the run is finished and a late
     signal must not requeue it.
@@ -177,7 +179,21 @@ def finish(rt: runtime.Runtime) -> None:
     slow("finish")
     if rt.dist.is_main:
         evaluate.write_summary(rt.store, rt.run.root / "eval.json")
-    final = rt.run.root / "export"
+    # The trainer's full weights, whatever the rollout engine holds (a serving engine's
+    # copy is not a transformers module): the module itself on one device, gathered from
+    # the shards otherwise.
+    _export_once(rt, rt.run.root / "export", rt.train_engine.rollout_weights)
+    if (ema := rt.train_engine.ema) is not None:
+        _export_once(rt, rt.run.root / "export_ema", lambda: _ema_weights(rt, ema))
+    rt.dist.barrier()
+
+
+def _export_once(
+    rt: runtime.Runtime,
+    final: Path,
+    weights: Callable[[], torch.nn.Module | Mapping[str, torch.Tensor]],
+) -> None:
+    """`export_final(final, weights())`, unless `final` already holds the last step's."""
     marker = final / EXPORT_MARKER
     # Re-exported when a run is extended past the step its export was taken at. Rank 0
     # decides for all: gathering sharded weights is collective.
@@ -185,13 +201,25 @@ def finish(rt: runtime.Runtime) -> None:
         marker.exists() and read_json(marker)["step"] == rt.cfg.total_steps
     )
     if rt.dist.any(stale):
-        # The trainer's full weights, whatever the rollout engine holds (a serving engine's
-        # copy is not a transformers module): the module itself on one device, gathered
-        # from the shards otherwise.
-        weights = rt.train_engine.rollout_weights()
+        state = weights()
         if rt.dist.is_main:
-            export_final(rt, final, weights)
-    rt.dist.barrier()
+            export_final(rt, final, state)
+
+
+def _ema_weights(
+    rt: runtime.Runtime, ema: ParameterEMA
+) -> torch.nn.Module | Mapping[str, torch.Tensor]:
+    """The averages, gathered on every rank (collective under fsdp2); on rank 0, the one
+    that exports, as a fresh policy module holding them (by parameter name, so a tied head
+    takes its embedding's average, as it does in training)."""
+    params = ema.full_params()
+    if not rt.dist.is_main:
+        return params
+    model = models.load_causal_lm(rt.model_dir, rt.cfg.model.dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    return model
 
 
 EXPORT_MARKER = "rftpipe_export.json"
@@ -200,8 +228,8 @@ EXPORT_MARKER = "rftpipe_export.json"
 def export_final(
     rt: runtime.Runtime, final: Path, weights: torch.nn.Module | Mapping[str, torch.Tensor]
 ) -> None:
-    """HF-format export of the final policy (RUN/export), published by a dir rename."""
-    tmp = rt.run.root / ".tmp-export"
+    """HF-format export of a policy (RUN/export, RUN/export_ema), published by a dir rename."""
+    tmp = rt.run.root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     if not isinstance(weights, torch.nn.Module):
         state = weights
@@ -210,7 +238,7 @@ def export_final(
     weights.save_pretrained(tmp)
     rt.tokenizer.save_pretrained(tmp)
     atomic_write_json(tmp / EXPORT_MARKER, {"step": rt.cfg.total_steps})
-    old = rt.run.root / ".tmp-old-export"
+    old = rt.run.root / f".tmp-old-{final.name}"
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         os.replace(final, old)

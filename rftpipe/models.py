@@ -111,16 +111,11 @@ def build_tiny_tokenizer():  # -> PreTrainedTokenizerFast
     return tok
 
 
-def prepare_tiny() -> Path:
-    """A seeded random-init 2-layer Llama (about 0.2M parameters) and its tokenizer."""
-    final = cache_root() / "tiny-v2"
-    if (final / "config.json").exists():
-        return final
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def _tiny_llama_config(tok, **extra):  # -> LlamaConfig
+    """The tiny models' shape: 2 layers, hidden size 64, `tok`'s vocabulary."""
+    from transformers import LlamaConfig
 
-    tok = build_tiny_tokenizer()
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tok),
         hidden_size=64,
         intermediate_size=128,
@@ -135,10 +130,48 @@ def prepare_tiny() -> Path:
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
+        **extra,
     )
+
+
+def prepare_tiny() -> Path:
+    """A seeded random-init 2-layer Llama (about 0.2M parameters) and its tokenizer."""
+    final = cache_root() / "tiny-v2"
+    if (final / "config.json").exists():
+        return final
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = build_tiny_tokenizer()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(_tiny_llama_config(tok))
     tmp = final.with_name(f".tmp-tiny-v2-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    return _publish_dir(tmp, final)
+
+
+TINY_REWARD = "builtin:tiny-reward"
+
+
+def prepare_tiny_reward_model() -> Path:
+    """A seeded random-init 2-layer Llama sequence classifier with one label, sharing
+    `builtin:tiny`'s tokenizer (the reward model of tests, `builtin:tiny-reward`)."""
+    final = cache_root() / "tiny-reward-v2"
+    if (final / "config.json").exists():
+        return final
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    tok = build_tiny_tokenizer()
+    torch.manual_seed(1)
+    model = AutoModelForSequenceClassification.from_config(_tiny_llama_config(tok, num_labels=1))
+    with torch.no_grad():
+        # The default init (std 0.02) gives scores within about 0.01 of each other; a
+        # wider head makes the differences between responses plain in tests, while the
+        # scores stay below 1, where float32 rounding is below 1e-6.
+        model.score.weight.normal_(0.0, 0.1)
+    tmp = final.with_name(f".tmp-tiny-reward-v2-{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     return _publish_dir(tmp, final)

@@ -351,9 +351,37 @@ def _check_arguments(spec: RewardFunctionConfig, fn: Callable[..., Any]) -> None
         ) from exc
 
 
+def _reward_model(spec: RewardFunctionConfig, cfg: RewardConfig, device: Any) -> RewardComponent:
+    # Imported on use: it loads transformers, which a config without a model never needs.
+    from rftpipe.reward_model import RewardModel
+
+    return RewardModel.build(spec, device)
+
+
+#: Built-ins that are components of their own (a model, rather than a function per row),
+#: built from (spec, reward config, this rank's device: a torch.device or its name).
+BUILTIN_COMPONENTS: dict[
+    str, Callable[[RewardFunctionConfig, RewardConfig, Any], RewardComponent]
+] = {
+    "reward_model": _reward_model,
+}
+
+
+def builtin_names() -> list[str]:
+    """Every built-in name `reward.functions` takes."""
+    tables = (BUILTIN_REWARDS, BUILTIN_LENGTH_REWARDS, POOLED_BUILTINS, BUILTIN_COMPONENTS)
+    return sorted([*(name for t in tables for name in t), "remote"])
+
+
 def resolve(
-    spec: RewardFunctionConfig, cfg: RewardConfig, scorer: Any, response_budget: int | None = None
+    spec: RewardFunctionConfig,
+    cfg: RewardConfig,
+    scorer: Any,
+    response_budget: int | None = None,
+    device: Any = "cpu",
 ) -> RewardComponent:
+    if spec.path in BUILTIN_COMPONENTS:
+        return BUILTIN_COMPONENTS[spec.path](spec, cfg, device)
     builtin = spec.path in BUILTIN_REWARDS or spec.path in BUILTIN_LENGTH_REWARDS
     if builtin and spec.signature != "rftpipe":
         raise UserError(f"reward.functions: built-in '{spec.path}' has no signature to set")
@@ -385,8 +413,7 @@ def resolve(
         return RemoteReward(spec, cfg.remote)
     if ":" not in spec.path:
         raise UserError(
-            f"reward.functions: unknown reward '{spec.path}' (built-ins: "
-            f"{sorted([*BUILTIN_REWARDS, *BUILTIN_LENGTH_REWARDS, *POOLED_BUILTINS, 'remote'])}; "
+            f"reward.functions: unknown reward '{spec.path}' (built-ins: {builtin_names()}; "
             "or give module:function)"
         )
     _import(spec)
@@ -419,9 +446,12 @@ def check_coverage(cfg: RewardConfig, data_sources: set[str]) -> None:
 
 
 def resolve_all(
-    cfg: RewardConfig, scorer: Any, response_budget: int | None = None
+    cfg: RewardConfig, scorer: Any, response_budget: int | None = None, device: Any = "cpu"
 ) -> dict[str, RewardComponent]:
     """Column name -> component, validated at start-up (before anything runs).
 
-    `response_budget` is rollout.max_new_tokens, which the length-scored built-ins need."""
-    return {spec.column: resolve(spec, cfg, scorer, response_budget) for spec in cfg.specs()}
+    `response_budget` is rollout.max_new_tokens, which the length-scored built-ins need; a
+    reward model is loaded onto `device` (this rank's)."""
+    return {
+        spec.column: resolve(spec, cfg, scorer, response_budget, device) for spec in cfg.specs()
+    }

@@ -137,7 +137,7 @@ def build(
         cfg.data, cfg.eval, load_prompts(cfg.data, tokenizer), tokenizer
     )
     check_coverage(cfg.reward, prompts.data_sources())
-    rewards = resolve_all(cfg.reward, prompts.scorer, cfg.rollout.max_new_tokens)
+    rewards = resolve_all(cfg.reward, prompts.scorer, cfg.rollout.max_new_tokens, dist.device)
     if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
         preflight(cfg, model_dir)
     check_fingerprints(

@@ -108,6 +108,19 @@ FRESH_CASES = {
         ("reward.functions=[nosuch_mod:fn]",),
         ("reward.functions", "nosuch_mod:fn"),
     ),
+    "reward_model_missing": (
+        ("reward.functions=[{path: reward_model, model: {path: /nonexistent/rm}}]",),
+        ("reward.functions", "/nonexistent/rm"),
+    ),
+    "reward_model_not_a_classifier": (
+        ("reward.functions=[{path: reward_model, model: {path: 'builtin:tiny'}}]",),
+        ("reward.functions", "builtin:tiny", "sequence-classification"),
+    ),
+    "ema_on_deepspeed": (
+        ("train.backend=deepspeed", "train.ema_decay=0.9"),
+        ("train", "ema_decay", "deepspeed"),
+    ),
+    "ema_decay_one": (("train.ema_decay=1.0",), ("train", "ema_decay", "[0, 1)")),
     "prompt_too_long": (("data.max_prompt_tokens=5",), ("data.max_prompt_tokens", "row 0")),
     "bad_generator_kwargs": (("data.reasoning_gym.kwargs.min_terms=0",), ("data.reasoning_gym",)),
     "unknown_zero_stage": (

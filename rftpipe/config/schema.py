@@ -335,6 +335,51 @@ RewardSignature = Literal["rftpipe", "verl", "trl"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class RewardModelConfig:
+    """A sequence-classification reward model: the `model` of a `reward.functions` entry
+    whose path is `reward_model`. Loaded once per rank at start-up, it scores a shard's
+    rows in batches under no_grad in eval mode; the score of a row is
+    `scale * logit + shift`, the logit its single label's at the last real token."""
+
+    path: str
+    """Local HF directory of an `AutoModelForSequenceClassification` with one label
+    (`num_labels: 1`) and its tokenizer, or `builtin:tiny-reward` (a seeded random-init
+    one sharing `builtin:tiny`'s tokenizer, for tests)."""
+
+    batch_size: int = 8
+    """Rows per forward; rows are right-padded, so it changes no score (to float rounding)."""
+
+    max_length: int = 1024
+    """Tokens of the templated prompt + response the model sees at most; longer texts are
+    truncated on `truncation_side`."""
+
+    truncation_side: Literal["left", "right"] = "left"
+    """Which end a too-long text loses. `left` (the default) cuts the start of the prompt
+    and keeps the response's end, the token whose logit is the score; `right` keeps the
+    prompt and cuts the response's end."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights and compute dtype: float32 (CPU and GPU), or bfloat16 to halve the memory
+    on a GPU (scores then carry bf16 rounding)."""
+
+    scale: float = 1.0
+    """Fixed normalisation: the committed score is `scale * logit + shift`."""
+
+    shift: float = 0.0
+    """Added after `scale` (e.g. minus the model's mean logit on a reference set)."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("path must name a local reward model directory")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+        if not (math.isfinite(self.scale) and math.isfinite(self.shift)):
+            raise ValueError(f"scale and shift must be finite, got {self.scale}, {self.shift}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RewardFunctionConfig:
     """A user reward function with its calling convention (a bare string in
     `reward.functions` is this with every other field at its default)."""
@@ -362,9 +407,20 @@ class RewardFunctionConfig:
     another source is not sent to it: its `reward_<name>` is null and adds nothing to
     `reward`. A run whose data holds a source that no function scores is refused."""
 
+    model: RewardModelConfig | None = None
+    """The reward model of a `reward_model` entry (required there, refused elsewhere)."""
+
     def __post_init__(self) -> None:
         if not self.path:
             raise ValueError("path must name a built-in reward or module:function")
+        if (self.path == "reward_model") != (self.model is not None):
+            raise ValueError(
+                "path reward_model needs a `model` mapping (path, batch_size, ...)"
+                if self.model is None
+                else f"`model` is set but path is {self.path!r}, not reward_model"
+            )
+        if self.model is not None and (self.signature != "rftpipe" or self.timeout_s is not None):
+            raise ValueError("a reward_model entry has no signature or timeout_s to set")
         if self.timeout_s is not None and not (
             math.isfinite(self.timeout_s) and self.timeout_s > 0
         ):
@@ -438,7 +494,8 @@ class RewardConfig:
     functions: tuple[str | RewardFunctionConfig, ...] = ("accuracy", "format")
     """Reward components: built-in names (accuracy, format, dense_even_tokens, math_verify,
     overlong, remote), `module:function` import paths, or mappings (RewardFunctionConfig:
-    path, signature, name, timeout_s, data_sources). Each is a column `reward_<name>`."""
+    path, signature, name, timeout_s, data_sources; `{path: reward_model, name: ...,
+    model: {...}}` for a reward model, RewardModelConfig). Each is a column `reward_<name>`."""
 
     weights: tuple[float, ...] = ()
     """Weight of each component in `reward` (empty: all 1.0)."""
@@ -680,6 +737,14 @@ class TrainConfig:
     correction_high: float = 2.0
     """`icepop` / `token_mask`: highest ratio whose token is kept."""
 
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the actor's parameters, updated after every
+    optimizer step as `ema = ema_decay * ema + (1 - ema_decay) * param` from the initial
+    weights (0: off). An EMA of the PPO policy's weights goes back to InstructGPT (Ouyang
+    et al. 2022); DeepSpeed-Chat and OpenRLHF (`--enable_ema`, `ema_beta`) keep one for
+    evaluation. Checkpointed, sharded like the parameters under fsdp2, and exported to
+    RUN/export_ema. Not with backend=deepspeed."""
+
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
@@ -719,6 +784,13 @@ class TrainConfig:
         if not (math.isfinite(self.correction_cap) and self.correction_cap > 0):
             raise ValueError(
                 f"correction_cap must be a finite number > 0, got {self.correction_cap}"
+            )
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.ema_decay and self.backend == "deepspeed":
+            raise ValueError(
+                "ema_decay is not available with backend=deepspeed (it keeps its parameters "
+                "in flat partitions of its own); use backend=single or fsdp2"
             )
         if not (0 <= self.correction_low <= 1 <= self.correction_high < math.inf):
             raise ValueError(

@@ -20,6 +20,7 @@ import torch
 from rftpipe.algos.losses import entropy_from_logits, gather_logprobs
 from rftpipe.config.schema import TrainConfig
 from rftpipe.dist import Dist
+from rftpipe.engines.ema import ParameterEMA
 from rftpipe.errors import UserError
 
 # DCP warns on every call that it runs without a process group; single-process runs are
@@ -282,6 +283,8 @@ class TrainEngine(Protocol):
 
     model: torch.nn.Module
     role: Role
+    ema: ParameterEMA | None
+    """The actor's parameter average (`train.ema_decay`); None when off or not an actor."""
 
     def train_mode(self) -> contextlib.AbstractContextManager[None]:
         """Parameters (and, later, offloaded optimizer state) ready for forward+backward."""
@@ -394,6 +397,7 @@ class _EngineBase:
     device: torch.device
     role: Role
     optimizer: torch.optim.Optimizer
+    ema: ParameterEMA | None = None
 
     def __init__(
         self,
@@ -431,6 +435,9 @@ class _EngineBase:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.cfg, total_updates)
         )
+        if self.cfg.ema_decay:
+            # From the (sharded, placed) initial weights, so it shards like them.
+            self.ema = ParameterEMA(self.model, self.cfg.ema_decay)
 
     def _require_actor(self, what: str) -> None:
         if self.role != "actor":
@@ -524,6 +531,8 @@ class _EngineBase:
             norm = norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
         return float(norm)
 
     def lr_scheduler_step(self) -> None:
