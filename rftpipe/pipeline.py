@@ -220,9 +220,9 @@ class EvalStage(_NoSideEffects):
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
         assert rt.held_out is not None, "eval is due only with eval.size > 0"
         held = rt.held_out.prompts
-        # Dealt like a step's prompts, in whole units of rollout.groups_per_call.
+        # Dealt in whole calls of the problems' order (see evaluation.run).
         mine = rank_slice(
-            range(len(held)), rt.dist.rank, rt.dist.world, rt.cfg.rollout.groups_per_call
+            range(len(held)), rt.dist.rank, rt.dist.world, rt.cfg.eval.problems_per_call
         )
         inp = evaluation.EvalInputs(
             step=plan.step,

@@ -127,6 +127,7 @@ EVAL = (
     "eval.holdout_fraction=0.3",
     "eval.every=2",
     "eval.samples=4",
+    "eval.problems_per_call=2",
     "eval.k=[1,4]",
     "eval.metric=dense_even_tokens",
     "eval.threshold=0.5",

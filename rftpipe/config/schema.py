@@ -924,6 +924,11 @@ class EvalConfig:
     k: tuple[int, ...] = (1,)
     """pass@k reported for each k (unbiased estimator over `samples`; each k <= samples)."""
 
+    problems_per_call: int = 8
+    """Problems generated together (greedy and sampled) by an engine that takes a fixed
+    number per call (the HF loop; left-padded). Ranks get whole calls of the problems'
+    order, so the completions are the same on any world size."""
+
     metric: str = "accuracy"
     """The reward component (`reward_<metric>` column) that decides whether a completion
     is correct."""
@@ -940,6 +945,8 @@ class EvalConfig:
             raise ValueError(f"every must be >= 0, got {self.every}")
         if self.samples < 0:
             raise ValueError(f"samples must be >= 0, got {self.samples}")
+        if self.problems_per_call < 1:
+            raise ValueError(f"problems_per_call must be >= 1, got {self.problems_per_call}")
         bad = [k for k in self.k if not 1 <= k <= max(self.samples, 1)]
         if self.samples and bad:
             raise ValueError(f"k must be in [1, samples={self.samples}], got {list(self.k)}")

@@ -62,9 +62,11 @@ def run(
     """One greedy row (sample_idx -1) and `eval.samples` sampled rows per problem, scored."""
     cols: dict[str, list] = {name: [] for name in EVAL_SCHEMA.names}
     budget = inp.rollout.max_new_tokens
-    g = engine.groups_per_call
-    # Calls cut like the rollout stage's, so greedy batches and sampled calls, and with them
-    # the completions, are the same on any world size.
+    # This rank holds whole units of eval.problems_per_call, so cutting its problems by that
+    # unit gives the calls, and the completions, of any world size. An engine that takes
+    # all of a rank's groups at once (seeding each sample on its own) gets them so: ranks
+    # sharing a tensor-parallel engine must each make one call.
+    g = max(engine.groups_per_call, inp.eval.problems_per_call)
     calls = [inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)]
     if not calls and engine.collective:
         calls = [[]]  # a tensor-parallel group generates together, even for no prompts
