@@ -55,11 +55,14 @@ def plan_step(rt: Runtime, step: int) -> StepPlan:
 
 def stateful_parts(rt: Runtime) -> dict[str, checkpoint.Stateful]:
     """Everything a checkpoint holds, by name (the trainer's own counters are the steps)."""
-    return {
+    parts: dict[str, checkpoint.Stateful] = {
         "engine": rt.train_engine,
         "kl_controller": rt.kl_ctrl,
         "ckpt_schedule": rt.ckpt_schedule,
     }
+    if rt.critic is not None:
+        parts["critic"] = rt.critic
+    return parts
 
 
 def maybe_checkpoint(rt: Runtime, step: int, timings: dict[str, float]) -> None:
