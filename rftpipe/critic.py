@@ -18,6 +18,12 @@ import torch
 from rftpipe.config.schema import CriticConfig, TrainConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.train import TrainEngine, build_micro_batch, split_micro_batches
+from rftpipe.seeding import derive_seed
+
+
+def head_seed(run_seed: int) -> int:
+    """The seed the value head is drawn from: the same on every rank and every restart."""
+    return derive_seed(run_seed, 0, "critic/value_head", 0)
 
 
 class ValueModel(torch.nn.Module):

@@ -20,7 +20,7 @@ from rftpipe import checkpoint, models
 from rftpipe.algos.kl_controller import make_kl_controller
 from rftpipe.ckpt_policy import FixedSchedule, YoungDalySchedule, make_schedule
 from rftpipe.config.schema import RunConfig
-from rftpipe.critic import Critic, critic_train_config, load_value_model
+from rftpipe.critic import Critic, critic_train_config, head_seed, load_value_model
 from rftpipe.data import PromptSet, load_prompts
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout import HFGenerateEngine, RolloutEngine
@@ -28,7 +28,6 @@ from rftpipe.engines.train import TRAIN_ENGINES, TrainEngine
 from rftpipe.errors import UserError
 from rftpipe.preemption import NoStop, StopFlag
 from rftpipe.rewards import RewardComponent, resolve_all
-from rftpipe.seeding import derive_seed
 from rftpipe.store import RUN_LAYOUT_VERSION, RunDir, StageStore, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
@@ -184,7 +183,7 @@ def build_critic(cfg: RunConfig, model_dir: Path, dist: Dist) -> Critic | None:
     if cfg.critic is None:
         return None
     path = models.resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else model_dir
-    seed = derive_seed(cfg.seed, 0, "critic/value_head", 0)
+    seed = head_seed(cfg.seed)
     model = place_for_engine(load_value_model(path, cfg.model.dtype, seed), cfg.train.backend, dist)
     train_cfg = critic_train_config(cfg.train, cfg.critic)
     updates = cfg.total_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
