@@ -3,6 +3,7 @@ runs with a critic (values that learn, warm-up, 1 vs 2 ranks)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import statistics
@@ -183,3 +184,20 @@ def test_critic_one_and_two_ranks_agree(tmp_path: Path) -> None:
         wa = checkpoint_tensors(runs[1] / "checkpoints" / "step=3", prefix)
         wb = checkpoint_tensors(runs[2] / "checkpoints" / "step=3", prefix)
         assert _rel_diff(wa, wb) < 1e-5, prefix
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed not installed")
+def test_critic_on_deepspeed_matches_single_device(tmp_path: Path) -> None:
+    """The critic is an engine of the actor's backend: ZeRO-2 trains it as one device does."""
+    runs = {b: tmp_path / b for b in ("single", "deepspeed")}
+    for backend, run in runs.items():
+        out = submit(run, "total_steps=3", f"train.backend={backend}", *CRITIC, timeout=500)
+        assert out.returncode == 0, out.stderr[-3000:]
+    for x, y in zip(_metrics(runs["single"]), _metrics(runs["deepspeed"]), strict=True):
+        for key in ("critic/mse", "critic/values_mean", "critic/vf_loss"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), key
+    wa = checkpoint_tensors(runs["single"] / "checkpoints" / "step=3", "critic.model.")
+    wb = checkpoint_tensors(runs["deepspeed"] / "checkpoints" / "step=3", "critic.model.")
+    assert _rel_diff(wa, wb) < 1e-5
