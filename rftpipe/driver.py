@@ -76,6 +76,8 @@ def stateful_parts(rt: Runtime) -> dict[str, checkpoint.Stateful]:
     }
     if rt.train_engine.ema is not None:
         parts["ema"] = rt.train_engine.ema  # `train.ema_decay`: DCP reshards it like the actor
+    if rt.critic is not None:
+        parts["critic"] = rt.critic
     return parts
 
 

@@ -21,7 +21,17 @@ from rftpipe.errors import UserError
 from rftpipe.executor import Rows, Stage, StageOutput, StepPlan
 from rftpipe.faults import events, fault
 from rftpipe.runtime import Runtime
-from rftpipe.stages import ORDER, StageName, advantage, evaluation, rollout, score, sync, train
+from rftpipe.stages import (
+    ORDER,
+    StageName,
+    advantage,
+    critic_train,
+    evaluation,
+    rollout,
+    score,
+    sync,
+    train,
+)
 from rftpipe.store import CorruptionError
 
 log = logging.getLogger(__name__)
@@ -107,6 +117,8 @@ class AdvantageStage(_NoSideEffects):
             rt.dist.all_reduce_sum,
             actor_logprobs=actor,
             reduce_max=rt.dist.all_reduce_max,
+            # The critic holds the weights of the step's train stages so far, as the actor.
+            critic_values=None if rt.critic is None else rt.critic.compute_values,
         )
         return StageOutput(rows=table, extra={"kl_coef": kl_coef, "metrics": metrics})
 
@@ -155,11 +167,15 @@ class TrainStage:
             temperature=rt.cfg.rollout.temperature,
             response_budget=rt.cfg.rollout.max_new_tokens,
         )
+        critic = {} if rt.critic is None else critic_train.run(rt.critic, rt.dist, inp)
+        if rt.critic is not None and plan.step <= rt.critic.cfg.warmup_steps:
+            # Critic warm-up: the actor waits (no update, no KL-controller input).
+            return {"train/kl": 0.0, "train/updates": 0.0, **critic}
         metrics = train.run(rt.cfg.train, rt.cfg.kl, rt.train_engine, rt.dist, inp)
         rt.kl_ctrl.update(metrics["train/kl"], n_steps=len(plan.global_ids) * n)
         dtype = perf.compute_dtype(rt.cfg.train.param_dtype, rt.cfg.model.dtype)
         peak = perf.peak_tflops(rt.dist.device, dtype, rt.cfg.launch.peak_tflops)
-        return {**metrics, **perf.mfu(metrics["perf/train_tflops"], peak, rt.dist.world)}
+        return {**metrics, **perf.mfu(metrics["perf/train_tflops"], peak, rt.dist.world), **critic}
 
 
 def _update_metrics(metrics: dict[str, float]) -> dict[str, float]:

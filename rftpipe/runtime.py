@@ -21,6 +21,7 @@ from rftpipe import checkpoint, models
 from rftpipe.algos.kl_controller import make_kl_controller
 from rftpipe.ckpt_policy import FixedSchedule, YoungDalySchedule, make_schedule
 from rftpipe.config.schema import RunConfig
+from rftpipe.critic import Critic, critic_train_config, head_seed, load_value_model
 from rftpipe.data import PromptSet, load_prompts, split_held_out
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout import HFGenerateEngine, RolloutEngine
@@ -60,6 +61,8 @@ class Runtime:
     """Background checkpoint writes, overlapped with the next step's rollout."""
     ckpt_schedule: FixedSchedule | YoungDalySchedule
     """When to checkpoint (`checkpoint.policy`); saved with each checkpoint."""
+    critic: Critic | None = None
+    """The value model (`critic`), on the actor's backend; None without one."""
 
 
 def configure_threads(cfg: RunConfig, dist: Dist) -> None:
@@ -178,7 +181,24 @@ def build(
         stop=stop or NoStop(),
         ckpt_writer=checkpoint.Writer(dist, cfg.checkpoint.direct_io),
         ckpt_schedule=make_schedule(cfg.checkpoint, run.events_path),
+        critic=build_critic(cfg, model_dir, dist),
     )
+
+
+def build_critic(cfg: RunConfig, model_dir: Path, dist: Dist) -> Critic | None:
+    """The value model at its initial weights (backbone from `critic.model.path`, else the
+    actor's `model_dir`; head from the run seed), trained by an engine of the actor's backend."""
+    if cfg.critic is None:
+        return None
+    path = models.resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else model_dir
+    seed = head_seed(cfg.seed)
+    model = place_for_engine(load_value_model(path, cfg.model.dtype, seed), cfg.train.backend, dist)
+    train_cfg = critic_train_config(cfg.train, cfg.critic)
+    updates = cfg.total_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
+    engine = TRAIN_ENGINES[cfg.train.backend](
+        model, train_cfg, dist, role="actor", total_updates=updates
+    )
+    return Critic(engine=engine, cfg=cfg.critic, train_cfg=train_cfg, dist=dist)
 
 
 def build_actor(
@@ -305,10 +325,11 @@ def new_kl_controller(cfg: RunConfig) -> Any:
 
 
 def rebuild_actor(rt: Runtime) -> None:
-    """Back to the initial actor, optimizer, scheduler and KL controller (after a failed
+    """Back to the initial actor, critic, optimizers, schedulers and KL controller (after a failed
     checkpoint load left them partly overwritten)."""
     rt.train_engine, rt.rollout_engine = build_actor(
         rt.cfg, rt.model_dir, rt.dist, rt.tokenizer, rt.rollout_engine
     )
     rt.kl_ctrl = new_kl_controller(rt.cfg)
+    rt.critic = build_critic(rt.cfg, rt.model_dir, rt.dist)
     rt.ckpt_schedule = make_schedule(rt.cfg.checkpoint, rt.run.events_path)

@@ -122,3 +122,25 @@ def vllm_spec(model_dir: Path):  # -> rftpipe.engines.vllm_engine.EngineSpec
         seed=0,
         max_model_len=64,
     )
+
+
+def checkpoint_tensors(ckpt_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The DCP tensors of a committed checkpoint directory whose dotted names start with
+    `prefix` (e.g. `critic.model.` for the value model's weights)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(ckpt_dir, Path(tmp) / "state.pt")
+        state = torch.load(Path(tmp) / "state.pt", weights_only=True)
+    flat: dict[str, torch.Tensor] = {}
+    todo = [("", state)]
+    while todo:
+        pre, node = todo.pop()
+        for k, v in node.items():
+            if isinstance(v, dict):
+                todo.append((f"{pre}{k}.", v))
+            elif isinstance(v, torch.Tensor) and f"{pre}{k}".startswith(prefix):
+                flat[f"{pre}{k}"] = v
+    return flat

@@ -80,6 +80,8 @@ class AdvCase:
     sum_pi_squared: list[list[float]] | None = None
     gamma: float = 1.0
     is_baseline: list[bool] | None = None
+    values: list[list[float]] | None = None
+    lam: float = 1.0
 
 
 # Shared batch: group 0 rewards (1, 0, 0.5) with lengths (2, 1, 3); group 1 has equal rewards.
@@ -106,6 +108,14 @@ OTB_EQ = 1.0 - 0.5 / (0.5 + EPS)
 RPP_STD = math.sqrt(2) / 3
 # gamma 0.5: returns (0.5, 1) and (0,), mean 0.5, std sqrt(1/6).
 RPP_STD_G = math.sqrt(1 / 6)
+
+# GAE, gamma = lam = 0.5: sample 0 (reward 1, values 0.2, 0.4), sample 1 (reward 0, value 0.1).
+# t=1: delta = 1 - 0.4 = 0.6 = A; t=0: delta = 0.5 * 0.4 - 0.2 = 0, A = 0.25 * 0.6 = 0.15;
+# sample 1: A = 0 - 0.1 = -0.1. Then whitened over the 3 tokens (unbiased variance).
+GAE_RAW = [0.15, 0.6, -0.1]
+GAE_MEAN = sum(GAE_RAW) / 3
+GAE_STD = math.sqrt(sum((x - GAE_MEAN) ** 2 for x in GAE_RAW) / 2 + 1e-8)
+GAE_W = [(x - GAE_MEAN) / GAE_STD for x in GAE_RAW]
 
 ADVANTAGE_CASES: dict[str, dict[str, AdvCase]] = {
     "grpo": {
@@ -193,6 +203,26 @@ ADVANTAGE_CASES: dict[str, dict[str, AdvCase]] = {
         # the empty response adds no weight; the other is alone at t=0: baseline 0
         "empty_response": AdvCase(RE, GE, LE, [[], [0.0, 0.0]], logprobs=[[], [-1.0, -1.0]]),
     },
+    "gae": {
+        "gamma_lam_half": AdvCase(
+            [1.0, 0.0],
+            [0, 1],
+            [2, 1],
+            [GAE_W[:2], GAE_W[2:]],
+            values=[[0.2, 0.4], [0.1]],
+            gamma=0.5,
+            lam=0.5,
+        ),
+        # An empty response has no tokens; gamma = lam = 1 leaves R - V, then whitened:
+        # (1 - 0.25, 1 - 0.75) -> mean 0.5, unbiased std sqrt(0.125).
+        "empty_response": AdvCase(
+            [0.0, 1.0],
+            [0, 1],
+            [0, 2],
+            [[], [0.25 / math.sqrt(0.125 + 1e-8), -0.25 / math.sqrt(0.125 + 1e-8)]],
+            values=[[], [0.25, 0.75]],
+        ),
+    },
     "remax": {
         # r - r(greedy) on every token; the greedy rows themselves get 0.
         # group 0: samples 1 and 0, greedy 0.5; group 1: 0.3 (2 tokens) and an empty
@@ -223,6 +253,8 @@ def test_advantage_reference(name: str, case: str) -> None:
         logprobs=None if c.logprobs is None else _pad(c.logprobs, c.lengths),
         sum_pi_squared=None if c.sum_pi_squared is None else _pad(c.sum_pi_squared, c.lengths),
         is_baseline=None if c.is_baseline is None else torch.tensor(c.is_baseline),
+        values=None if c.values is None else _pad(c.values, c.lengths),
+        lam=c.lam,
     )
     adv = compute_advantages(name, inputs, eps=EPS, gamma=c.gamma)  # type: ignore[arg-type]
     _assert_ragged(adv, mask, c.expected)
@@ -244,11 +276,14 @@ def test_advantage_of_an_empty_batch(name: str) -> None:
         response_mask=torch.zeros(0, 1, dtype=torch.bool),
         logprobs=torch.zeros(0, 1, dtype=F64),
         is_baseline=torch.zeros(0, dtype=torch.bool),
+        values=torch.zeros(0, 1, dtype=F64),
     )
     adv = compute_advantages(name, inputs, reduce_sum=reduce_sum)  # type: ignore[arg-type]
     assert adv.shape == (0, 1)
     if name in ("gpg", "reinforce_pp", "reinforce_pp_baseline"):
         assert len(calls) == 1
+    if name == "gae":
+        assert len(calls) == 2  # masked whitening: the mean, then the variance
 
 
 def test_gpg_alpha_counts_samples_of_all_ranks() -> None:

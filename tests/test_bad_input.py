@@ -138,6 +138,7 @@ FRESH_CASES = {
         ("cpu_offload=optimizer", "fsdp2", "all"),
     ),
     "unknown_backend": (("train.backend=megatron",), ("train.backend", "deepspeed")),
+    "gae_without_critic": (("advantage.estimator=gae",), ("advantage.estimator=gae", "critic")),
     "correction_on_rollout_logprobs": (
         ("train.rollout_correction=tis", "train.old_logprobs=rollout"),
         ("train.rollout_correction", "train.old_logprobs=actor"),

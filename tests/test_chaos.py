@@ -17,7 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TINY, events, final_weights, stage_history, submit, trajectories
+from helpers import (
+    ROOT,
+    TINY,
+    checkpoint_tensors,
+    events,
+    final_weights,
+    stage_history,
+    submit,
+    trajectories,
+)
 
 from rftpipe.faults import FAULT_POINTS
 from rftpipe.stages import ORDER
@@ -73,22 +82,36 @@ def _kill_at_random_instant(
     return proc.wait()
 
 
+#: Actor-critic PPO: the critic's values are committed columns, its weights and AdamW
+#: state are in every checkpoint, and its train steps are replayed with the actor's.
+CRITIC = (
+    "advantage.estimator=gae",
+    "advantage.lam=0.95",
+    "critic.lr=1e-3",
+    "critic.warmup_steps=1",
+)
+
+
 @pytest.mark.parametrize(
-    "engine",
+    ("engine", "extra"),
     [
-        "hf",
+        ("hf", ()),
+        pytest.param("hf", CRITIC, id="hf-critic"),
         pytest.param(
             "vllm",
+            (),
             marks=pytest.mark.skipif(
                 importlib.util.find_spec("vllm") is None, reason="vLLM not installed"
             ),
         ),
     ],
 )
-def test_chaos_resume_is_bitwise_identical(engine: str, tmp_path: Path) -> None:
+def test_chaos_resume_is_bitwise_identical(
+    engine: str, extra: tuple[str, ...], tmp_path: Path
+) -> None:
     """With vLLM a worker spends its first seconds starting the engine, so its random kills
     wait for the first stage to begin rather than for the worker to start."""
-    overrides = (*STEPS, f"rollout.engine={engine}")
+    overrides = (*STEPS, f"rollout.engine={engine}", *extra)
     ref = tmp_path / "ref"
     out = submit(ref, *overrides)
     assert out.returncode == 0, out.stderr
@@ -129,6 +152,12 @@ def test_chaos_resume_is_bitwise_identical(engine: str, tmp_path: Path) -> None:
     wa, wb = final_weights(ref), final_weights(run)
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "final weights differ"
+    if extra:
+        # The final checkpoint's critic: weights and AdamW moments, bitwise.
+        ca = checkpoint_tensors(ref / "checkpoints" / "step=10", "critic.")
+        cb = checkpoint_tensors(run / "checkpoints" / "step=10", "critic.")
+        assert ca and ca.keys() == cb.keys()
+        assert all(torch.equal(ca[k], cb[k]) for k in ca), "final critic differs"
 
     # 20 prompts, 4 per step, 10 steps: two epochs, each prompt exactly once in each.
     order = []

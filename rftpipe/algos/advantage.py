@@ -25,6 +25,7 @@ from torch import Tensor
 
 # The names live in the torch-free `names` module so the config schema can import them.
 from rftpipe.algos.names import ESTIMATOR_TRAITS, AdvantageName
+from rftpipe.algos.value import GAEOutput, gae, masked_whiten
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -34,6 +35,7 @@ __all__ = [
     "AdvantageName",
     "Reducer",
     "compute_advantages",
+    "gae_returns",
     "identity",
 ]
 
@@ -76,6 +78,11 @@ class AdvantageInputs:
     logprobs: Tensor | None = None
     sum_pi_squared: Tensor | None = None
     is_baseline: Tensor | None = None
+    values: Tensor | None = None
+    """``(B, T)`` the critic's ``V(s_t)`` per response token, for estimators with a learned
+    baseline (``gae``); None without a critic."""
+    lam: float = 1.0
+    """GAE's lambda (``gae`` only): the bias/variance trade-off of its returns."""
 
 
 class AdvantageEstimator(Protocol):
@@ -423,6 +430,38 @@ def remax_advantages(
     return torch.where(keep, adv, 0.0)
 
 
+def _gae(inputs: AdvantageInputs, gamma: float) -> GAEOutput:
+    if inputs.values is None:
+        raise ValueError("the gae estimator needs the critic's values (AdvantageInputs.values)")
+    mask = inputs.response_mask
+    if inputs.values.shape != mask.shape:
+        raise ValueError(f"values must have shape {tuple(mask.shape)}, got {inputs.values.shape}")
+    # The outcome on the last token and the KL penalty on every token, as REINFORCE++.
+    outcome = inputs.rewards.to(torch.float64)[:, None]
+    token_rewards = -_masked_kl(inputs) + torch.where(_last_token(mask), outcome, 0.0)
+    return gae(token_rewards, inputs.values, mask, gamma=gamma, lam=inputs.lam)
+
+
+def gae_advantages(
+    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+) -> Tensor:
+    """GAE (Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized
+    Advantage Estimation") from the critic's per-token values and the outcome reward on the
+    last token (minus the per-token KL penalty under KL-in-reward), then whitened over the
+    valid tokens of the global batch (masked whitening, as verl). ``(B, T)``.
+
+    With a 0/1 outcome and gamma = lam = 1 this is ``R - V_t`` before whitening.
+    """
+    adv = _gae(inputs, gamma).advantages
+    return masked_whiten(adv, inputs.response_mask, reduce_sum)
+
+
+def gae_returns(inputs: AdvantageInputs, *, gamma: float) -> Tensor:
+    """``(B, T)`` float64 targets of the critic: GAE advantages (before whitening) plus
+    values, 0 on padding; the same quantities as `gae_advantages` uses."""
+    return _gae(inputs, gamma).returns
+
+
 ADVANTAGE_ESTIMATORS: dict[AdvantageName, AdvantageEstimator] = {
     "grpo": grpo_advantages,
     "dr_grpo": dr_grpo_advantages,
@@ -434,6 +473,7 @@ ADVANTAGE_ESTIMATORS: dict[AdvantageName, AdvantageEstimator] = {
     "grpo_passk": grpo_passk_advantages,
     "optimal_token_baseline": optimal_token_baseline_advantages,
     "remax": remax_advantages,
+    "gae": gae_advantages,
 }
 
 

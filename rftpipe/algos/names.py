@@ -19,6 +19,7 @@ AdvantageName = Literal[
     "grpo_passk",
     "optimal_token_baseline",
     "remax",
+    "gae",
 ]
 KLEstimatorName = Literal["k1", "k2", "k3", "abs", "k1_st", "k3_st", "abs_st"]
 PolicyLossName = Literal[
@@ -57,6 +58,7 @@ ESTIMATOR_TRAITS: dict[AdvantageName, EstimatorTraits] = {
     "optimal_token_baseline": EstimatorTraits(needs_groups=True),
     # The greedy response is the baseline, so one sample per prompt is enough.
     "remax": EstimatorTraits(needs_groups=False, needs_baseline_rollout=True),
+    "gae": EstimatorTraits(needs_groups=False),
 }
 
 

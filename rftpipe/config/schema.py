@@ -577,7 +577,72 @@ class AdvantageConfig:
     """Added to standard deviations before dividing."""
 
     gamma: float = 1.0
-    """Discount for token-level returns (REINFORCE++)."""
+    """Discount for token-level returns (REINFORCE++, GAE)."""
+
+    lam: float = 1.0
+    """GAE's lambda (estimator gae): 1 gives Monte-Carlo returns minus the critic's value,
+    0 one-step TD errors."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lam <= 1:
+            raise ValueError(f"lam must be in [0, 1], got {self.lam}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CriticModelConfig:
+    path: str = ""
+    """Backbone weights of the value model (a local HF directory or a `builtin:` name, as
+    model.path; empty: the actor's model.path). A scalar value head per token is added,
+    initialised from the run seed; the dtype is model.dtype."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CriticConfig:
+    """The value model of actor-critic PPO (`advantage.estimator=gae`): a train engine of
+    the actor's backend (`train.backend`, micro-batching, epochs and mini-batches as the
+    actor) with its own AdamW, LR and schedule, checkpointed with the actor."""
+
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    """The value model's backbone."""
+
+    lr: float = 1e-5
+    """Peak learning rate of the critic's AdamW."""
+
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after the critic's LR warm-up, over the run's optimizer steps."""
+
+    lr_warmup_steps: int = 0
+    """Linear LR warm-up of the critic, in optimizer steps."""
+
+    weight_decay: float = 0.0
+    """AdamW weight decay of the critic (matrices only, as the actor)."""
+
+    grad_clip: float = 1.0
+    """Clip the critic's global gradient norm to this (0: off)."""
+
+    cliprange_value: float = 0.5
+    """A value prediction may move at most this far from the one the step's returns were
+    built with before its loss stops rewarding the move (PPO's clipped value loss)."""
+
+    loss_coef: float = 0.5
+    """Weight of the value loss (the critic has its own optimizer, so this only scales its
+    gradients against `grad_clip` and AdamW's epsilon)."""
+
+    warmup_steps: int = 0
+    """During the first this many steps only the critic is trained; the actor is not
+    updated, so the value model fits the initial policy before its advantages steer it."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not self.cliprange_value > 0:
+            raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value}")
+        if not (math.isfinite(self.loss_coef) and self.loss_coef > 0):
+            raise ValueError(f"loss_coef must be a finite number > 0, got {self.loss_coef}")
+        if self.warmup_steps < 0 or self.lr_warmup_steps < 0:
+            raise ValueError("warmup_steps and lr_warmup_steps must be >= 0")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ValueError("grad_clip and weight_decay must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -1033,6 +1098,10 @@ class RunConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     """KL to the reference policy."""
 
+    critic: CriticConfig | None = None
+    """The value model of actor-critic PPO (None: no critic; `advantage.estimator=gae`
+    needs one, e.g. `critic.lr=1e-5`)."""
+
     train: TrainConfig = field(default_factory=TrainConfig)
     """Train stage."""
 
@@ -1075,6 +1144,11 @@ class RunConfig:
             raise ValueError(
                 f"train.mini_batches={self.train.mini_batches} does not divide the "
                 f"{samples} samples of a step (data.prompts_per_step x rollout.n)"
+            )
+        if self.advantage.estimator == "gae" and self.critic is None:
+            raise ValueError(
+                "advantage.estimator=gae needs a critic: configure `critic` "
+                "(e.g. critic.lr=1e-5; critic.model.path defaults to model.path)"
             )
         if (
             self.train.rollout_correction != "none"

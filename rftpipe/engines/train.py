@@ -313,6 +313,10 @@ class TrainEngine(Protocol):
         """No-grad response logprobs of this rank's rows, in micro-batches."""
         ...
 
+    def run_module(self, **inputs: torch.Tensor) -> torch.Tensor:
+        """The wrapped module's own forward, with the backend's hooks (the critic's values)."""
+        ...
+
     def backward(self, loss: torch.Tensor) -> None: ...
 
     def optimizer_step(self) -> float:
@@ -516,6 +520,12 @@ class _EngineBase:
                 out.extend(lp[i, : len(resp)].tolist() for i, resp in enumerate(r))
         return out
 
+    def run_module(self, **inputs: torch.Tensor) -> torch.Tensor:
+        """The wrapped module's own forward on `inputs` (moved to the engine's device),
+        through the backend's hooks (FSDP2's unit gathers, DeepSpeed's ZeRO-3 gathers), for
+        modules that are not a causal LM: the critic's value model."""
+        return self._runner(**{k: v.to(self.device) for k, v in inputs.items()})
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
@@ -615,6 +625,13 @@ class SingleDeviceEngine(_EngineBase):
             return grouped_logprobs(
                 self.model, prompts, responses, temperature, with_entropy, self._entropy_grad
             )
+
+    def run_module(self, **inputs: torch.Tensor) -> torch.Tensor:
+        """As the base, under the same autocast as `forward` with `param_dtype=bfloat16`."""
+        with torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.cfg.param_dtype == "bfloat16"
+        ):
+            return super().run_module(**inputs)
 
     def rollout_weights(self) -> torch.nn.Module:
         return self.model

@@ -9,13 +9,16 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from rftpipe.algos.advantage import AdvantageInputs, Reducer, compute_advantages
+from rftpipe.algos.advantage import AdvantageInputs, Reducer, compute_advantages, gae_returns
 from rftpipe.algos.losses import kl_estimate
 from rftpipe.baseline_rows import baseline_flags
 from rftpipe.config.schema import AdvantageConfig, KLConfig
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
 """Response logprobs of (prompts, responses) under some model: the reference, or the actor."""
+
+CriticValues = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
+"""The critic's per-token values V(s_t) of (prompts, responses), no grad."""
 
 
 def pad_ragged(
@@ -51,9 +54,14 @@ def run(
     *,
     actor_logprobs: RefLogprobs | None = None,
     reduce_max: Reducer | None = None,
+    critic_values: CriticValues | None = None,
 ) -> tuple[pa.Table, dict[str, float]]:
-    """This rank's rows with `advantages` (and `old_logprobs`, `ref_logprobs`) appended,
-    and the stage's metrics (global over ranks).
+    """This rank's rows with `advantages` (and `old_logprobs`, `ref_logprobs`, `values`,
+    `returns`) appended, and the stage's metrics (global over ranks).
+
+    With `critic_values`, the critic's values become column `values` and the GAE returns
+    (`advantage.gamma`, `advantage.lam`) column `returns`: the critic's old predictions and
+    targets in the train stage, never recomputed once committed.
 
     With `actor_logprobs` (the actor's weights are still those that sampled the rows), its
     logprobs become column `old_logprobs`: PPO's old policy in the train stage and the
@@ -88,6 +96,14 @@ def run(
             ref_t, _ = pad_ragged(out.column("ref_logprobs").to_pylist(), torch.float64)
             old32, _ = pad_ragged(out.column(old_column).to_pylist(), torch.float64)
             penalty = cfg.kl_coef * kl_estimate(old32, ref_t, cfg.kl.estimator) * mask
+    values = None
+    if critic_values is not None:
+        out = out.append_column(
+            pa.field("values", pa.list_(pa.float32())),
+            pa.array(critic_values(prompts, responses), pa.list_(pa.float32())),
+        )
+        # Read back through float32, exactly as the train stage will see the column.
+        values, _ = pad_ragged(out.column("values").to_pylist(), torch.float64)
     group = torch.tensor(scored.column("prompt_id").to_pylist(), dtype=torch.int64)
     # The behaviour policy's logprobs, as committed: the optimal token baseline reads them.
     behaviour, _ = pad_ragged(out.column(old_column).to_pylist(), torch.float64)
@@ -98,6 +114,8 @@ def run(
         token_kl_penalty=penalty,
         logprobs=behaviour,
         is_baseline=is_baseline,
+        values=values,
+        lam=cfg.advantage.lam,
     )
     adv = compute_advantages(
         cfg.advantage.estimator,
@@ -110,7 +128,37 @@ def run(
         pa.field("advantages", pa.list_(pa.float32())),
         pa.array(unpad(adv, mask), pa.list_(pa.float32())),
     )
+    if values is not None:
+        returns = gae_returns(inputs, gamma=cfg.advantage.gamma)
+        table = table.append_column(
+            pa.field("returns", pa.list_(pa.float32())),
+            pa.array(unpad(returns, mask), pa.list_(pa.float32())),
+        )
+        metrics = {**metrics, **_value_metrics(values, returns, mask, reduce_sum)}
     return table, metrics
+
+
+def _value_metrics(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, reduce_sum: Reducer
+) -> dict[str, float]:
+    """The critic's values and targets over every response token of all ranks, and the
+    share of the returns' variance its values explain (1: perfect, <= 0: no better than
+    their mean)."""
+    v, r = torch.where(mask, values, 0.0), torch.where(mask, returns, 0.0)
+    err = r - v
+    s = reduce_sum(
+        torch.stack(
+            [mask.sum().double(), v.sum(), r.sum(), r.square().sum(), err.sum(), err.square().sum()]
+        )
+    )
+    n = max(float(s[0]), 1.0)
+    var_r = float(s[3]) / n - (float(s[2]) / n) ** 2
+    var_err = float(s[5]) / n - (float(s[4]) / n) ** 2
+    return {
+        "critic/values_mean": float(s[1]) / n,
+        "critic/returns_mean": float(s[2]) / n,
+        "critic/explained_var": 1.0 - var_err / var_r if var_r > 0 else 0.0,
+    }
 
 
 def _logprob_diff_metrics(

@@ -1,0 +1,105 @@
+"""Stage 4, train (critic half): the clipped value loss on the committed `values` and
+`returns` columns, over the actor's epochs, mini-batches (same global order) and
+micro-batches, with global token/sequence normalisation so any world size makes the same
+update. Runs after the actor's update in the same train stage, so a replay replays both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rftpipe.algos.losses import AGGREGATIONS
+from rftpipe.algos.value import clipped_value_loss
+from rftpipe.critic import Critic
+from rftpipe.dist import Dist
+from rftpipe.engines.train import split_micro_batches
+from rftpipe.stages.advantage import pad_ragged
+from rftpipe.stages.train import TrainInputs, minibatch_plan
+
+#: Stand-in row for a rank with no rows left in a micro-batch slot (its loss weight is 0).
+_PADDING_ROW = {
+    "prompt_token_ids": [0],
+    "response_token_ids": [0],
+    "values": [0.0],
+    "returns": [0.0],
+}
+_SUMS = ("tokens", "vf_loss", "clipped", "vpred", "sq_err", "skipped")
+
+
+def run(critic: Critic, dist: Dist, inp: TrainInputs) -> dict[str, float]:
+    """Train the critic on this rank's committed rows; metrics global over ranks."""
+    cfg = critic.train_cfg
+    rows = inp.table.to_pylist()
+    sums = dict.fromkeys(_SUMS, 0.0)
+    grad_norm, updates = 0.0, 0
+    lr = critic.engine.current_lr()
+    with critic.engine.train_mode():
+        for epoch in range(cfg.ppo_epochs):
+            plan = minibatch_plan(inp, epoch, cfg.mini_batches)
+            counts = torch.tensor(
+                [[sum(rows[i]["response_length"] for i in mb), len(mb)] for mb in plan],
+                dtype=torch.float64,
+            )
+            counts = dist.all_reduce_sum(counts)
+            for m, mb in enumerate(plan):
+                local = [rows[i] for i in mb]
+                chunks = split_micro_batches(
+                    cfg,
+                    [r["prompt_token_ids"] for r in local],
+                    [r["response_token_ids"] for r in local],
+                )
+                # Sharded backends' forwards are collective: every rank runs as many.
+                n_chunks = int(dist.all_reduce_max(torch.tensor([len(chunks)]))[0])
+                for c in range(n_chunks):
+                    chunk = [local[i] for i in chunks[c]] if c < len(chunks) else []
+                    _micro_step(critic, dist, chunk, counts[m], sums)
+                grad_norm += critic.engine.optimizer_step()
+                updates += 1
+                critic.engine.lr_scheduler_step()
+    total = dist.all_reduce_sum(torch.tensor([sums[k] for k in _SUMS], dtype=torch.float64))
+    g = dict(zip(_SUMS, total.tolist(), strict=True))
+    tok = max(g["tokens"], 1.0)
+    return {
+        "critic/vf_loss": g["vf_loss"] / max(updates, 1),
+        "critic/vf_clipfrac": g["clipped"] / tok,
+        "critic/vpred_mean": g["vpred"] / tok,
+        "critic/mse": g["sq_err"] / tok,
+        # Each rank sees the same clipped global norm, so no reduction is needed.
+        "critic/grad_norm": grad_norm / max(updates, 1),
+        "critic/updates": float(updates),
+        "critic/skipped_micro_batches": sums["skipped"],
+        "critic/lr": lr,
+    }
+
+
+def _micro_step(
+    critic: Critic,
+    dist: Dist,
+    chunk: list[dict],
+    count: torch.Tensor,
+    sums: dict[str, float],
+) -> None:
+    weight = 1.0 if chunk else 0.0
+    chunk = chunk or [_PADDING_ROW]
+    vpred = critic.values(
+        [r["prompt_token_ids"] for r in chunk], [r["response_token_ids"] for r in chunk]
+    )
+    old, mask = pad_ragged([r["values"] for r in chunk], torch.float32)
+    returns, _ = pad_ragged([r["returns"] for r in chunk], torch.float32)
+    old, returns, mask = old.to(vpred.device), returns.to(vpred.device), mask.to(vpred.device)
+    out = clipped_value_loss(vpred, old, returns, cliprange=critic.cfg.cliprange_value)
+    agg = AGGREGATIONS[critic.train_cfg.loss_agg]
+    loss = agg(out.loss, mask, num_tokens=float(count[0]), num_seqs=float(count[1]))
+    # A non-finite micro-batch on any rank is skipped by all of them together.
+    if dist.any(not bool(torch.isfinite(loss))):
+        sums["skipped"] += 1
+        return
+    critic.engine.backward(critic.cfg.loss_coef * loss * weight)
+    if not weight:
+        return
+    with torch.no_grad():
+        sums["tokens"] += float(mask.sum())
+        sums["vf_loss"] += float(loss)
+        sums["clipped"] += float((out.clipped & mask).sum())
+        sums["vpred"] += float((vpred * mask).sum())
+        sums["sq_err"] += float(((vpred - returns).square() * mask).sum())
