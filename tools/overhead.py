@@ -21,13 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print(__doc__, file=sys.stderr)
         return 2
-    rows = [json.loads(x) for x in (Path(args[0]) / "metrics.jsonl").read_text().splitlines()]
-    compute = sum(sum(r[k] for k in STAGE_KEYS) for r in rows)
+    lines = (Path(args[0]) / "metrics.jsonl").read_text().splitlines()
+    # Step 0 is the evaluation of the initial weights alone; evaluations are compute.
+    rows = [r for r in map(json.loads, lines) if r["step"] >= 1]
+    compute = sum(sum(r[k] for k in STAGE_KEYS) + r.get("perf/eval_s", 0.0) for r in rows)
     commit = sum(r.get("perf/commit_s", 0.0) for r in rows)
     ckpt = sum(r.get("perf/checkpoint_s", 0.0) for r in rows)
     total = compute + commit + ckpt
     steps = [
         sum(r[k] for k in STAGE_KEYS)
+        + r.get("perf/eval_s", 0.0)
         + r.get("perf/commit_s", 0.0)
         + r.get("perf/checkpoint_s", 0.0)
         for r in rows
