@@ -166,6 +166,7 @@ class TrainStage:
             global_samples=[(p, k) for p in plan.global_ids for k in range(n)],
             temperature=rt.cfg.rollout.temperature,
             response_budget=rt.cfg.rollout.max_new_tokens,
+            ptx=rt.ptx,
         )
         critic = {} if rt.critic is None else critic_train.run(rt.critic, rt.dist, inp)
         if rt.critic is not None and plan.step <= rt.critic.cfg.warmup_steps:

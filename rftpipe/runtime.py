@@ -22,7 +22,7 @@ from rftpipe.algos.kl_controller import make_kl_controller
 from rftpipe.ckpt_policy import FixedSchedule, YoungDalySchedule, make_schedule
 from rftpipe.config.schema import RunConfig
 from rftpipe.critic import Critic, critic_train_config, head_seed, load_value_model
-from rftpipe.data import PromptSet, load_prompts, split_held_out
+from rftpipe.data import PromptSet, PTXExample, load_prompts, load_ptx_examples, split_held_out
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout import HFGenerateEngine, RolloutEngine
 from rftpipe.engines.train import TRAIN_ENGINES, TrainEngine
@@ -63,6 +63,8 @@ class Runtime:
     """When to checkpoint (`checkpoint.policy`); saved with each checkpoint."""
     critic: Critic | None = None
     """The value model (`critic`), on the actor's backend; None without one."""
+    ptx: tuple[PTXExample, ...] = ()
+    """The supervised examples of `train.ptx` (empty with it off)."""
 
 
 def configure_threads(cfg: RunConfig, dist: Dist) -> None:
@@ -140,6 +142,12 @@ def build(
         cfg.data, cfg.eval, load_prompts(cfg.data, tokenizer), tokenizer
     )
     check_coverage(cfg.reward, prompts.data_sources())
+    # Before any model loads, so a bad PTX file fails in seconds.
+    ptx = (
+        tuple(load_ptx_examples(cfg.train.ptx, tokenizer, cfg.data.system_prompt))
+        if cfg.train.ptx.coef
+        else ()
+    )
     rewards = resolve_all(cfg.reward, prompts.scorer, cfg.rollout.max_new_tokens, dist.device)
     if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
         preflight(cfg, model_dir)
@@ -182,6 +190,7 @@ def build(
         ckpt_writer=checkpoint.Writer(dist, cfg.checkpoint.direct_io),
         ckpt_schedule=make_schedule(cfg.checkpoint, run.events_path),
         critic=build_critic(cfg, model_dir, dist),
+        ptx=ptx,
     )
 
 

@@ -673,6 +673,42 @@ class KLConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PTXConfig:
+    """The PTX term of InstructGPT's PPO-ptx (Ouyang et al. 2022; OpenRLHF's `ptx_coef` with
+    `pretrain_data`): `coef` x the token-mean NLL of supervised prompt + completion examples,
+    added to every optimizer step of the actor's update to limit regressions."""
+
+    coef: float = 0.0
+    """Weight of the NLL term in the actor's loss (0: off)."""
+
+    data: DatasetSourceConfig | None = None
+    """The supervised examples: a Parquet or JSON-lines file (or `save_to_disk` directory)
+    whose prompt column holds the user message or chat messages, and whose answer column
+    holds the target completion. Chat-templated like the RL prompts (with
+    `data.system_prompt`); the loss covers the completion's tokens only."""
+
+    batch_size: int = 8
+    """Examples per optimizer step, over all ranks: consecutive windows of epochs of
+    permutations of the examples, keyed by (run seed, step, epoch, mini-batch)."""
+
+    max_tokens: int = 512
+    """Longest example (prompt plus completion) in tokens: longer completions are cut to
+    fit, and an example whose prompt alone leaves no room is dropped."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.coef) and self.coef >= 0):
+            raise ValueError(f"coef must be a finite number >= 0, got {self.coef}")
+        if self.coef and self.data is None:
+            raise ValueError(
+                f"coef={self.coef} needs data (a file of prompt and completion examples)"
+            )
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.max_tokens < 2:
+            raise ValueError(f"max_tokens must be >= 2, got {self.max_tokens}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     backend: Literal["single", "fsdp2", "deepspeed"] = "single"
     """Training engine: one device, FSDP2 over all ranks, or DeepSpeed ZeRO over all ranks."""
@@ -809,6 +845,9 @@ class TrainConfig:
     et al. 2022); DeepSpeed-Chat and OpenRLHF (`--enable_ema`, `ema_beta`) keep one for
     evaluation. Checkpointed, sharded like the parameters under fsdp2, and exported to
     RUN/export_ema. Not with backend=deepspeed."""
+
+    ptx: PTXConfig = field(default_factory=PTXConfig)
+    """A supervised loss on a second dataset mixed into each optimizer step (PPO-ptx)."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:

@@ -9,6 +9,10 @@ Mini-batches are drawn from a permutation of the step's *global* samples keyed b
 (seed, step, epoch, prompt id, sample idx), and losses are normalised by global token and
 sequence counts, so the update is the same on any number of ranks and any micro-batching
 (rows or a token budget per micro-batch: `split_micro_batches`).
+
+With `train.ptx.coef` each optimizer step also accumulates PPO-ptx's supervised term: coef x
+the token-mean NLL of a batch of PTX examples chosen by the update's number alone
+(`data.ptx_batch`), normalised by the batch's global completion-token count.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from rftpipe.algos.losses import (
     kl_estimate,
 )
 from rftpipe.config.schema import KLConfig, TrainConfig
+from rftpipe.data import PTXExample, ptx_batch, rank_slice
 from rftpipe.dist import Dist
 from rftpipe.engines.train import TrainEngine, split_micro_batches
 from rftpipe.faults import fault
@@ -59,6 +64,8 @@ _SUMS = (
     "skipped",
     "correction_weight",
     "correction_masked",
+    "ptx_nll",
+    "ptx_tokens",
 )
 
 
@@ -75,6 +82,8 @@ class TrainInputs:
     response_budget: int = 0
     """rollout.max_new_tokens: the constant length of `seq-mean-token-sum-norm` (0: the
     micro-batch's padded width, verl's fallback)."""
+    ptx: Sequence[PTXExample] = ()
+    """Every example of `train.ptx.data` (the same on all ranks); empty with ptx off."""
 
 
 def minibatch_plan(inp: TrainInputs, epoch: int, mini_batches: int) -> list[list[int]]:
@@ -147,11 +156,75 @@ def _run(
             for c in range(n_chunks):
                 chunk = [local[i] for i in chunks[c]] if c < len(chunks) else []
                 _micro_step(cfg, kl, engine, dist, inp, chunk, counts[m], sums)
+            if cfg.ptx.coef:
+                update = (inp.step * cfg.ppo_epochs + epoch) * cfg.mini_batches + m
+                _ptx_step(cfg, engine, dist, inp.ptx, (inp.run_seed, update), sums)
             sums["grad_norm"] += engine.optimizer_step()
             sums["updates"] += 1
             engine.lr_scheduler_step()
             fault("train_mid_step")
-    return {**_finish_metrics(sums, dist, cfg.rollout_correction != "none"), "train/lr": lr}
+    metrics = _finish_metrics(sums, dist, cfg.rollout_correction != "none")
+    return {**metrics, **_ptx_metrics(sums, dist, cfg), "train/lr": lr}
+
+
+def ptx_nll(
+    engine: TrainEngine, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed NLL of the completion tokens, with gradients; their count): one forward of
+    the actor at temperature 1, the model's own distribution, whatever the rollout's."""
+    lp, _ = engine.forward(prompts, completions, 1.0, with_entropy=False)
+    lengths = torch.tensor([len(c) for c in completions], device=lp.device)
+    mask = torch.arange(lp.shape[1], device=lp.device)[None, :] < lengths[:, None]
+    # where, not a product: a padding position's logprob must not reach the sum at all.
+    return torch.where(mask, -lp, 0.0).sum(), mask.sum()
+
+
+def _ptx_step(
+    cfg: TrainConfig,
+    engine: TrainEngine,
+    dist: Dist,
+    examples: Sequence[PTXExample],
+    key: tuple[int, int],
+    sums: dict[str, float],
+) -> None:
+    """PPO-ptx's term for optimizer step `key` = (run seed, update number): coef x the NLL
+    of this rank's slice of the update's batch over the whole batch's completion tokens,
+    so the gradients the backend sums over ranks are the batch's token mean on any world."""
+    batch = [examples[i] for i in ptx_batch(len(examples), *key, cfg.ptx.batch_size)]
+    total = sum(len(e.completion_ids) for e in batch)  # global: every rank knows the batch
+    mine = [batch[i] for i in rank_slice(range(len(batch)), dist.rank, dist.world)]
+    prompts = [e.prompt_ids for e in mine]
+    completions = [e.completion_ids for e in mine]
+    chunks = split_micro_batches(cfg, prompts, completions)
+    # As the policy micro-batches: the same number of forwards on every rank (padding: weight 0).
+    for c in range(int(dist.all_reduce_max(torch.tensor([len(chunks)]))[0])):
+        rows = chunks[c] if c < len(chunks) else range(0)
+        weight = 1.0 if rows else 0.0
+        nll, tokens = ptx_nll(
+            engine,
+            [prompts[i] for i in rows] or [[0]],
+            [completions[i] for i in rows] or [[0]],
+        )
+        loss = cfg.ptx.coef * nll / total
+        if dist.any(not bool(torch.isfinite(loss))):
+            sums["skipped"] += 1
+            continue
+        engine.backward(loss * weight)
+        if weight:
+            sums["ptx_nll"] += float(nll.detach())
+            sums["ptx_tokens"] += float(tokens)
+
+
+def _ptx_metrics(sums: dict[str, float], dist: Dist, cfg: TrainConfig) -> dict[str, float]:
+    """The token-mean PTX NLL over every update of the step (unscaled by coef), and its
+    tokens; nothing with ptx off, so the other runs' metrics stay as they were."""
+    if not cfg.ptx.coef:
+        return {}
+    g = dist.all_reduce_sum(
+        torch.tensor([sums["ptx_nll"], sums["ptx_tokens"]], dtype=torch.float64)
+    )
+    nll, tokens = g.tolist()
+    return {"train/ptx_loss": nll / max(tokens, 1.0), "train/ptx_tokens": tokens}
 
 
 def _micro_step(
@@ -258,7 +331,9 @@ def _loss_params(cfg: TrainConfig) -> LossParams:
 
 def _finish_metrics(sums: dict[str, float], dist: Dist, correction: bool) -> dict[str, float]:
     # updates, grad_norm and skipped are identical on every rank (collective decisions).
-    local = {k: v for k, v in sums.items() if k not in ("updates", "grad_norm", "skipped")}
+    # The PTX sums are reduced on their own (`_ptx_metrics`), only when there is a PTX term.
+    skip = ("updates", "grad_norm", "skipped", "ptx_nll", "ptx_tokens")
+    local = {k: v for k, v in sums.items() if k not in skip}
     total = dist.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64))
     g = dict(zip(local, total.tolist(), strict=True))
     tok = max(g["tokens"], 1.0)

@@ -1,0 +1,220 @@
+"""`train.ptx` (PPO-ptx): the supervised NLL term against a direct forward, which examples
+an update takes, and end to end: it trains, survives a SIGKILL bitwise, and is the same on
+1 and 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+from helpers import events, final_weights, submit
+
+from rftpipe.config.schema import DatasetSourceConfig, KLConfig, PTXConfig, TrainConfig
+from rftpipe.data import load_ptx_examples, ptx_batch, rank_slice
+from rftpipe.dist import Dist
+from rftpipe.engines.train import SingleDeviceEngine
+from rftpipe.models import load_causal_lm, load_tokenizer, prepare_tiny
+from rftpipe.stages import train
+
+#: Questions and answers of the PTX file: short, so the tiny model learns them in a few steps.
+EXAMPLES = [
+    {"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}."}
+    for a, b in [(1, 2), (3, 4), (5, 6), (2, 2), (7, 1), (4, 4)]
+]
+
+
+def _write_ptx(tmp_path: Path) -> Path:
+    path = tmp_path / "ptx.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES))
+    return path
+
+
+def _ptx_cfg(path: Path, batch_size: int = 4, coef: float = 1.0) -> PTXConfig:
+    src = DatasetSourceConfig(path=str(path), prompt_column="question", answer_column="answer")
+    return PTXConfig(coef=coef, data=src, batch_size=batch_size)
+
+
+def _rl_table() -> pa.Table:
+    """One prompt x 2 samples whose advantages are 0: the policy loss has no gradient, so
+    the update is the PTX term's alone."""
+    return pa.table(
+        {
+            "prompt_id": [0, 0],
+            "sample_idx": [0, 1],
+            "prompt_token_ids": [[5, 6, 7], [5, 6, 7]],
+            "response_token_ids": [[8, 9], [10]],
+            "logprobs": pa.array([[-1.0, -1.0], [-1.0]], pa.list_(pa.float32())),
+            "advantages": pa.array([[0.0, 0.0], [0.0]], pa.list_(pa.float32())),
+            "response_length": [2, 1],
+        }
+    )
+
+
+def test_ptx_loss_is_the_completion_cross_entropy(tmp_path: Path) -> None:
+    """The step's `train/ptx_loss`, computed in the first (only) update's forward, equals
+    the token-mean cross-entropy of a plain `from_pretrained` forward over the completion
+    tokens of every example, the prompt's tokens masked out."""
+    tiny = prepare_tiny()
+    tok = load_tokenizer(tiny)
+    ptx = _ptx_cfg(_write_ptx(tmp_path), batch_size=len(EXAMPLES))
+    examples = load_ptx_examples(ptx, tok, None)
+    assert len(examples) == len(EXAMPLES)
+    for e, raw in zip(examples, EXAMPLES, strict=True):
+        # The completion is the assistant turn: the answer's text, then the end of turn.
+        assert raw["answer"] in tok.decode(list(e.completion_ids))
+        assert raw["answer"] not in tok.decode(list(e.prompt_ids))
+    cfg = TrainConfig(lr=1e-3, micro_batch_size=4, ptx=ptx)
+    engine = SingleDeviceEngine(load_causal_lm(tiny, "float32"), cfg, Dist())
+    table = _rl_table()
+    inp = train.TrainInputs(
+        step=1,
+        run_seed=0,
+        table=table,
+        global_samples=[(0, 0), (0, 1)],
+        kl_coef=0.0,
+        temperature=0.7,  # the rollout's; the PTX term is at temperature 1
+        ptx=examples,
+    )
+    metrics = train.run(cfg, KLConfig(), engine, Dist(), inp)
+
+    model = load_causal_lm(tiny, "float32")
+    nll, tokens = 0.0, 0
+    with torch.no_grad():
+        for e in examples:
+            ids = torch.tensor([[*e.prompt_ids, *e.completion_ids]])
+            logits = model(input_ids=ids).logits[0]
+            start = len(e.prompt_ids)
+            # Logits at j predict token j+1: the completion's tokens come from start-1 on.
+            ce = torch.nn.functional.cross_entropy(
+                logits[start - 1 : -1], ids[0, start:], reduction="sum"
+            )
+            nll += float(ce)
+            tokens += len(e.completion_ids)
+    assert metrics["train/ptx_tokens"] == tokens
+    assert math.isclose(metrics["train/ptx_loss"], nll / tokens, rel_tol=1e-5)
+    moved = any(
+        not torch.equal(p, q)
+        for p, q in zip(engine.model.parameters(), model.parameters(), strict=True)
+    )
+    assert moved, "the PTX term alone (zero advantages) must move the weights"
+
+
+def test_ptx_off_leaves_the_update_and_metrics_as_they_were(tmp_path: Path) -> None:
+    """coef 0 is the plain PPO update bit for bit and reports no PTX metric."""
+    tiny = prepare_tiny()
+    out = []
+    for ptx in (PTXConfig(), _ptx_cfg(_write_ptx(tmp_path), coef=0.0)):
+        cfg = TrainConfig(lr=1e-3, ptx=ptx)
+        engine = SingleDeviceEngine(load_causal_lm(tiny, "float32"), cfg, Dist())
+        table = _rl_table().set_column(
+            5, "advantages", pa.array([[1.0, -1.0], [0.5]], pa.list_(pa.float32()))
+        )
+        inp = train.TrainInputs(
+            step=1, run_seed=0, table=table, global_samples=[(0, 0), (0, 1)],
+            kl_coef=0.0, temperature=1.0,
+        )  # fmt: skip
+        metrics = train.run(cfg, KLConfig(), engine, Dist(), inp)
+        assert "train/ptx_loss" not in metrics
+        out.append([p.detach().clone() for p in engine.model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
+
+
+def test_ptx_batches_are_epochs_and_independent_of_world_size() -> None:
+    """Consecutive updates run through shuffled epochs (every example once per epoch);
+    the ranks' slices of an update's batch are its batch on any world size."""
+    n, size = 10, 4
+    seq = [i for u in range(5) for i in ptx_batch(n, 7, u, size)]
+    assert sorted(seq[:10]) == list(range(n)) and sorted(seq[10:20]) == list(range(n))
+    assert seq[:10] != seq[10:20], "each epoch has its own permutation"
+    assert ptx_batch(n, 7, 3, size) == ptx_batch(n, 7, 3, size)
+    assert ptx_batch(n, 7, 3, size) != ptx_batch(n, 8, 3, size)
+    batch = ptx_batch(n, 7, 3, size)
+    for world in (1, 2, 3):
+        dealt = [batch[i] for r in range(world) for i in rank_slice(range(size), r, world)]
+        assert dealt == batch
+
+
+def _ptx_overrides(path: Path, coef: float = 1.0) -> tuple[str, ...]:
+    return (
+        f"train.ptx.coef={coef}",
+        f"train.ptx.data={{path: '{path}', prompt_column: question, answer_column: answer}}",
+        "train.ptx.batch_size=4",
+    )
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+STEPS = ("total_steps=4",)
+
+
+@pytest.fixture(scope="module")
+def ptx_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 4-step tiny run with the PTX term (checkpoints at steps 2 and 4)."""
+    base = tmp_path_factory.mktemp("ptx")
+    run = base / "ref"
+    out = submit(run, *STEPS, *_ptx_overrides(_write_ptx(base)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+@pytest.mark.slow
+def test_ptx_loss_falls_and_changes_the_weights(ptx_run: Path, tmp_path: Path) -> None:
+    steps = [m for m in _metrics(ptx_run) if "train/ptx_loss" in m]
+    assert len(steps) == 4, "every step reports the PTX loss"
+    losses = [m["train/ptx_loss"] for m in steps]
+    assert losses[-1] < 0.9 * losses[0], losses
+    # Two updates a step (train.mini_batches=2) of 4 examples each.
+    assert all(m["train/ptx_tokens"] > 8 for m in steps)
+    off = tmp_path / "off"
+    out = submit(off, *STEPS, *_ptx_overrides(_write_ptx(tmp_path), coef=0.0))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert all("train/ptx_loss" not in m for m in _metrics(off))
+    a, b = final_weights(ptx_run), final_weights(off)
+    assert any(not torch.equal(a[k], b[k]) for k in a), "the PTX term changed nothing"
+
+
+@pytest.mark.slow
+def test_ptx_survives_sigkill_and_replay_bitwise(ptx_run: Path, tmp_path: Path) -> None:
+    """Killed right after step 3's train commit (after the step-2 checkpoint), the restart
+    replays step 3's update, PTX batches included, from the step number alone."""
+    run = tmp_path / "run"
+    ptx = _ptx_overrides(_write_ptx(tmp_path))
+    env = {"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "13"}
+    assert submit(run, *STEPS, *ptx, env=env).returncode != 0
+    last = [e for e in events(run) if e["event"] == "commit"][-1]
+    assert (last["step"], last["stage"]) == (3, "train")
+    out = submit(run, *STEPS, *ptx, config=None)
+    assert out.returncode == 0, out.stderr[-3000:]
+    replays = [e for e in events(run) if e["event"] == "replay"]
+    assert [(e["step"], e["identical"]) for e in replays] == [(3, True)]
+    a, b = final_weights(ptx_run), final_weights(run)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "weights differ from the uninterrupted run"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ptx_is_world_size_independent(tmp_path: Path) -> None:
+    """fsdp2 on 1 and 2 ranks: each rank takes its slice of the same PTX batches and the
+    loss is over the batch's global token count, so the metrics agree."""
+    ptx = _ptx_overrides(_write_ptx(tmp_path))
+    runs = {}
+    for world in (1, 2):
+        run = tmp_path / f"w{world}"
+        extra = ("--tasks-per-node", str(world))
+        out = submit(run, "train.backend=fsdp2", "total_steps=2", *ptx, extra=extra, timeout=500)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[world] = _metrics(run)
+    for a, b in zip(runs[1], runs[2], strict=True):
+        if "train/ptx_loss" not in a:
+            continue
+        assert a["train/ptx_tokens"] == b["train/ptx_tokens"]  # the same examples
+        for key in ("train/ptx_loss", "train/pg_loss", "train/kl", "train/entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert sum("train/ptx_loss" in m for m in runs[2]) == 2
