@@ -161,6 +161,8 @@ FRESH_CASES = {
         ("reward.overlong_buffer=999", "rollout.max_new_tokens"),
     ),
     "entropy_mask_out_of_range": (("train.entropy_mask_top=0",), ("train", "entropy_mask_top")),
+    "ptx_negative_coef": (("train.ptx.coef=-0.5",), ("train.ptx", "coef", ">= 0")),
+    "ptx_without_data": (("train.ptx.coef=0.1",), ("train.ptx", "coef=0.1", "data")),
 }
 
 
@@ -189,6 +191,26 @@ def test_missing_data_column(tmp_path: Path) -> None:
         "data.prompts_per_step=2",
         needles=("data.file.prompt_column", "'prompt'"),
     )
+
+
+#: PTX file problems: (overrides beyond the file's, text naming the culprit).
+PTX_CASES = {
+    "missing_file": (("train.ptx.data.path=/nonexistent/ptx.jsonl",), ("train.ptx.data.path",)),
+    "missing_column": (
+        ("train.ptx.data.answer_column=completion",),
+        ("train.ptx.data.answer_column", "'completion'"),
+    ),
+    "batch_larger_than_data": (("train.ptx.batch_size=3",), ("train.ptx.batch_size", "2 examples")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PTX_CASES))
+def test_bad_ptx_data(case: str, tmp_path: Path) -> None:
+    data = tmp_path / "ptx.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": "4"}\n')
+    overrides, needles = PTX_CASES[case]
+    ptx = ("train.ptx.coef=0.1", f"train.ptx.data={{path: '{data}'}}", "train.ptx.batch_size=2")
+    _fresh(tmp_path, *ptx, *overrides, needles=needles)
 
 
 def test_missing_data_file(tmp_path: Path) -> None:
