@@ -647,6 +647,18 @@ def _completion_ids(
     return [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
 
 
+def data_fingerprint(prompts: PromptSet, ptx: Sequence[PTXExample]) -> str:
+    """The run's data fingerprint: the prompts', with the PTX examples' tokens folded in
+    when there are any (a replayed update must see the examples it took), so a run
+    without a PTX term keeps the fingerprint it always had."""
+    if not ptx:
+        return prompts.fingerprint()
+    h = hashlib.sha256(prompts.fingerprint().encode())
+    for e in ptx:
+        h.update(json.dumps([e.prompt_ids, e.completion_ids]).encode())
+    return h.hexdigest()
+
+
 def ptx_batch(n: int, seed: int, update: int, batch_size: int) -> list[int]:
     """Indexes of the PTX examples of the run's optimizer step number `update` (counted from
     (step, epoch, mini-batch), so a replay takes the same ones): the update's window of

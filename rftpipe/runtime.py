@@ -22,7 +22,14 @@ from rftpipe.algos.kl_controller import make_kl_controller
 from rftpipe.ckpt_policy import FixedSchedule, YoungDalySchedule, make_schedule
 from rftpipe.config.schema import RunConfig
 from rftpipe.critic import Critic, critic_train_config, head_seed, load_value_model
-from rftpipe.data import PromptSet, PTXExample, load_prompts, load_ptx_examples, split_held_out
+from rftpipe.data import (
+    PromptSet,
+    PTXExample,
+    data_fingerprint,
+    load_prompts,
+    load_ptx_examples,
+    split_held_out,
+)
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout import HFGenerateEngine, RolloutEngine
 from rftpipe.engines.train import TRAIN_ENGINES, TrainEngine
@@ -152,7 +159,11 @@ def build(
     if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
         preflight(cfg, model_dir)
     check_fingerprints(
-        run, models.model_fingerprint(model_dir), prompts.fingerprint(), allow_mismatch, dist
+        run,
+        models.model_fingerprint(model_dir),
+        data_fingerprint(prompts, ptx),
+        allow_mismatch,
+        dist,
     )
     if dist.is_main and not run.run_json.exists():
         atomic_write_json(
@@ -160,7 +171,7 @@ def build(
             {
                 "schema_version": RUN_LAYOUT_VERSION,
                 "model_fingerprint": models.model_fingerprint(model_dir),
-                "data_fingerprint": prompts.fingerprint(),
+                "data_fingerprint": data_fingerprint(prompts, ptx),
                 "num_prompts": len(prompts),
             },
         )

@@ -218,3 +218,18 @@ def test_ptx_is_world_size_independent(tmp_path: Path) -> None:
         for key in ("train/ptx_loss", "train/pg_loss", "train/kl", "train/entropy"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     assert sum("train/ptx_loss" in m for m in runs[2]) == 2
+
+
+@pytest.mark.slow
+def test_resume_refuses_changed_ptx_examples(tmp_path: Path) -> None:
+    """The PTX examples are part of the run's data fingerprint: a replayed update must
+    see the examples the original took, so a resume with an edited file exits 2."""
+    path = _write_ptx(tmp_path)
+    run = tmp_path / "run"
+    ptx = _ptx_overrides(path)
+    out = submit(run, "total_steps=1", *ptx)
+    assert out.returncode == 0, out.stderr[-3000:]
+    path.write_text(path.read_text().replace("1 + 2 = 3.", "1 + 2 = 4."))
+    out = submit(run, "total_steps=2", *ptx, config=None)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "data differs" in out.stderr.strip().splitlines()[-1]
