@@ -632,9 +632,9 @@ def _completion_ids(
     answer: str,
     prompt: Sequence[int],
 ) -> list[int]:
-    """The answer's tokens as the chat template writes an assistant turn after `prompt`
-    (end-of-turn included), so the model learns to stop as it must in a rollout; the
-    answer's plain tokens and EOS if the template does not extend the prompt."""
+    """The answer's tokens as the chat template writes an assistant turn after `prompt`, up
+    to and including EOS (the end of turn), so the model learns to stop as it must in a
+    rollout; the answer's plain tokens and EOS if the template does not extend the prompt."""
     turn = [
         *(messages or [{"role": "user", "content": text}]),
         {"role": "assistant", "content": answer},
@@ -642,9 +642,12 @@ def _completion_ids(
     if system_prompt and not any(m["role"] == "system" for m in turn):
         turn = [{"role": "system", "content": system_prompt}, *turn]
     full = list(tokenizer.apply_chat_template(turn, return_dict=True)["input_ids"])
-    if full[: len(prompt)] == list(prompt) and len(full) > len(prompt):
-        return full[len(prompt) :]
-    return [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
+    if full[: len(prompt)] != list(prompt) or len(full) == len(prompt):
+        return [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
+    completion = full[len(prompt) :]
+    eos = tokenizer.eos_token_id
+    # A rollout ends at EOS: what the template writes after it (a newline) is never sampled.
+    return completion[: completion.index(eos) + 1] if eos in completion else completion
 
 
 def data_fingerprint(prompts: PromptSet, ptx: Sequence[PTXExample]) -> str:

@@ -67,6 +67,7 @@ def test_ptx_loss_is_the_completion_cross_entropy(tmp_path: Path) -> None:
         # The completion is the assistant turn: the answer's text, then the end of turn.
         assert raw["answer"] in tok.decode(list(e.completion_ids))
         assert raw["answer"] not in tok.decode(list(e.prompt_ids))
+        assert e.completion_ids[-1] == tok.eos_token_id  # it ends where a rollout stops
     cfg = TrainConfig(lr=1e-3, micro_batch_size=4, ptx=ptx)
     engine = SingleDeviceEngine(load_causal_lm(tiny, "float32"), cfg, Dist())
     table = _rl_table()
@@ -121,6 +122,33 @@ def test_ptx_off_leaves_the_update_and_metrics_as_they_were(tmp_path: Path) -> N
         assert "train/ptx_loss" not in metrics
         out.append([p.detach().clone() for p in engine.model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
+
+
+def test_chat_prompts_and_max_tokens(tmp_path: Path) -> None:
+    """Chat-message prompts (Parquet) are templated as the RL prompts are; `max_tokens`
+    cuts a completion to fit and drops an example whose prompt leaves it no room."""
+    import pyarrow.parquet as pq
+
+    from rftpipe.data import template_prompt
+
+    tok = load_tokenizer(prepare_tiny())
+    system = {"role": "system", "content": "Answer briefly."}
+    short = [system, {"role": "user", "content": "Hi?"}]
+    long = [system, {"role": "user", "content": "Tell me a long story. " * 20}]
+    path = tmp_path / "chat.parquet"
+    pq.write_table(pa.table({"prompt": [short, long], "answer": ["Hello " * 30, "No."]}), path)
+    short_ids = template_prompt(tok, "ignored: the row has its own", "", short)
+    limit = len(short_ids) + 5
+    src = DatasetSourceConfig(path=str(path))
+    cfg = PTXConfig(coef=0.1, data=src, batch_size=1, max_tokens=limit)
+    examples = load_ptx_examples(cfg, tok, "ignored: the row has its own")
+    assert len(examples) == 1, "the long prompt leaves no room and is dropped"
+    assert list(examples[0].prompt_ids) == short_ids
+    assert len(examples[0].completion_ids) == 5
+    assert tok.decode(list(examples[0].completion_ids)).startswith("Hello")
+    uncut = load_ptx_examples(PTXConfig(coef=0.1, data=src, batch_size=2), tok, None)
+    assert len(uncut[0].completion_ids) > 30
+    assert tok.decode(list(uncut[1].completion_ids)).startswith("No.")
 
 
 def test_ptx_batches_are_epochs_and_independent_of_world_size() -> None:
@@ -253,7 +281,7 @@ def test_ptx_on_deepspeed_matches_single_device(tmp_path: Path) -> None:
             assert a["train/ptx_tokens"] == b["train/ptx_tokens"]
             assert a["train/ptx_loss"] == pytest.approx(b["train/ptx_loss"], rel=1e-4)
     wa, wb = final_weights(single), final_weights(zero)
-    # Measured 4.0e-5 (2-core CPU) where the 4 updates move a weight by up to 1.2e-2: the
+    # Measured 1.2e-5 to 4.0e-5 (2-core CPU) where the 4 updates move a weight by up to 1.2e-2: the
     # backends differ in reduction order and AdamW's 1/sqrt(v) amplifies last bits.
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa.keys() & wb.keys()) < 2e-4
     assert sum("train/ptx_loss" in m for m in _metrics(zero)) == 2
