@@ -681,6 +681,23 @@ class FSDP2Engine(_EngineBase):
             unit.set_force_sum_reduction_for_comms(True)
         return model
 
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        from torch.distributed.fsdp import FSDPModule
+
+        try:
+            with super().eval_mode():
+                yield
+        finally:
+            # FSDP2 keeps the root unit's parameters unsharded after its forward, for the
+            # backward that normally follows at once. After no-grad scoring none follows, so
+            # they would stay gathered: full-size memory on every rank, and module parameters
+            # that are no longer the optimizer's (a resumed run's optimizer load, which maps
+            # one to the other, then fails on the first root parameter).
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
     def forward(
         self,
         prompts: Sequence[Sequence[int]],
