@@ -15,7 +15,7 @@ from pathlib import Path
 from jobs import slurm
 from rftpipe.config.loader import load_config
 from rftpipe.config.schema import RunConfig
-from rftpipe.stages import FINAL, ORDER
+from rftpipe.stages import FINAL, chain_position
 from rftpipe.store import RunDir, StageStore
 
 
@@ -26,7 +26,7 @@ def describe(run_dir: Path) -> dict:
     cfg = load_config(RunConfig, run.active_config_path())
     store = StageStore(run)
     done = store.newest_complete_step(FINAL)
-    last = store.newest_commit(ORDER)
+    last = store.newest_commit(chain_position)
     jobs_file = run.root / "slurm" / "jobs.txt"
     job_ids = jobs_file.read_text().split() if jobs_file.exists() else []
     events = []

@@ -7,30 +7,57 @@ checkpoint are replayed from their committed advantage rows (`rftpipe.executor`)
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 
-from rftpipe import checkpoint
+from rftpipe import checkpoint, dynamic_sampling
 from rftpipe.data import SamplerState, rank_slice
-from rftpipe.executor import StepPlan, StepState, execute, no_rows
-from rftpipe.pipeline import EVAL, PIPELINE
+from rftpipe.errors import UserError
+from rftpipe.executor import Stage, StepPlan, StepState, execute, no_rows
+from rftpipe.pipeline import AFTER_GENERATION, EVAL, generation_round
 from rftpipe.runtime import Runtime
+from rftpipe.stages import round_stage
 
 log = logging.getLogger(__name__)
 
 
 def run_step(rt: Runtime, step: int, timings: dict[str, float]) -> dict[str, float]:
     """One PPO step; returns the train metrics (committed or replayed)."""
-    plan = plan_step(rt, step)
     state = StepState(rows=no_rows, timings=timings)
+    plan = generate(rt, step, state)
     evaluate = (EVAL,) if rt.cfg.eval.due(step, rt.cfg.total_steps) else ()
-    for stage in (*PIPELINE, *evaluate):
-        if stage.engine_awake:
-            rt.rollout_engine.wake()
-        else:
-            rt.rollout_engine.sleep()
-        execute(rt, plan, stage, state)
+    for stage in (*AFTER_GENERATION, *evaluate):
+        _execute(rt, plan, stage, state)
     return state.manifests["train"]["metrics"]
+
+
+def generate(rt: Runtime, step: int, state: StepState) -> StepPlan:
+    """The rollout and score stages, in rounds of fresh prompts while dynamic sampling still
+    lacks groups whose scores vary (one round without it). Returns the plan of the groups
+    the step trains on; `state.rows` then gives this rank's rows of them."""
+    consumed = 0 if step == 1 else dynamic_sampling.consumed_after(rt.store, step - 1)
+    plans: list[StepPlan] = []
+    varied: list[list[int]] = []
+    while not plans or _another_round(rt, step, varied):
+        plan = plan_round(rt, step, consumed)
+        for stage in generation_round(len(plans)):
+            _execute(rt, plan, stage, state)
+        varied.append(state.manifests[stage.name].get(dynamic_sampling.VARIED, []))
+        plans.append(plan)
+        consumed = plan.sampler["consumed_after"]
+    if not rt.cfg.rollout.dynamic_sampling.enabled:
+        return plans[0]
+    return _kept_plan(rt, step, plans, varied, state)
+
+
+def _execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None:
+    """`execute`, with the rollout engine awake only for the stages that use it."""
+    if stage.engine_awake:
+        rt.rollout_engine.wake()
+    else:
+        rt.rollout_engine.sleep()
+    execute(rt, plan, stage, state)
 
 
 def evaluate_initial(rt: Runtime, ckpt_step: int) -> None:
@@ -42,28 +69,75 @@ def evaluate_initial(rt: Runtime, ckpt_step: int) -> None:
     if ckpt_step or not rt.cfg.eval.due(0, rt.cfg.total_steps):
         return
     plan = StepPlan(step=0, global_ids=[], mine=[], sampler={})
-    rt.rollout_engine.wake()
-    execute(rt, plan, EVAL, StepState(rows=no_rows, timings={}))
+    _execute(rt, plan, EVAL, StepState(rows=no_rows, timings={}))
 
 
-def plan_step(rt: Runtime, step: int) -> StepPlan:
-    """The step's prompts, from the consumed-sample state the previous rollout committed."""
-    consumed = (
-        0 if step == 1 else rt.store.manifest(step - 1, "rollout")["sampler"]["consumed_after"]
-    )
+def deal(rt: Runtime) -> dynamic_sampling.Deal:
+    """How a round's prompts are dealt to ranks: whole calls of `rollout.groups_per_call`
+    in the round's global order, so every sample is the same on any world size."""
+    return partial(rank_slice, unit=rt.cfg.rollout.groups_per_call)
+
+
+def plan_round(rt: Runtime, step: int, consumed: int) -> StepPlan:
+    """A generation round's prompts: the next ones after the consumed-sample state."""
     d = rt.cfg.data
-    window = rt.prompts.window(
-        rt.cfg.seed, d.shuffle, SamplerState(consumed=consumed), d.prompts_per_step
-    )
+    size = rt.cfg.rollout.dynamic_sampling.round_size(d.prompts_per_step)
+    window = rt.prompts.window(rt.cfg.seed, d.shuffle, SamplerState(consumed=consumed), size)
     prompts = rt.prompts.prompts
     return StepPlan(
         step=step,
         global_ids=[prompts[i].prompt_id for i in window],
-        mine=[
-            prompts[i]
-            for i in rank_slice(window, rt.dist.rank, rt.dist.world, rt.cfg.rollout.groups_per_call)
-        ],
+        mine=[prompts[i] for i in deal(rt)(window, rt.dist.rank, rt.dist.world)],
         sampler={"consumed_before": consumed, "consumed_after": consumed + len(window)},
+    )
+
+
+def _another_round(rt: Runtime, step: int, varied: list[list[int]]) -> bool:
+    """Whether the step generates (or, committed, reads) round `len(varied)` too."""
+    r = len(varied)
+    if rt.store.is_committed(step, round_stage("rollout", r)):
+        # Begun before a restart: finished and used, whatever the bounds say now.
+        return True
+    ds, target = rt.cfg.rollout.dynamic_sampling, rt.cfg.data.prompts_per_step
+    if not ds.enabled or dynamic_sampling.filled(varied, target):
+        return False
+    if rt.store.is_committed(step, "advantage"):
+        return False  # trained on what its committed rounds found, short or not
+    if r < ds.max_rounds:
+        return True
+    found = sum(len(v) for v in dynamic_sampling.select(varied, target))
+    what = (
+        f"step {step}: {r} rounds of {ds.round_size(target)} prompts found {found} of the "
+        f"{target} groups whose {ds.metric} varies"
+    )
+    if ds.on_shortfall == "fail":
+        raise UserError(
+            f"rollout.dynamic_sampling: {what} (on_shortfall=fail); the rounds stay "
+            "committed: resume with a larger max_rounds, or on_shortfall=train"
+        )
+    log.warning("rollout.dynamic_sampling: %s; training on those", what)
+    return False
+
+
+def _kept_plan(
+    rt: Runtime, step: int, plans: list[StepPlan], varied: list[list[int]], state: StepState
+) -> StepPlan:
+    """The plan of the groups a dynamically sampled step trains on: the first varied ones
+    in round order, dealt to ranks afresh (a group's rows may come from another rank)."""
+    kept = dynamic_sampling.select(varied, rt.cfg.data.prompts_per_step)
+    order = [p for ids in kept for p in ids]
+    mine = [order[i] for i in rank_slice(range(len(order)), rt.dist.rank, rt.dist.world)]
+    state.rows = dynamic_sampling.kept_rows(rt.store, step, kept, mine, deal(rt))
+    wanted = set(mine)
+    by_id = {p.prompt_id: p for p in rt.prompts.prompts if p.prompt_id in wanted}
+    return StepPlan(
+        step=step,
+        global_ids=order,
+        mine=[by_id[p] for p in mine],
+        sampler={
+            "consumed_before": plans[0].sampler["consumed_before"],
+            "consumed_after": plans[-1].sampler["consumed_after"],
+        },
     )
 
 

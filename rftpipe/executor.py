@@ -21,7 +21,6 @@ import pyarrow as pa
 from rftpipe.errors import UserError
 from rftpipe.faults import events, slow
 from rftpipe.runtime import Runtime
-from rftpipe.stages import StageName
 from rftpipe.store import TRAJECTORY_SCHEMA_VERSION, CorruptionError
 
 Rows = Callable[[], pa.Table]
@@ -52,7 +51,11 @@ class StageOutput:
 class Stage(Protocol):
     """One durable stage of a step."""
 
-    name: StageName
+    @property
+    def name(self) -> str:
+        """Its directory under the step (a `StageName`, or a generation round's `STAGE.rR`)."""
+        ...
+
     publish: bool
     """Its shards become the step's user-facing dataset (``RUN/trajectories/step=N``)."""
     replay_reads_rows: bool

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rftpipe import dynamic_sampling
 from rftpipe.baseline_rows import COLUMN, baseline_flags, without_baseline
 from rftpipe.rewards import data_source_of
 from rftpipe.stages import ORDER
@@ -106,12 +107,14 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
     adv = np.concatenate(
         [np.asarray(t.column("advantages").combine_chunks().flatten()) for t in rows]
     )
+    # A dynamically sampled step may keep no group at all: its means do not exist.
+    n = len(reward)
     out: dict[str, Any] = {
         "step": step,
-        "rollout/reward_mean": float(reward.mean()),
-        "rollout/reward_std": float(reward.std()),
-        "rollout/response_length": float(length.mean()),
-        "rollout/stop_frac": stops / len(reward),
+        "rollout/reward_mean": float(reward.mean()) if n else math.nan,
+        "rollout/reward_std": float(reward.std()) if n else math.nan,
+        "rollout/response_length": float(length.mean()) if n else math.nan,
+        "rollout/stop_frac": stops / n if n else math.nan,
         "advantage/mean": float(adv.mean()) if adv.size else 0.0,
         "advantage/std": float(adv.std()) if adv.size else 0.0,
     }
@@ -137,7 +140,8 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
     out.update(store.manifest(step, "train")["metrics"])
     out["train/kl_coef"] = store.manifest(step, "advantage").get("kl_coef", 0.0)
     for stage in ORDER:
-        out[f"perf/{stage}_s"] = store.manifest(step, stage).get("seconds", 0.0)
+        out[f"perf/{stage}_s"] = dynamic_sampling.stage_seconds(store, step, stage)
+    out.update(dynamic_sampling.step_summary(store, step))
     return {**out, **evaluated}
 
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from rftpipe import perf
+import torch
+
+from rftpipe import dynamic_sampling, perf
 from rftpipe.algos.names import ESTIMATOR_TRAITS
 from rftpipe.baseline_rows import without_baseline
 from rftpipe.config.schema import old_logprobs_source
@@ -22,12 +24,14 @@ from rftpipe.executor import Rows, Stage, StageOutput, StepPlan
 from rftpipe.faults import events, fault
 from rftpipe.runtime import Runtime
 from rftpipe.stages import (
+    GENERATION,
     ORDER,
     StageName,
     advantage,
     critic_train,
     evaluation,
     rollout,
+    round_stage,
     score,
     sync,
     train,
@@ -49,10 +53,16 @@ class _NoSideEffects:
 class RolloutStage(_NoSideEffects):
     """1. n samples per prompt, grouped, with their sampling logprobs."""
 
-    name: StageName = "rollout"
+    round: int = 0
+    """The generation round (> 0 only under dynamic sampling); its samples are seeded from
+    its own stage name, so a prompt met again in a later round samples afresh."""
     publish: bool = False
     replay_reads_rows: bool = False
     engine_awake: bool = True
+
+    @property
+    def name(self) -> str:
+        return round_stage("rollout", self.round)
 
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
         inp = rollout.RolloutInputs(
@@ -61,6 +71,7 @@ class RolloutStage(_NoSideEffects):
             run_seed=rt.cfg.seed,
             prompts=plan.mine,
             baseline=ESTIMATOR_TRAITS[rt.cfg.advantage.estimator].needs_baseline_rollout,
+            seed_stage=self.name,
         )
         table = rollout.run(rt.cfg.rollout, rt.rollout_engine, rt.tokenizer, inp)
         return StageOutput(
@@ -70,15 +81,34 @@ class RolloutStage(_NoSideEffects):
 
 @dataclass(frozen=True, slots=True)
 class ScoreStage(_NoSideEffects):
-    """2. One column per reward function and their weighted sum."""
+    """2. One column per reward function and their weighted sum; under dynamic sampling,
+    also which of the round's groups have scores that vary (in the manifest)."""
 
-    name: StageName = "score"
+    round: int = 0
     publish: bool = False
     replay_reads_rows: bool = False
     engine_awake: bool = False
 
+    @property
+    def name(self) -> str:
+        return round_stage("score", self.round)
+
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
-        return StageOutput(rows=score.run(rt.cfg.reward, rt.rewards, rows()))
+        table = score.run(rt.cfg.reward, rt.rewards, rows())
+        ds = rt.cfg.rollout.dynamic_sampling
+        if not ds.enabled:
+            return StageOutput(rows=table)
+        local = dynamic_sampling.varied_groups(table, dynamic_sampling.metric_column(ds.metric))
+        # Each rank knows only its own groups: a flag per prompt of the round, summed.
+        flags = rt.dist.all_reduce_sum(
+            torch.tensor([float(p in local) for p in plan.global_ids], dtype=torch.float64)
+        )
+        varied = [p for p, f in zip(plan.global_ids, flags.tolist(), strict=True) if f > 0]
+        extra = {
+            dynamic_sampling.VARIED: varied,
+            dynamic_sampling.TARGET: rt.cfg.data.prompts_per_step,
+        }
+        return StageOutput(rows=table, extra=extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +198,9 @@ class TrainStage:
             response_budget=rt.cfg.rollout.max_new_tokens,
             ptx=rt.ptx,
         )
+        if not plan.global_ids:
+            # Dynamic sampling kept no group (none varied): nothing to learn from this step.
+            return {"train/kl": 0.0, "train/updates": 0.0}
         critic = {} if rt.critic is None else critic_train.run(rt.critic, rt.dist, inp)
         if rt.critic is not None and plan.step <= rt.critic.cfg.warmup_steps:
             # Critic warm-up: the actor waits (no update, no KL-controller input).
@@ -264,11 +297,15 @@ class EvalStage(_NoSideEffects):
 EVAL = EvalStage()
 """Not in PIPELINE: the driver runs it only on the steps `eval.due` names."""
 
-PIPELINE: tuple[Stage, ...] = (
-    RolloutStage(),
-    ScoreStage(),
-    AdvantageStage(),
-    TrainStage(),
-    SyncStage(),
-)
+
+def generation_round(r: int) -> tuple[Stage, ...]:
+    """The stages of generation round `r` of a step (round 0: the pipeline's first two)."""
+    return (RolloutStage(round=r), ScoreStage(round=r))
+
+
+AFTER_GENERATION: tuple[Stage, ...] = (AdvantageStage(), TrainStage(), SyncStage())
+"""The stages that run once per step, on the groups the generation rounds kept."""
+
+PIPELINE: tuple[Stage, ...] = (*generation_round(0), *AFTER_GENERATION)
 assert tuple(s.name for s in PIPELINE) == ORDER
+assert tuple(s.name for s in generation_round(0)) == GENERATION

@@ -25,7 +25,7 @@ from rftpipe.errors import UserError
 from rftpipe.faults import events
 from rftpipe.pipeline import PIPELINE, sync_weights
 from rftpipe.runtime import Runtime, rebuild_actor
-from rftpipe.stages import FINAL, ORDER
+from rftpipe.stages import FINAL, chain_position
 from rftpipe.store import CorruptionError, RunDir, StageStore, fsync_dir, list_steps
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def replay_reads(store: StageStore, after: int) -> list[tuple[int, str]]:
 
 def check_files(store: StageStore, ckpt_step: int, repair: bool) -> None:
     """Verify the newest commit and what replay reads (rank 0 only); see the module doc."""
-    newest = store.newest_commit(ORDER)
+    newest = store.newest_commit(chain_position)
     if newest is None:
         return
     todo = replay_reads(store, ckpt_step)
@@ -129,7 +129,7 @@ def prepare(rt: Runtime, repair: bool) -> int:
         removed = store.clean_uncommitted(FINAL)
         done = checkpoint.list_committed(rt.run.checkpoints)
         check_files(store, done[-1].step if done else 0, repair)
-        newest = store.newest_commit(ORDER)
+        newest = store.newest_commit(chain_position)
         if newest is not None and store.manifest(*newest).get("published"):
             store.publish(*newest)  # killed between its commit and its publication
         events().write("start", removed=len(removed), last_commit=str(newest))

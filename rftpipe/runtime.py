@@ -133,6 +133,24 @@ def check_fingerprints(
         )
 
 
+def check_round_size(cfg: RunConfig, num_prompts: int) -> None:
+    """A step's (or a generation round's) prompts must be distinct: a group is keyed by its
+    prompt id, so a window longer than the training set would hold a prompt twice."""
+    ds = cfg.rollout.dynamic_sampling
+    size = ds.round_size(cfg.data.prompts_per_step)
+    if size <= num_prompts:
+        return
+    field = (
+        "rollout.dynamic_sampling.prompts_per_round"
+        if ds.enabled and ds.prompts_per_round
+        else "data.prompts_per_step"
+    )
+    raise UserError(
+        f"{field}={size} exceeds the {num_prompts} training prompts (after the held-out "
+        "split): a step would hold a prompt twice"
+    )
+
+
 def build(
     cfg: RunConfig,
     run: RunDir,
@@ -149,6 +167,7 @@ def build(
         cfg.data, cfg.eval, load_prompts(cfg.data, tokenizer), tokenizer
     )
     check_coverage(cfg.reward, prompts.data_sources())
+    check_round_size(cfg, len(prompts))
     # Before any model loads, so a bad PTX file fails in seconds.
     ptx = (
         tuple(load_ptx_examples(cfg.train.ptx, tokenizer, cfg.data.system_prompt))

@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -332,12 +332,22 @@ class StageStore:
                 return step
         return 0
 
-    def newest_commit(self, order: Sequence[str]) -> tuple[int, str] | None:
-        """The newest committed (step, stage), stages ranked by `order`."""
+    def committed_stages(self, step: int) -> list[str]:
+        """Names of the committed stages of `step` (any order)."""
+        d = self.run.step_dir(step)
+        if not d.is_dir():
+            return []
+        return [s.name for s in d.iterdir() if (s / MANIFEST).exists()]
+
+    def newest_commit(
+        self, position: Callable[[str], tuple[int, ...] | None]
+    ) -> tuple[int, str] | None:
+        """The newest committed (step, stage): the newest step with a commit, and in it the
+        stage of the highest `position` (None: a stage outside the chain, ignored)."""
         for step in reversed(list_steps(self.run.stages)):
-            for stage in reversed(order):
-                if self.is_committed(step, stage):
-                    return step, stage
+            ranked = [(pos, s) for s in self.committed_stages(step) if (pos := position(s))]
+            if ranked:
+                return step, max(ranked)[1]
         return None
 
     # -- writing and committing ----------------------------------------------------------------
@@ -446,7 +456,15 @@ class StageStore:
         written = self.manifest(step, stage)["world_size"]
         if written == world:
             return self.read(step, stage, rank)
-        table = pa.concat_tables([self.read(step, stage, r) for r in range(written)])
+        return self.read_prompts(step, stage, prompt_ids, range(written))
+
+    def read_prompts(
+        self, step: int, stage: str, prompt_ids: Sequence[int], ranks: Iterable[int]
+    ) -> pa.Table:
+        """The rows of `prompt_ids` found in the shards of `ranks` of a committed stage, in the
+        order of `prompt_ids` (groups whole, by sample index within a group)."""
+        # With no rank to read, rank 0's shard still gives the (empty) result its schema.
+        table = pa.concat_tables([self.read(step, stage, r) for r in sorted(set(ranks)) or [0]])
         order = {pid: i for i, pid in enumerate(prompt_ids)}
         keys = [
             (order.get(p, -1), k)

@@ -110,3 +110,10 @@ def verl_echo(data_source, solution_str, ground_truth, extra_info=None):
         "extra_index": (extra_info or {}).get("index", -1),
         "extra_split": (extra_info or {}).get("split", ""),
     }
+
+
+def first_token_even(sample) -> float:
+    """1 if the response's first token id is even: a binary reward, so some groups of a
+    random model score alike (what dynamic sampling drops) and others do not."""
+    ids = sample.response_token_ids
+    return float(bool(ids) and ids[0] % 2 == 0)

@@ -163,6 +163,24 @@ FRESH_CASES = {
     "entropy_mask_out_of_range": (("train.entropy_mask_top=0",), ("train", "entropy_mask_top")),
     "ptx_negative_coef": (("train.ptx.coef=-0.5",), ("train.ptx", "coef", ">= 0")),
     "ptx_without_data": (("train.ptx.coef=0.1",), ("train.ptx", "coef=0.1", "data")),
+    # DAPO: 1 round of 2 prompts can never fill a batch of 4 groups.
+    "dynamic_sampling_impossible_bound": (
+        (
+            "rollout.dynamic_sampling.enabled=true",
+            "rollout.dynamic_sampling.max_rounds=1",
+            "rollout.dynamic_sampling.prompts_per_round=2",
+        ),
+        ("rollout.dynamic_sampling.max_rounds=1", "prompts_per_round=2", "prompts_per_step=4"),
+    ),
+    "dynamic_sampling_unknown_metric": (
+        ("rollout.dynamic_sampling.enabled=true", "rollout.dynamic_sampling.metric=accuracy"),
+        ("rollout.dynamic_sampling.metric='accuracy'", "dense_even_tokens"),
+    ),
+    "dynamic_sampling_round_past_the_data": (
+        ("rollout.dynamic_sampling.enabled=true", "rollout.dynamic_sampling.prompts_per_round=40"),
+        ("rollout.dynamic_sampling.prompts_per_round=40", "20 training prompts"),
+    ),
+    "step_past_the_data": (("data.prompts_per_step=24",), ("data.prompts_per_step=24", "20")),
 }
 
 
@@ -252,6 +270,19 @@ def test_reward_function_that_raises(base_run: Path, tmp_path: Path) -> None:
         extra=("--allow-fingerprint-mismatch",),
         env={"PYTHONPATH": f"{TESTS}:{ROOT}"},
         needles=("boom", "prompt_id", "sample_idx", "step 3"),
+        accepted=True,
+    )
+
+
+def test_reward_function_with_wrong_return_type(base_run: Path, tmp_path: Path) -> None:
+    _resumed(
+        base_run,
+        tmp_path,
+        "total_steps=3",
+        "reward.functions=[reward_fns:not_a_number]",
+        extra=("--allow-fingerprint-mismatch",),
+        env={"PYTHONPATH": f"{TESTS}:{ROOT}"},
+        needles=("reward_fns:not_a_number", "'high'", "prompt_id", "sample_idx", "step 3"),
         accepted=True,
     )
 

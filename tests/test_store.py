@@ -7,6 +7,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from rftpipe.stages import chain_position
 from rftpipe.store import CorruptionError, RunDir, StageStore, atomic_write_json, read_json
 
 
@@ -22,7 +23,7 @@ def test_commit_and_read_back(tmp_path: Path) -> None:
     m = store.manifest(1, "rollout")
     assert m["shards"][0]["rows"] == 3 and m["extra"] == 5
     assert store.read(1, "rollout", 0).column("x").to_pylist() == [0, 1, 2]
-    assert store.newest_commit(("rollout", "score")) == (1, "rollout")
+    assert store.newest_commit(chain_position) == (1, "rollout")
     assert (tmp_path / "stages" / "step=1" / "rollout" / "MANIFEST.json").exists()
 
 

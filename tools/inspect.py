@@ -48,6 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from rftpipe import dynamic_sampling
 from rftpipe.baseline_rows import COLUMN, without_baseline
 from rftpipe.stages import ORDER as STAGES
 from rftpipe.store import (
@@ -275,7 +276,7 @@ def summarize(run: Run | Path | str, *, threads: int | None = None) -> list[dict
         for stage in STAGES:
             # A stage without its manifest has not committed: its timing does not exist yet.
             committed = store.is_committed(step, stage)
-            secs = store.manifest(step, stage).get("seconds") if committed else None
+            secs = dynamic_sampling.stage_seconds(store, step, stage) if committed else None
             row[f"perf/{stage}_s"] = secs
         rows.append(row)
     return rows
@@ -611,9 +612,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bad: list[dict[str, str]] = []
     checked = {"stages": 0, "checkpoints": 0}
     for step in list_steps(rundir.stages):
-        for stage in (*STAGES, "eval"):
-            if not store.is_committed(step, stage):
-                continue
+        # Every committed stage directory, generation rounds and evaluation included.
+        for stage in sorted(store.committed_stages(step)):
             checked["stages"] += 1
             try:
                 store.verify(step, stage)

@@ -39,6 +39,11 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "checkpoint.max_interval",
     "launch",
     "eval",
+    # How many rounds a step may over-sample, and what a short step does: committed rounds
+    # stay as they are and are always used; a step not yet past its generation follows the
+    # new bound (so a run stopped by on_shortfall=fail can go on with a larger one).
+    "rollout.dynamic_sampling.max_rounds",
+    "rollout.dynamic_sampling.on_shortfall",
     # How hard scoring tries (a committed row is never scored again, so these can only
     # decide what happens to rows not yet committed, e.g. `on_error=zero` past an outage).
     "reward.timeout_s",
@@ -254,6 +259,51 @@ class InferenceConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement
+    Learning System at Scale", Sec. 3.2; verl's `filter_groups`): a group whose samples all
+    score the same `metric` has zero advantage under a group estimator and teaches nothing,
+    so it is dropped, and fresh prompts are rolled out and scored in further rounds until
+    `data.prompts_per_step` groups with varied scores are found (the first ones in round
+    and prompt order; any beyond are dropped too). Every round is committed like the
+    first (`RUN/stages/step=N/rollout.rK`, `score.rK`), so a resume never generates or
+    scores a committed round again, and the sampler counts every prompt a round took."""
+
+    enabled: bool = False
+    """Drop groups whose samples all score the same and over-sample until the step's batch
+    is full."""
+
+    metric: str = "reward"
+    """What must vary within a group: `reward` (the weighted sum) or a reward component's
+    name (e.g. `accuracy`, the `reward_accuracy` column; DAPO filters on accuracy)."""
+
+    prompts_per_round: int = 0
+    """Prompts each round rolls out, the first round included (0: data.prompts_per_step;
+    DAPO's recipe generates 3x the batch per round)."""
+
+    max_rounds: int = 4
+    """Most rounds per step (verl's `max_num_gen_batches`); together with
+    `prompts_per_round` it bounds what one step may generate. It may change on resume."""
+
+    on_shortfall: Literal["train", "fail"] = "train"
+    """After `max_rounds` rounds with fewer varied groups than the batch: train on those
+    found (none: the step makes no update) and count the shortfall in the metrics, or stop
+    the run with exit 2 naming the step (the committed rounds stay). May change on resume."""
+
+    def __post_init__(self) -> None:
+        if self.max_rounds < 1:
+            raise ValueError(f"max_rounds must be >= 1, got {self.max_rounds}")
+        if self.prompts_per_round < 0:
+            raise ValueError(f"prompts_per_round must be >= 0, got {self.prompts_per_round}")
+
+    def round_size(self, prompts_per_step: int) -> int:
+        """Prompts per round (the whole step's prompts when dynamic sampling is off)."""
+        if not self.enabled:
+            return prompts_per_step
+        return self.prompts_per_round or prompts_per_step
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
     engine: Literal["hf", "vllm", "sglang"] = "hf"
     """Rollout engine: `hf` (our KV-cache decode loop over the transformers model, the CPU
@@ -288,6 +338,9 @@ class RolloutConfig:
     eos_token_ids: tuple[int, ...] = ()
     """Token ids that end a response like the tokenizer's EOS does (kept as its last
     token, finish_reason `stop`), e.g. a chat model's end-of-turn id."""
+
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO's dynamic sampling: drop groups without reward variance, over-sample in rounds."""
 
     groups_per_call: int = 1
     """Groups generated together in one (left-padded) call. Calls are cut from the step's
@@ -1184,6 +1237,7 @@ class RunConfig:
                 f"train.mini_batches={self.train.mini_batches} does not divide the "
                 f"{samples} samples of a step (data.prompts_per_step x rollout.n)"
             )
+        self._check_dynamic_sampling(columns)
         if self.advantage.estimator == "gae" and self.critic is None:
             raise ValueError(
                 "advantage.estimator=gae needs a critic: configure `critic` "
@@ -1198,4 +1252,25 @@ class RunConfig:
                 f"train.old_logprobs=actor (it is {self.train.old_logprobs} with "
                 f"rollout.engine={self.rollout.engine}, so the old logprobs are the rollout's "
                 "own and the correction ratio would be 1)"
+            )
+
+    def _check_dynamic_sampling(self, columns: list[str]) -> None:
+        ds = self.rollout.dynamic_sampling
+        if not ds.enabled:
+            return
+        where = "rollout.dynamic_sampling"
+        if self.rollout.n < 2:
+            raise ValueError(
+                f"{where}.enabled with rollout.n={self.rollout.n}: a group of one sample never "
+                "varies, so every group would be dropped; set rollout.n >= 2"
+            )
+        if ds.metric != "reward" and f"reward_{ds.metric}" not in columns:
+            names = ["reward", *(c.removeprefix("reward_") for c in columns)]
+            raise ValueError(f"{where}.metric={ds.metric!r} is not one of {names}")
+        per_round = ds.round_size(self.data.prompts_per_step)
+        if ds.max_rounds * per_round < self.data.prompts_per_step:
+            raise ValueError(
+                f"{where}.max_rounds={ds.max_rounds} x prompts_per_round={per_round} can never "
+                f"fill data.prompts_per_step={self.data.prompts_per_step} groups, even if every "
+                "group varies; raise max_rounds or prompts_per_round"
             )

@@ -42,6 +42,8 @@ class RolloutInputs:
     run_seed: int
     prompts: Sequence[Prompt]
     """This rank's prompts; each becomes one group of `n` consecutive rows."""
+    seed_stage: str = "rollout"
+    """The stage name in the samples' seeds (a later generation round's own, `rollout.rR`)."""
     baseline: bool = False
     """Also generate one greedy response per prompt (sample_idx n, `is_baseline`): the
     baseline of ReMax. Greedy decoding needs no seed, so it is the same on any replay."""
@@ -62,7 +64,7 @@ def run(cfg: RolloutConfig, engine: RolloutEngine, tokenizer, inp: RolloutInputs
         if inp.baseline:
             engine.greedy([], cfg.max_new_tokens)
     for call in calls:
-        seeds = [derive_seed(inp.run_seed, inp.step, "rollout", p.prompt_id) for p in call]
+        seeds = [derive_seed(inp.run_seed, inp.step, inp.seed_stage, p.prompt_id) for p in call]
         groups = engine.generate_groups([p.token_ids for p in call], cfg.n, seeds)
         for p, group in zip(call, groups, strict=True):
             for k, (toks, lps, reason) in enumerate(

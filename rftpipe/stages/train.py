@@ -17,6 +17,7 @@ the token-mean NLL of a batch of PTX examples chosen by the update's number alon
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,7 +97,7 @@ def minibatch_plan(inp: TrainInputs, epoch: int, mini_batches: int) -> list[list
         inp.global_samples,
         key=lambda s: (derive_seed(inp.run_seed, inp.step, f"train/{epoch}", s[0]), s[1]),
     )
-    size = len(keyed) // mini_batches
+    bounds = _minibatch_bounds(keyed, mini_batches)
     local = {
         (p, k): i
         for i, (p, k) in enumerate(
@@ -107,10 +108,21 @@ def minibatch_plan(inp: TrainInputs, epoch: int, mini_batches: int) -> list[list
             )
         )
     }
-    return [
-        [local[s] for s in keyed[m * size : (m + 1) * size] if s in local]
-        for m in range(mini_batches)
-    ]
+    return [[local[s] for s in keyed[a:b] if s in local] for a, b in itertools.pairwise(bounds)]
+
+
+def _minibatch_bounds(keyed: Sequence[tuple[int, int]], mini_batches: int) -> list[int]:
+    """Where the ordered samples are cut into mini-batches: equal parts when they divide
+    (config validation makes a full step's samples divide); a dynamically sampled step
+    short of its batch is cut between whole groups, as evenly as they go, into at most one
+    mini-batch per group (an empty one would be an optimizer step without a gradient)."""
+    if len(keyed) % mini_batches == 0:
+        size = len(keyed) // mini_batches
+        return [m * size for m in range(mini_batches + 1)]
+    groups = len({p for p, _ in keyed})
+    per_group = len(keyed) // groups
+    parts = min(mini_batches, groups)
+    return [(m * groups // parts) * per_group for m in range(parts + 1)]
 
 
 def run(
