@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import sys
@@ -158,9 +159,9 @@ def bar_update(bar, m: dict[str, Any], train_metrics: dict[str, float]) -> None:
         return
     bar.set_postfix(
         {
-            "reward": f"{m['rollout/reward_mean']:.3f}",
+            "reward": f"{m.get('rollout/reward_mean', math.nan):.3f}",
             "kl": f"{train_metrics['train/kl']:.2e}",
-            "len": f"{m['rollout/response_length']:.1f}",
+            "len": f"{m.get('rollout/response_length', math.nan):.1f}",
             "t_roll": f"{m['perf/rollout_s']:.1f}s",
             "t_train": f"{m['perf/train_s']:.1f}s",
         },

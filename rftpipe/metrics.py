@@ -107,18 +107,19 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
     adv = np.concatenate(
         [np.asarray(t.column("advantages").combine_chunks().flatten()) for t in rows]
     )
-    # A dynamically sampled step may keep no group at all: its means do not exist.
-    n = len(reward)
     out: dict[str, Any] = {
         "step": step,
-        "rollout/reward_mean": float(reward.mean()) if n else math.nan,
-        "rollout/reward_std": float(reward.std()) if n else math.nan,
-        "rollout/response_length": float(length.mean()) if n else math.nan,
-        "rollout/stop_frac": stops / n if n else math.nan,
         "advantage/mean": float(adv.mean()) if adv.size else 0.0,
         "advantage/std": float(adv.std()) if adv.size else 0.0,
     }
-    for c in reward_cols:
+    if len(reward):
+        # A dynamically sampled step may keep no group at all: then these means do not
+        # exist, and are left out rather than written as NaN (not JSON).
+        out["rollout/reward_mean"] = float(reward.mean())
+        out["rollout/reward_std"] = float(reward.std())
+        out["rollout/response_length"] = float(length.mean())
+        out["rollout/stop_frac"] = stops / len(reward)
+    for c in reward_cols if len(reward) else []:
         # nan-mean: a dict entry that some rows lack is null there.
         values = np.concatenate([t.column(c).to_numpy(zero_copy_only=False) for t in rows])
         out[f"rollout/{c}"] = float(np.nanmean(values)) if np.isfinite(values).any() else 0.0

@@ -144,3 +144,31 @@ def checkpoint_tensors(ckpt_dir: Path, prefix: str = "") -> dict[str, torch.Tens
             elif isinstance(v, torch.Tensor) and f"{pre}{k}".startswith(prefix):
                 flat[f"{pre}{k}"] = v
     return flat
+
+
+def dcp_chunks(ckpt_dir: Path, key: str) -> int:
+    """How many shards DCP wrote of `key` in a checkpoint directory."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return len(FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata[key].chunks)
+
+
+def two_ranks_then_one(tmp_path: Path, *overrides: str) -> tuple[Path, Path]:
+    """Two fsdp2 runs of 4 steps that go from 2 ranks to 1 at step 2's checkpoint:
+    `switched` stops after step 2 and resumes on 1 rank; `killed` dies on 2 ranks right
+    after step 3's train commit (5 commits a step: the 14th) and resumes on 1, replaying
+    step 3 from the 2-rank checkpoint. Both must end alike, bitwise."""
+    steps = ("train.backend=fsdp2", *overrides)
+    two, one = ("--tasks-per-node", "2"), ("--tasks-per-node", "1")
+    switched = tmp_path / "switched"
+    out = submit(switched, *steps, "total_steps=2", extra=two)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = submit(switched, *steps, "total_steps=4", config=None, extra=one)
+    assert out.returncode == 0, out.stderr[-3000:]
+    killed = tmp_path / "killed"
+    env = {"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "13"}
+    assert submit(killed, *steps, "total_steps=4", extra=two, env=env).returncode != 0
+    out = submit(killed, *steps, "total_steps=4", config=None, extra=one)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert {e["step"] for e in events(killed) if e["event"] == "replay"} == {3}
+    return switched, killed

@@ -261,28 +261,25 @@ def test_resume_with_changed_model(base_run: Path, tmp_path: Path) -> None:
     _resumed(base_run, tmp_path, "total_steps=3", mutate=swap_model, needles=("model", "differs"))
 
 
-def test_reward_function_that_raises(base_run: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("function", "needles"),
+    [
+        ("bad_rewards:boom", ("boom",)),
+        ("reward_fns:not_a_number", ("reward_fns:not_a_number", "returned str 'high'")),
+    ],
+    ids=["raises", "wrong_return_type"],
+)
+def test_reward_function_that_fails(
+    function: str, needles: tuple[str, ...], base_run: Path, tmp_path: Path
+) -> None:
     _resumed(
         base_run,
         tmp_path,
         "total_steps=3",
-        "reward.functions=[bad_rewards:boom]",
+        f"reward.functions=[{function}]",
         extra=("--allow-fingerprint-mismatch",),
         env={"PYTHONPATH": f"{TESTS}:{ROOT}"},
-        needles=("boom", "prompt_id", "sample_idx", "step 3"),
-        accepted=True,
-    )
-
-
-def test_reward_function_with_wrong_return_type(base_run: Path, tmp_path: Path) -> None:
-    _resumed(
-        base_run,
-        tmp_path,
-        "total_steps=3",
-        "reward.functions=[reward_fns:not_a_number]",
-        extra=("--allow-fingerprint-mismatch",),
-        env={"PYTHONPATH": f"{TESTS}:{ROOT}"},
-        needles=("reward_fns:not_a_number", "'high'", "prompt_id", "sample_idx", "step 3"),
+        needles=(*needles, "prompt_id", "sample_idx", "step 3"),
         accepted=True,
     )
 

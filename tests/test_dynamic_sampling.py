@@ -265,6 +265,9 @@ def test_shortfall_fails_then_resumes_with_more_rounds(tmp_path: Path) -> None:
     assert [m["dynamic/kept_groups"] for m in metrics] == [0, 0]
     assert [m["dynamic/shortfall_groups"] for m in metrics] == [4, 4]
     assert [m["train/updates"] for m in metrics] == [0.0, 0.0]
+    # No kept row: no reward means in the metrics (not NaN, which is not JSON).
+    for m in metrics:
+        assert not {"rollout/reward_mean", "rollout/reward_accuracy"} & m.keys(), m
     assert trajectories(run).num_rows == 0
     initial = load_file(prepare_tiny() / "model.safetensors")
     weights = final_weights(run)

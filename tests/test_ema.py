@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import events, submit
+from helpers import dcp_chunks, events, submit, two_ranks_then_one
 from safetensors.torch import load_file
 
 from rftpipe.config.schema import TrainConfig
@@ -113,35 +113,15 @@ def test_ema_survives_sigkill_and_replay_bitwise(tmp_path: Path) -> None:
     assert any(not torch.equal(a[k], final[k]) for k in a)
 
 
-def _chunks(ckpt: Path, key: str) -> int:
-    """How many shards DCP wrote of `key` in the checkpoint directory `ckpt`."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    return len(FileSystemReader(ckpt).read_metadata().state_dict_metadata[key].chunks)
-
-
 @pytest.mark.slow
 def test_fsdp2_ema_is_sharded_and_reshards_on_resume(tmp_path: Path) -> None:
     """Under fsdp2 the average is saved in shards like the weights, and a run killed on 2
     ranks after step 3's train commit and resumed on 1 ends with the EMA of a run that
     switched from 2 ranks to 1 at the same checkpoint, bitwise."""
-    steps = ("train.backend=fsdp2", "total_steps=4", "train.ema_decay=0.9")
-    switched = tmp_path / "switched"
-    two, one = ("--tasks-per-node", "2"), ("--tasks-per-node", "1")
-    out = submit(switched, *steps[:2], "total_steps=2", steps[2], extra=two)
-    assert out.returncode == 0, out.stderr[-3000:]
+    switched, killed = two_ranks_then_one(tmp_path, "train.ema_decay=0.9")
     key = "ema.params.model.layers.0.mlp.up_proj.weight"
-    assert _chunks(switched / "checkpoints" / "step=2", key) == 2
-    assert _chunks(switched / "checkpoints" / "step=2", "engine.model." + key[11:]) == 2
-    out = submit(switched, *steps, config=None, extra=one)
-    assert out.returncode == 0, out.stderr[-3000:]
-
-    killed = tmp_path / "killed"
-    env = {"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "13"}
-    assert submit(killed, *steps, extra=two, env=env).returncode != 0
-    out = submit(killed, *steps, config=None, extra=one)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert {e["step"] for e in events(killed) if e["event"] == "replay"} == {3}
+    assert dcp_chunks(switched / "checkpoints" / "step=2", key) == 2
+    assert dcp_chunks(switched / "checkpoints" / "step=2", "engine.model." + key[11:]) == 2
     a, b = _weights(switched / "export_ema"), _weights(killed / "export_ema")
     assert all(torch.equal(a[k], b[k]) for k in a), "EMA differs after resharding"
     final = _weights(killed / "export")
