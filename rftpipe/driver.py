@@ -43,7 +43,8 @@ def generate(rt: Runtime, step: int, state: StepState) -> StepPlan:
         plan = plan_round(rt, step, consumed)
         for stage in generation_round(len(plans)):
             _execute(rt, plan, stage, state)
-        varied.append(state.manifests[stage.name].get(dynamic_sampling.VARIED, []))
+        score = state.manifests[round_stage("score", len(plans))]
+        varied.append(score.get(dynamic_sampling.VARIED, []))
         plans.append(plan)
         consumed = plan.sampler["consumed_after"]
     if not rt.cfg.rollout.dynamic_sampling.enabled:

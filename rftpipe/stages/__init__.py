@@ -40,9 +40,3 @@ def chain_position(name: str) -> tuple[int, int, int] | None:
     if name in ORDER:
         return (1, 0, ORDER.index(name))  # type: ignore[arg-type]
     return None
-
-
-def base_stage(name: str) -> str:
-    """The pipeline stage a directory name belongs to (`score.r2` -> `score`)."""
-    m = _ROUND.match(name)
-    return m.group(1) if m else name
