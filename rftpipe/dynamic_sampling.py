@@ -74,20 +74,18 @@ def filled(varied_by_round: Sequence[Sequence[int]], target: int) -> bool:
     return sum(len(r) for r in select(varied_by_round, target)) >= target
 
 
-def consumed_after(store: StageStore, step: int) -> int:
-    """The sampler's state after a complete step: what its last round's rollout recorded."""
-    r = 0
-    while store.is_committed(step, round_stage("rollout", r + 1)):
-        r += 1
-    return store.manifest(step, round_stage("rollout", r))["sampler"]["consumed_after"]
-
-
 def committed_rounds(store: StageStore, step: int, stage: str) -> list[str]:
     """The committed directories of generation stage `stage` in `step`, in round order."""
     out = []
     while store.is_committed(step, name := round_stage(stage, len(out))):  # type: ignore[arg-type]
         out.append(name)
     return out
+
+
+def consumed_after(store: StageStore, step: int) -> int:
+    """The sampler's state after a complete step: what its last round's rollout recorded."""
+    last = committed_rounds(store, step, "rollout")[-1]
+    return store.manifest(step, last)["sampler"]["consumed_after"]
 
 
 def stage_seconds(store: StageStore, step: int, stage: str) -> float:
