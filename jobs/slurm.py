@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rftpipe.errors import UserError
-from rftpipe.slurm_job import job_info
+from rftpipe.run.slurm_job import job_info
 
 #: Seconds between Slurm's USR2 and the time limit (it must fit one stage plus a commit).
 DEFAULT_SIGNAL_DELAY_S = 90
@@ -157,8 +157,8 @@ class Submitted:
 
 def submit(args: argparse.Namespace, run_dir: Path) -> Submitted:
     # Imported here, on the login node: submitit pickles the function by reference, so
-    # rftpipe.worker must stay torch-free at import (its torch imports are inside main).
-    from rftpipe.worker import slurm_task
+    # rftpipe.run.worker must stay torch-free at import (its torch imports are inside main).
+    from rftpipe.run.worker import slurm_task
 
     ex = make_executor(args, run_dir)
     job = ex.submit(slurm_task, worker_argv(run_dir, args))
@@ -200,7 +200,7 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 def wait(job_id: str, run_dir: Path, poll_s: float = 5.0) -> str:
     """Block until the job has ended for good (requeues included); stream committed steps."""
     from rftpipe.stages import FINAL
-    from rftpipe.store import RunDir, StageStore
+    from rftpipe.storage.store import RunDir, StageStore
 
     store = StageStore(RunDir(run_dir))
     seen = 0

@@ -16,7 +16,7 @@ from jobs import slurm
 from rftpipe.config.loader import load_config
 from rftpipe.config.schema import RunConfig
 from rftpipe.stages import FINAL, chain_position
-from rftpipe.store import RunDir, StageStore
+from rftpipe.storage.store import RunDir, StageStore
 
 
 def describe(run_dir: Path) -> dict:

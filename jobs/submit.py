@@ -21,7 +21,7 @@ from rftpipe.config.loader import diff_keys, dump_yaml, load_config, to_dict
 from rftpipe.config.schema import RESUME_SAFE_KEYS, RunConfig
 from rftpipe.errors import UserError
 from rftpipe.stages import FINAL
-from rftpipe.store import RunDir, StageStore, atomic_write_bytes
+from rftpipe.storage.store import RunDir, StageStore, atomic_write_bytes
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "grpo_smollm2_addition.yaml"
 
@@ -123,7 +123,7 @@ def run_local(run_dir: Path, args: argparse.Namespace) -> int:
     If one rank fails, the others are stopped: they would otherwise wait forever in the
     next collective. The first failing exit code is returned.
     """
-    cmd = [sys.executable, "-m", "rftpipe.worker", str(run_dir)]
+    cmd = [sys.executable, "-m", "rftpipe.run.worker", str(run_dir)]
     cmd += ["--repair"] if args.repair else []
     cmd += ["--allow-fingerprint-mismatch"] if args.allow_fingerprint_mismatch else []
     n = args.tasks_per_node

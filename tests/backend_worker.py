@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import save_file
 
 from rftpipe.config.schema import KLConfig, TrainConfig
-from rftpipe.data import rank_slice
+from rftpipe.data.prompts import rank_slice
 from rftpipe.dist import init_from_env
-from rftpipe.engines.train import TRAIN_ENGINES, TrainEngine
-from rftpipe.models import load_causal_lm, prepare_tiny
+from rftpipe.engines.models import load_causal_lm, prepare_tiny
+from rftpipe.engines.train.base import TRAIN_ENGINES, TrainEngine
 from rftpipe.stages import train
 
 GROUPS, SAMPLES = 4, 4

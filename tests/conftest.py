@@ -18,7 +18,7 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = Path(os.environ.get("RFTPIPE_TEST_CACHE") or tmp_path_factory.mktemp("cache"))
     os.environ["RFTPIPE_CACHE"] = str(cache)
     subprocess.run(
-        [sys.executable, "-m", "rftpipe.models", "prepare-tiny"],
+        [sys.executable, "-m", "rftpipe.engines.models", "prepare-tiny"],
         check=True,
         capture_output=True,
         cwd=ROOT,

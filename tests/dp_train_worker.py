@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import save_file
 
 from rftpipe.config.schema import KLConfig, TrainConfig
-from rftpipe.data import rank_slice
+from rftpipe.data.prompts import rank_slice
 from rftpipe.dist import init_from_env
-from rftpipe.engines.train import FSDP2Engine
-from rftpipe.models import load_causal_lm, prepare_tiny
+from rftpipe.engines.models import load_causal_lm, prepare_tiny
+from rftpipe.engines.train.base import FSDP2Engine
 from rftpipe.stages import train
 
 

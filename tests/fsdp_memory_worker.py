@@ -26,10 +26,10 @@ from helpers import count_calls
 from safetensors.torch import save_file
 
 from rftpipe.config.schema import KLConfig, TrainConfig
-from rftpipe.data import rank_slice
+from rftpipe.data.prompts import rank_slice
 from rftpipe.dist import Dist, init_from_env
-from rftpipe.engines.train import FSDP2Engine
-from rftpipe.models import load_causal_lm, prepare_tiny
+from rftpipe.engines.models import load_causal_lm, prepare_tiny
+from rftpipe.engines.train.base import FSDP2Engine
 from rftpipe.stages import train
 
 BASE = TrainConfig(backend="fsdp2", lr=1e-3, mini_batches=2, micro_batch_size=2, entropy_coef=0.01)

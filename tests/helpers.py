@@ -95,7 +95,7 @@ def count_calls(module: torch.nn.Module) -> list[int]:
 def save_perturbed_tiny(out: Path) -> Path:
     """The tiny model, perturbed so its logits are far from uniform (differences show),
     saved with its tokenizer as an HF directory at `out`."""
-    from rftpipe.models import load_causal_lm, load_tokenizer, prepare_tiny
+    from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
 
     src = prepare_tiny()
     torch.manual_seed(0)
@@ -108,10 +108,10 @@ def save_perturbed_tiny(out: Path) -> Path:
     return out
 
 
-def vllm_spec(model_dir: Path):  # -> rftpipe.engines.vllm_engine.EngineSpec
+def vllm_spec(model_dir: Path):  # -> rftpipe.engines.rollout.vllm.EngineSpec
     """A vLLM engine spec for a tiny-model directory (float32, short sequences)."""
-    from rftpipe.engines.vllm_engine import EngineSpec
-    from rftpipe.models import load_tokenizer
+    from rftpipe.engines.models import load_tokenizer
+    from rftpipe.engines.rollout.vllm import EngineSpec
 
     tok = load_tokenizer(model_dir)
     return EngineSpec(

@@ -33,7 +33,7 @@ from rftpipe.algos.losses import (
 )
 from rftpipe.algos.names import ESTIMATOR_TRAITS, POLICY_LOSS_TRAITS
 from rftpipe.config.schema import RewardConfig
-from rftpipe.rewards import RewardSample, resolve_all
+from rftpipe.rewards.resolve import RewardSample, resolve_all
 
 F64 = torch.float64
 EPS = 1e-6  # compute_advantages' default eps, as the formulas below use it

@@ -347,7 +347,7 @@ def test_vllm_cannot_load_architecture(tmp_path: Path) -> None:
     """A causal LM transformers loads but vLLM does not (XLNet): refused before any write."""
     from transformers import XLNetConfig, XLNetLMHeadModel
 
-    from rftpipe.models import build_tiny_tokenizer
+    from rftpipe.engines.models import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     model_dir = tmp_path / "xlnet"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jobs.submit import main as submit_main
-from rftpipe.ckpt_policy import (
+from rftpipe.checkpoint.policy import (
     CheckpointController,
     RunHistory,
     daly_period_s,
@@ -331,7 +331,7 @@ def test_controller_bounds_and_arguments() -> None:
 
 
 def test_module_imports_no_torch() -> None:
-    code = "import sys, rftpipe.ckpt_policy; sys.exit('torch' in sys.modules)"
+    code = "import sys, rftpipe.checkpoint.policy; sys.exit('torch' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
 

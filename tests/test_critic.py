@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from rftpipe.algos.advantage import AdvantageInputs, compute_advantages, gae_returns
 from rftpipe.algos.value import clipped_value_loss
-from rftpipe.critic import head_seed, load_value_model
-from rftpipe.models import prepare_tiny
+from rftpipe.engines.models import prepare_tiny
+from rftpipe.engines.train.critic import head_seed, load_value_model
 
 CRITIC = ("advantage.estimator=gae", "advantage.lam=0.95", "critic.lr=1e-3")
 

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rftpipe.config.schema import DataConfig, DatasetSourceConfig, FileDataConfig
-from rftpipe.data import (
+from rftpipe.data.prompts import (
     ID_STRIDE,
     SamplerState,
     _schedule,
@@ -22,8 +22,8 @@ from rftpipe.data import (
     rank_slice,
     source_counts,
 )
+from rftpipe.engines.models import build_tiny_tokenizer
 from rftpipe.errors import UserError
-from rftpipe.models import build_tiny_tokenizer
 
 
 @pytest.mark.parametrize("n,per_step", [(20, 4), (10, 3), (7, 7), (5, 8)])

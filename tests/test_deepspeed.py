@@ -14,7 +14,7 @@ import torch
 from helpers import ROOT, events, final_weights, submit, trajectories
 from safetensors.torch import load_file
 
-from rftpipe.models import prepare_tiny
+from rftpipe.engines.models import prepare_tiny
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is installed by tools/setup.sh")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 from helpers import submit
 
-from rftpipe import driver, executor
 from rftpipe.config.loader import load_config
 from rftpipe.config.schema import RunConfig
 from rftpipe.dist import Dist
-from rftpipe.runtime import build
-from rftpipe.store import RunDir
+from rftpipe.run import driver, executor
+from rftpipe.run.runtime import build
+from rftpipe.storage.store import RunDir
 
 
 class RecordingEngine:

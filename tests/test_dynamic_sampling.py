@@ -19,12 +19,11 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
-from rftpipe import dynamic_sampling
-from rftpipe.data import SamplerState, global_window
-from rftpipe.models import prepare_tiny
-from rftpipe.stages import chain_position
+from rftpipe.data.prompts import SamplerState, global_window
+from rftpipe.engines.models import prepare_tiny
+from rftpipe.stages import chain_position, generation
 from rftpipe.stages.train import TrainInputs, minibatch_plan
-from rftpipe.store import RunDir, StageStore
+from rftpipe.storage.store import RunDir, StageStore
 
 TESTS = Path(__file__).resolve().parent
 ENV = {"PYTHONPATH": f"{TESTS}:{ROOT}"}
@@ -44,12 +43,12 @@ DAPO = (
 
 def test_select_takes_the_first_varied_groups_in_round_order() -> None:
     rounds = [[3, 1], [5, 3, 7], [9]]
-    assert dynamic_sampling.select(rounds, 3) == [[3, 1], [5], []]
+    assert generation.select(rounds, 3) == [[3, 1], [5], []]
     # Prompt 3 met again in round 1 (an epoch boundary inside the step) counts once.
-    assert dynamic_sampling.select(rounds, 4) == [[3, 1], [5, 7], []]
-    assert dynamic_sampling.select(rounds, 9) == [[3, 1], [5, 7], [9]]
-    assert dynamic_sampling.filled(rounds, 5) and not dynamic_sampling.filled(rounds, 6)
-    assert dynamic_sampling.select([], 4) == [] and not dynamic_sampling.filled([], 1)
+    assert generation.select(rounds, 4) == [[3, 1], [5, 7], []]
+    assert generation.select(rounds, 9) == [[3, 1], [5, 7], [9]]
+    assert generation.filled(rounds, 5) and not generation.filled(rounds, 6)
+    assert generation.select([], 4) == [] and not generation.filled([], 1)
 
 
 def test_varied_groups() -> None:
@@ -62,7 +61,7 @@ def test_varied_groups() -> None:
             "is_baseline": [False, False, False, True, False, False, False, False],
         }
     )
-    assert dynamic_sampling.varied_groups(t, "reward_acc") == {1, 4}
+    assert generation.varied_groups(t, "reward_acc") == {1, 4}
 
 
 def test_minibatches_of_a_short_batch_hold_whole_groups() -> None:
@@ -109,7 +108,7 @@ def _manifest(run: Path, step: int, stage: str) -> dict:
 
 
 def _rounds(run: Path, step: int) -> list[str]:
-    return dynamic_sampling.committed_rounds(StageStore(RunDir(run)), step, "score")
+    return generation.committed_rounds(StageStore(RunDir(run)), step, "score")
 
 
 def _round_rows(run: Path, step: int, stage: str) -> pa.Table:
@@ -149,7 +148,7 @@ def test_steps_train_on_the_first_varied_groups(dapo_run: Path) -> None:
             want = [p for p in roll["prompt_ids"] if len(by_group[p]) > 1]
             assert _manifest(run, step, name)["varied"] == want
             varied.append(want)
-        kept = [p for ids in dynamic_sampling.select(varied, 4) for p in ids]
+        kept = [p for ids in generation.select(varied, 4) for p in ids]
         mine = traj.filter(pa.compute.equal(traj["step"], step))
         assert sorted(set(mine["prompt_id"].to_pylist())) == sorted(kept), step
         assert mine.num_rows == 4 * 4

@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 
 from rftpipe.config.schema import TrainConfig
 from rftpipe.dist import Dist
-from rftpipe.engines.ema import ParameterEMA
-from rftpipe.engines.train import SingleDeviceEngine
-from rftpipe.models import prepare_tiny
+from rftpipe.engines.models import prepare_tiny
+from rftpipe.engines.train.base import SingleDeviceEngine
+from rftpipe.engines.train.ema import ParameterEMA
 
 
 def test_ema_update_by_hand() -> None:

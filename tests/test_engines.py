@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from rftpipe.config.schema import RolloutConfig
-from rftpipe.engines.rollout import HFGenerateEngine
-from rftpipe.engines.train import (
+from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
+from rftpipe.engines.rollout.base import HFGenerateEngine
+from rftpipe.engines.train.base import (
     build_micro_batch,
     grouped_logprobs,
     response_logprobs,
     root_forward_logprobs,
 )
-from rftpipe.models import load_causal_lm, load_tokenizer, prepare_tiny
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_top_k_1_sampling_decodes_like_generate_greedy(tiny) -> None:
 
 
 def test_sampling_filters_and_draws_in_proportion(tiny) -> None:
-    from rftpipe.engines.rollout import _sample
+    from rftpipe.engines.rollout.base import _sample
 
     model, tok = tiny
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -149,7 +149,7 @@ def test_min_new_tokens_holds_eos_back(tiny) -> None:
 def _engine(role: str = "actor"):
     from rftpipe.config.schema import TrainConfig
     from rftpipe.dist import Dist
-    from rftpipe.engines.train import SingleDeviceEngine
+    from rftpipe.engines.train.base import SingleDeviceEngine
 
     model = load_causal_lm(prepare_tiny(), "float32")
     # A schedule whose LR changes at every update, so a lost scheduler state shows.
@@ -169,7 +169,7 @@ def _update(engine) -> None:
 
 
 def test_engine_checkpoint_roundtrip_restores_weights_optimizer_and_scheduler(tmp_path) -> None:
-    from rftpipe.checkpoint import Writer, list_committed, load
+    from rftpipe.checkpoint.writer import Writer, list_committed, load
     from rftpipe.dist import Dist
 
     a = _engine()
@@ -205,7 +205,7 @@ def test_reference_role_scores_but_never_trains() -> None:
 
 
 def test_background_checkpoint_commits_and_restores(tmp_path) -> None:
-    from rftpipe.checkpoint import Writer, list_committed, load, verify
+    from rftpipe.checkpoint.writer import Writer, list_committed, load, verify
     from rftpipe.dist import Dist
 
     a = _engine()
@@ -225,7 +225,7 @@ def test_background_checkpoint_commits_and_restores(tmp_path) -> None:
 
 
 def test_background_checkpoint_failure_surfaces_and_commits_nothing(tmp_path) -> None:
-    from rftpipe.checkpoint import Writer, list_committed
+    from rftpipe.checkpoint.writer import Writer, list_committed
     from rftpipe.dist import Dist
 
     a = _engine()
@@ -246,7 +246,7 @@ def test_background_checkpoint_disk_full_names_the_cause(tmp_path, monkeypatch) 
     "unexpected pos" zip message, and nothing is committed."""
     import os
 
-    from rftpipe.checkpoint import Writer, list_committed
+    from rftpipe.checkpoint.writer import Writer, list_committed
     from rftpipe.dist import Dist
 
     a = _engine()
@@ -269,9 +269,9 @@ def test_background_checkpoint_disk_full_names_the_cause(tmp_path, monkeypatch) 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
 def test_checkpoint_load_verifies_the_blocks_it_reads(tmp_path, damage: str) -> None:
     """A damaged DCP file is refused by the load itself (no separate checksum pass)."""
-    from rftpipe.checkpoint import Writer, list_committed, load
+    from rftpipe.checkpoint.writer import Writer, list_committed, load
     from rftpipe.dist import Dist
-    from rftpipe.store import CorruptionError
+    from rftpipe.storage.store import CorruptionError
 
     a = _engine()
     _update(a)
@@ -313,9 +313,9 @@ class _Part:
 def test_restart_loads_optimizer_state_later_and_verifies_it(tmp_path) -> None:
     """`load(..., later=writer)` applies the model part at once and the optimizer part at
     the writer's next `wait()`; damage in a block only the late part reads is raised there."""
-    from rftpipe.checkpoint import Writer, list_committed, load
+    from rftpipe.checkpoint.writer import Writer, list_committed, load
     from rftpipe.dist import Dist
-    from rftpipe.store import CorruptionError
+    from rftpipe.storage.store import CorruptionError
 
     n = 3 << 20  # 12 MB a tensor: the optimizer's bytes lie in blocks of their own
     writer = Writer(Dist())

@@ -12,10 +12,10 @@ import pytest
 from helpers import events, stage_history, submit
 
 from rftpipe.config.schema import DataConfig, EvalConfig, ReasoningGymConfig
-from rftpipe.data import content_key, load_prompts, split_held_out
+from rftpipe.data.prompts import content_key, load_prompts, split_held_out
+from rftpipe.engines.models import build_tiny_tokenizer
 from rftpipe.errors import UserError
-from rftpipe.metrics import pass_at_k, summarize
-from rftpipe.models import build_tiny_tokenizer
+from rftpipe.run.metrics import pass_at_k, summarize
 
 ADDITION = ReasoningGymConfig(
     name="basic_arithmetic",

@@ -17,10 +17,10 @@ import torch
 from helpers import TINY, events, final_weights, submit, trajectories
 from safetensors.torch import load_file
 
-from rftpipe import checkpoint
+from rftpipe.checkpoint import writer
 from rftpipe.config.schema import RolloutConfig
-from rftpipe.engines.rollout import HFGenerateEngine
-from rftpipe.models import load_causal_lm, load_tokenizer, prepare_tiny
+from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
+from rftpipe.engines.rollout.base import HFGenerateEngine
 from rftpipe.stages import ORDER
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -91,7 +91,7 @@ def test_pipeline_on_gpu(
     assert out.returncode == 0, out.stderr[-4000:]
     commits = {(e["step"], e["stage"]) for e in events(run) if e["event"] == "commit"}
     assert commits >= {(s, st) for s in range(1, STEPS + 1) for st in ORDER}
-    assert checkpoint.list_committed(run / "checkpoints")[-1].step == STEPS
+    assert writer.list_committed(run / "checkpoints")[-1].step == STEPS
     # Every step had a learning signal (rewards differing within groups) and the weights
     # moved (weight decay is off, so only by gradients).
     t = trajectories(run).to_pandas()
@@ -107,7 +107,7 @@ def test_pipeline_on_gpu(
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
     for m in lines:
         assert m["perf/train_tokens_per_s"] > 0 and m["perf/train_tflops"] > 0, m
-        assert 0 < m["perf/mfu"] < 1, m  # the GPU's peak was found in rftpipe.perf's table
+        assert 0 < m["perf/mfu"] < 1, m  # the GPU's peak was found in rftpipe.observe.perf's table
 
 
 def test_greedy_eval_runs_on_the_models_device() -> None:

@@ -13,7 +13,7 @@ from helpers import ROOT
 from jobs.slurm import sbatch_extras, time_minutes
 from jobs.submit import main as submit_main
 from rftpipe.errors import UserError
-from rftpipe.slurm_job import decide_requeue
+from rftpipe.run.slurm_job import decide_requeue
 
 USR2, TERM = signal.SIGUSR2, signal.SIGTERM
 
@@ -133,7 +133,7 @@ import sys
 from pathlib import Path
 
 import jobs.slurm, jobs.status, jobs.submit
-import rftpipe.worker  # jobs.slurm.submit imports it to hand submitit the task function
+import rftpipe.run.worker  # jobs.slurm.submit imports it to hand submitit the task function
 
 run = sys.argv[1]
 assert jobs.submit.main(["--cluster", "slurm", "--dry-run", "--run-dir", run]) == 0
@@ -141,7 +141,7 @@ assert jobs.submit.main(["--cluster", "slurm", "--create-only", "--run-dir", run
 (Path(run) / "slurm").mkdir()
 (Path(run) / "slurm" / "jobs.txt").write_text("4242\\n")
 # No Slurm client on PATH: the state falls through squeue to scontrol_state (as for a job
-# that has left the queue): the path that reads job state through rftpipe.slurm_job.
+# that has left the queue): the path that reads job state through rftpipe.run.slurm_job.
 assert jobs.status.main([run, "--json"]) == 0
 print("HEAVY:", *sorted(m for m in ("torch", "transformers") if m in sys.modules))
 """
@@ -164,7 +164,7 @@ def test_launch_layer_imports_no_torch(tmp_path, monkeypatch) -> None:
 
 _REFAULT = """
 import resource, sys, torch
-from rftpipe.runtime import retain_host_memory
+from rftpipe.run.runtime import retain_host_memory
 if sys.argv[1] == "retain":
     assert retain_host_memory()
 x = torch.ones(25_000_000)  # 100 MB

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.dist import Dist
-from rftpipe.engines.train import (
+from rftpipe.engines.models import load_causal_lm, prepare_tiny
+from rftpipe.engines.train.base import (
     SingleDeviceEngine,
     build_micro_batch,
     grouped_logprobs,
@@ -27,7 +28,6 @@ from rftpipe.engines.train import (
     response_logprobs,
     split_micro_batches,
 )
-from rftpipe.models import load_causal_lm, prepare_tiny
 from rftpipe.stages import train
 
 PROMPT_LENGTHS = (6, 11, 4, 9)
@@ -407,7 +407,7 @@ def test_fsdp2_token_budget_pads_ranks_to_the_same_micro_batch_count(
     """Updates agree to 2e-4 relative (see the single-device test for why not bitwise)."""
     from fsdp_memory_worker import BASE, VARIANTS
 
-    from rftpipe.data import rank_slice
+    from rftpipe.data.prompts import rank_slice
 
     cfg = dataclasses.replace(BASE, **VARIANTS["token_budget"])
     base, budget = _variant(fsdp_runs, "base"), _variant(fsdp_runs, "token_budget")

@@ -1,4 +1,4 @@
-"""Model FLOPs, peak lookup and MFU (rftpipe/perf.py), and the tools.mfu CLI on the CPU."""
+"""Model FLOPs, peak lookup and MFU (rftpipe/observe/perf.py), and the tools.mfu CLI on the CPU."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 from helpers import ROOT
 
-from rftpipe import perf
 from rftpipe.dist import Dist
-from rftpipe.models import load_causal_lm, prepare_tiny
+from rftpipe.engines.models import load_causal_lm, prepare_tiny
+from rftpipe.observe import perf
 
 
 def test_tiny_model_flops_by_hand() -> None:

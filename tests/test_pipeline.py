@@ -16,9 +16,9 @@ import torch
 from helpers import ROOT, TINY, events, final_weights, submit, trajectories
 from safetensors.torch import load_file
 
-from rftpipe import checkpoint
-from rftpipe.engines.train import build_micro_batch, response_logprobs
-from rftpipe.models import load_causal_lm, prepare_tiny
+from rftpipe.checkpoint import writer
+from rftpipe.engines.models import load_causal_lm, prepare_tiny
+from rftpipe.engines.train.base import build_micro_batch, response_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -96,14 +96,14 @@ def test_sync_rollout_logprobs_match_trained_weights(tiny_run: Path, tmp_path: P
     """Step s+1's sampling logprobs equal the step-s trained weights' logprobs."""
     from rftpipe.config.schema import TrainConfig
     from rftpipe.dist import Dist
-    from rftpipe.engines.train import SingleDeviceEngine
+    from rftpipe.engines.train.base import SingleDeviceEngine
 
     engine = SingleDeviceEngine(load_causal_lm(prepare_tiny(), "float32"), TrainConfig(), Dist())
     model = engine.model
-    ckpts = {c.step: c for c in checkpoint.list_committed(tiny_run / "checkpoints")}
+    ckpts = {c.step: c for c in writer.list_committed(tiny_run / "checkpoints")}
     t = trajectories(tiny_run).to_pandas()
     for s in (2, 4):
-        checkpoint.load(ckpts[s], {"engine": engine})
+        writer.load(ckpts[s], {"engine": engine})
         rows = t[t.step == s + 1]
         assert (rows.weight_version == s).all()
         mb = build_micro_batch(list(rows.prompt_token_ids), list(rows.response_token_ids), pad_id=0)

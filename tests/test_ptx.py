@@ -14,10 +14,10 @@ import torch
 from helpers import events, final_weights, submit
 
 from rftpipe.config.schema import DatasetSourceConfig, KLConfig, PTXConfig, TrainConfig
-from rftpipe.data import load_ptx_examples, ptx_batch, rank_slice
+from rftpipe.data.prompts import load_ptx_examples, ptx_batch, rank_slice
 from rftpipe.dist import Dist
-from rftpipe.engines.train import SingleDeviceEngine
-from rftpipe.models import load_causal_lm, load_tokenizer, prepare_tiny
+from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
+from rftpipe.engines.train.base import SingleDeviceEngine
 from rftpipe.stages import train
 
 #: Questions and answers of the PTX file: short, so the tiny model learns them in a few steps.
@@ -129,7 +129,7 @@ def test_chat_prompts_and_max_tokens(tmp_path: Path) -> None:
     cuts a completion to fit and drops an example whose prompt leaves it no room."""
     import pyarrow.parquet as pq
 
-    from rftpipe.data import template_prompt
+    from rftpipe.data.prompts import template_prompt
 
     tok = load_tokenizer(prepare_tiny())
     system = {"role": "system", "content": "Answer briefly."}

@@ -10,11 +10,11 @@ import pyarrow as pa
 import pytest
 from reward_fns import rollouts
 
-from rftpipe import reward_pool
 from rftpipe.config.loader import ConfigError, from_dict
 from rftpipe.config.schema import RewardConfig, RunConfig
 from rftpipe.errors import UserError
-from rftpipe.rewards import check_coverage, resolve_all
+from rftpipe.rewards import pool
+from rftpipe.rewards.resolve import check_coverage, resolve_all
 from rftpipe.stages import score
 
 
@@ -22,9 +22,9 @@ from rftpipe.stages import score
 def fresh_pools():
     """Each test starts its own workers (they inherit the environment it sets)."""
     yield
-    for pool in reward_pool._shared.values():
-        pool.close()
-    reward_pool._shared.clear()
+    for p in pool._shared.values():
+        p.close()
+    pool._shared.clear()
 
 
 def scored(*functions: object, **reward: object) -> pa.Table:

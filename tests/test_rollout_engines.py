@@ -22,9 +22,9 @@ from helpers import save_perturbed_tiny, vllm_spec
 
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.dist import Dist
-from rftpipe.engines.rollout import HFGenerateEngine, RolloutEngine, stop_length
-from rftpipe.engines.train import build_micro_batch, response_logprobs
-from rftpipe.models import load_causal_lm, load_tokenizer
+from rftpipe.engines.models import load_causal_lm, load_tokenizer
+from rftpipe.engines.rollout.base import HFGenerateEngine, RolloutEngine, stop_length
+from rftpipe.engines.train.base import build_micro_batch, response_logprobs
 
 CFG = RolloutConfig(n=4, max_new_tokens=8, temperature=0.9)
 PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [70, 71]]
@@ -56,13 +56,13 @@ def _build(name: str, model_dir: Path, cfg: RolloutConfig) -> RolloutEngine:
             decode=functools.partial(tok.decode, skip_special_tokens=False),
         )
     if name == "vllm":
-        from rftpipe.engines.vllm_engine import VLLMEngine
+        from rftpipe.engines.rollout.vllm import VLLMEngine
 
         return VLLMEngine(cfg, vllm_spec(model_dir), Dist())
     if not torch.cuda.is_available():
         pytest.skip("SGLang runs on CUDA only")
     pytest.importorskip("sglang")
-    from rftpipe.engines.sglang_engine import SGLangEngine
+    from rftpipe.engines.rollout.sglang import SGLangEngine
 
     return SGLangEngine(model_dir, cfg, tok.eos_token_id, tok.pad_token_id, "float32", 0)
 
@@ -265,8 +265,8 @@ def test_windowed_stop_check_equals_decoding_the_whole_response() -> None:
     characters it finds the same token as decoding every prefix whole would."""
     import random
 
-    from rftpipe.engines.rollout import completes_stop
-    from rftpipe.models import build_tiny_tokenizer
+    from rftpipe.engines.models import build_tiny_tokenizer
+    from rftpipe.engines.rollout.base import completes_stop
 
     tok = build_tiny_tokenizer()
     decode = functools.partial(tok.decode, skip_special_tokens=False)

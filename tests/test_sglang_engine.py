@@ -20,15 +20,15 @@ import pytest
 import torch
 
 from rftpipe.config.schema import InferenceConfig, RolloutConfig
+from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
 from rftpipe.errors import UserError
-from rftpipe.models import load_causal_lm, load_tokenizer, prepare_tiny
 
 # -- CPU: no SGLang needed ------------------------------------------------------------------
 
 
 def test_module_imports_without_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "sglang", None)  # any `import sglang` now fails
-    import rftpipe.engines.sglang_engine as mod
+    import rftpipe.engines.rollout.sglang as mod
 
     importlib.reload(mod)
     assert mod.SGLangEngine.__name__ == "SGLangEngine"
@@ -38,7 +38,7 @@ def test_constructor_without_sglang_gives_install_hint(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setitem(sys.modules, "sglang", None)
-    from rftpipe.engines.sglang_engine import SGLangEngine
+    from rftpipe.engines.rollout.sglang import SGLangEngine
 
     with pytest.raises(UserError) as err:
         SGLangEngine(tmp_path, RolloutConfig(engine="sglang"), 1, 0, "float32", 0)
@@ -54,7 +54,7 @@ def _seeds(first: int, prompts: list) -> list[int]:
 
 
 def test_sample_seeds_are_per_sample_and_stable() -> None:
-    from rftpipe.engines.sglang_engine import _sglang_seed
+    from rftpipe.engines.rollout.sglang import _sglang_seed
 
     seeds = {_sglang_seed(g, j) for g in range(7, 11) for j in range(8)}
     assert len(seeds) == 32
@@ -63,7 +63,7 @@ def test_sample_seeds_are_per_sample_and_stable() -> None:
 
 
 def test_stop_token_check(tmp_path: Path) -> None:
-    from rftpipe.engines.sglang_engine import check_stop_tokens
+    from rftpipe.engines.rollout.sglang import check_stop_tokens
 
     tiny = prepare_tiny()
     check_stop_tokens(tiny, load_tokenizer(tiny).eos_token_id)
@@ -75,7 +75,7 @@ def test_stop_token_check(tmp_path: Path) -> None:
 
 
 def test_weight_chunks_are_bounded_and_ordered() -> None:
-    from rftpipe.engines.sglang_engine import chunk_by_bytes
+    from rftpipe.engines.rollout.sglang import chunk_by_bytes
 
     items = [
         ("a", torch.zeros(10)),  # 20 bytes as bf16
@@ -131,7 +131,7 @@ def tiny() -> tuple[Path, int, int, list[list[int]]]:
 @pytest.fixture(scope="module")
 def engine(tiny):
     _need_sglang()
-    from rftpipe.engines.sglang_engine import SGLangEngine
+    from rftpipe.engines.rollout.sglang import SGLangEngine
 
     path, eos, pad, _ = tiny
     eng = SGLangEngine(path, _cfg(), eos, pad, "float32", seed=0)
@@ -268,7 +268,7 @@ def test_sleep_wake_level1(engine, tiny) -> None:
 @gpu
 def test_sleep_wake_level2_needs_new_weights(tiny) -> None:
     _need_sglang()
-    from rftpipe.engines.sglang_engine import SGLangEngine
+    from rftpipe.engines.rollout.sglang import SGLangEngine
 
     path, eos, pad, prompts = tiny
     with SGLangEngine(path, _cfg(sleep_level=2), eos, pad, "float32", seed=0) as eng:

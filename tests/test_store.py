@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from rftpipe.stages import chain_position
-from rftpipe.store import CorruptionError, RunDir, StageStore, atomic_write_json, read_json
+from rftpipe.storage.store import CorruptionError, RunDir, StageStore, atomic_write_json, read_json
 
 
 def _table(n: int = 3) -> pa.Table:

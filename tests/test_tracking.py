@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import submit
 
-from rftpipe.wandb_log import history, run_id
+from rftpipe.observe.wandb_log import history, run_id
 
 pytestmark = pytest.mark.slow
 TRACK = ("logging.wandb=offline", "logging.tensorboard=true")

@@ -14,8 +14,8 @@ from rftpipe.algos.losses import POLICY_LOSSES, entropy_top_mask
 from rftpipe.algos.names import POLICY_LOSS_TRAITS
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.dist import Dist
-from rftpipe.engines.train import SingleDeviceEngine
-from rftpipe.models import load_causal_lm, prepare_tiny
+from rftpipe.engines.models import load_causal_lm, prepare_tiny
+from rftpipe.engines.train.base import SingleDeviceEngine
 from rftpipe.stages import train
 from rftpipe.stages.advantage import pad_ragged
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers import final_weights, submit, trajectories
 
-from rftpipe.models import load_causal_lm, prepare_tiny
+from rftpipe.engines.models import load_causal_lm, prepare_tiny
 
 pytestmark = [
     pytest.mark.slow,

@@ -22,10 +22,10 @@ import torch
 from helpers import vllm_spec
 
 from rftpipe.config.schema import InferenceConfig, RolloutConfig
-from rftpipe.data import Prompt
+from rftpipe.data.prompts import Prompt
 from rftpipe.dist import init_from_env
-from rftpipe.engines.vllm_engine import VLLMEngine
-from rftpipe.models import load_causal_lm, load_tokenizer
+from rftpipe.engines.models import load_causal_lm, load_tokenizer
+from rftpipe.engines.rollout.vllm import VLLMEngine
 from rftpipe.stages import rollout
 
 N = 4
@@ -34,7 +34,7 @@ ASKS = {
     0: ([[5, 6, 7, 8, 9, 10], [40, 41, 42], [70, 71]], [1, 2, 3]),
     1: ([[11, 12, 13, 14], [90, 91, 92, 93, 94, 95, 96]], [4, 5]),
 }
-#: Greedy evaluation: every rank asks the same prompts (`rftpipe.evaluate`) ...
+#: Greedy evaluation: every rank asks the same prompts (`rftpipe.run.evaluate`) ...
 SAME = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [70, 71], [100, 101, 102, 103]]
 #: ... and, for the engine's sake, also different ones.
 OWN = {0: [[20, 21, 22]], 1: [[30, 31], [60, 61, 62, 63, 64]]}

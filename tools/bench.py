@@ -112,7 +112,7 @@ def config_interval(
     """The checkpoint interval the default config runs with on this machine: its fixed
     `checkpoint.interval`, or, with `checkpoint.policy=young_daly`, what the policy picks for
     these measured figures (`--ckpt-interval` overrides both)."""
-    from rftpipe.ckpt_policy import HOUR_S, young_daly_interval
+    from rftpipe.checkpoint.policy import HOUR_S, young_daly_interval
     from rftpipe.config.loader import load_config
     from rftpipe.config.schema import RunConfig
 
@@ -617,7 +617,7 @@ def child_main(a: argparse.Namespace) -> int:
 
     torch.set_num_threads(a.threads)
     if a.child == "floor":
-        from rftpipe.runtime import retain_host_memory
+        from rftpipe.run.runtime import retain_host_memory
 
         # The floor runs rftpipe's compute under the allocator policy rftpipe's worker uses
         # (launch.retain_host_memory); TRL runs as its users run it.
@@ -645,8 +645,8 @@ def step_prompts(a: argparse.Namespace):
     """The prompts rftpipe's sampler hands out in steps 1..N, in order, and the run config."""
     from rftpipe.config.loader import load_config
     from rftpipe.config.schema import RunConfig
-    from rftpipe.data import SamplerState, global_window, load_prompts
-    from rftpipe.models import load_tokenizer, resolve_model_path
+    from rftpipe.data.prompts import SamplerState, global_window, load_prompts
+    from rftpipe.engines.models import load_tokenizer, resolve_model_path
 
     cfg = load_config(RunConfig, CONFIG, overrides(a, a.steps, a.child_engine))
     model_dir = resolve_model_path(cfg.model.path)
@@ -671,7 +671,7 @@ def bench_trl(a: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rftpipe.rewards import RewardSample, resolve_all
+    from rftpipe.rewards.resolve import RewardSample, resolve_all
 
     cfg, model_dir, tok, ps, order = step_prompts(a)
     fns = resolve_all(cfg.reward, ps.scorer)
@@ -819,9 +819,9 @@ def bench_floor(a: argparse.Namespace) -> dict[str, Any]:
 
     from rftpipe.algos.losses import AGGREGATIONS, POLICY_LOSSES
     from rftpipe.dist import Dist
-    from rftpipe.engines.rollout import HFGenerateEngine
-    from rftpipe.engines.train import SingleDeviceEngine
-    from rftpipe.models import load_causal_lm
+    from rftpipe.engines.models import load_causal_lm
+    from rftpipe.engines.rollout.base import HFGenerateEngine
+    from rftpipe.engines.train.base import SingleDeviceEngine
     from rftpipe.seeding import derive_seed
     from rftpipe.stages.advantage import pad_ragged
 
@@ -829,8 +829,8 @@ def bench_floor(a: argparse.Namespace) -> dict[str, Any]:
     model = load_causal_lm(model_dir, "float32")
     engine = SingleDeviceEngine(model, cfg.train, Dist())
     if a.child_engine == "vllm":
-        from rftpipe.engines.vllm_engine import VLLMEngine
-        from rftpipe.runtime import _engine_spec
+        from rftpipe.engines.rollout.vllm import VLLMEngine
+        from rftpipe.run.runtime import _engine_spec
 
         gen = VLLMEngine(cfg.rollout, _engine_spec(cfg, model_dir, tok), Dist())
     else:

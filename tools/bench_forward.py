@@ -8,7 +8,7 @@
 Times one forward (logprobs and entropy of every response token) plus the backward of
 their sum on synthetic groups: `--groups` prompts of about `--prompt-tokens` tokens (each
 a little longer than the one before, so groups differ in length), `--n` responses of
-`--tokens` tokens each. The baseline is `rftpipe/engines/train.py` as of git revision
+`--tokens` tokens each. The baseline is `rftpipe/engines/train/base.py` as of git revision
 REV (or that file's copy at a path), loaded beside the working tree's; the two alternate
 run by run, after one warm-up each, so the machine's drift falls on both alike. Prints the
 median seconds of each and their ratio (current / baseline), the largest logprob
@@ -35,12 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_revision(rev: str) -> ModuleType:
-    """`rftpipe.engines.train` as of git revision `rev` (or from the file `rev`), as a
+    """`rftpipe.engines.train.base` as of git revision `rev` (or from the file `rev`), as a
     module of its own."""
     path = Path(rev)
     if not path.is_file():
         source = subprocess.run(
-            ["git", "show", f"{rev}:rftpipe/engines/train.py"],
+            ["git", "show", f"{rev}:rftpipe/engines/train/base.py"],
             cwd=ROOT,
             check=True,
             capture_output=True,
@@ -83,7 +83,7 @@ def time_once(fn, model, prompts, responses) -> tuple[float, torch.Tensor, int]:
 
 
 def build_model(name: str):  # noqa: ANN201 (a transformers model)
-    from rftpipe.models import load_causal_lm, prepare_smollm2, prepare_tiny
+    from rftpipe.engines.models import load_causal_lm, prepare_smollm2, prepare_tiny
 
     if name == "smollm2-shape":
         from transformers import AutoConfig, AutoModelForCausalLM

@@ -58,7 +58,7 @@ import importlib.util
 import torch
 
 import jobs.submit  # noqa: F401
-import rftpipe.worker  # noqa: F401
+import rftpipe.run.worker  # noqa: F401
 from rftpipe import loop, perf  # noqa: F401
 
 cuda = torch.cuda.is_available()

@@ -18,7 +18,7 @@ Only committed data is read: a step counts once its trajectories are published
 (RUN/trajectories/step=N appears by an atomic rename) and its train MANIFEST.json exists,
 so the tool is safe on a live or preempted run. Definitions:
 
-  rollout/reward_std     population std (ddof=0), like rftpipe.metrics.step_metrics
+  rollout/reward_std     population std (ddof=0), like rftpipe.run.metrics.step_metrics
   rollout/pass_rate      fraction of samples with reward_accuracy > 0 when that column
                          exists, otherwise the fraction with reward > 0
   advantage/mean, /std   over every token of every sample of the step (ddof=0)
@@ -48,10 +48,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from rftpipe import dynamic_sampling
-from rftpipe.baseline_rows import COLUMN, without_baseline
 from rftpipe.stages import ORDER as STAGES
-from rftpipe.store import (
+from rftpipe.stages import generation
+from rftpipe.storage.baseline_rows import COLUMN, without_baseline
+from rftpipe.storage.store import (
     CorruptionError,
     RunDir,
     StageStore,
@@ -276,7 +276,7 @@ def summarize(run: Run | Path | str, *, threads: int | None = None) -> list[dict
         for stage in STAGES:
             # A stage without its manifest has not committed: its timing does not exist yet.
             committed = store.is_committed(step, stage)
-            secs = dynamic_sampling.stage_seconds(store, step, stage) if committed else None
+            secs = generation.stage_seconds(store, step, stage) if committed else None
             row[f"perf/{stage}_s"] = secs
         rows.append(row)
     return rows

@@ -11,8 +11,8 @@ one mini-batch: forward/backward of every micro-batch, then the optimizer step) 
 synthetic GRPO batch: `--prompts` groups of `--samples` responses, advantages of both
 signs and behaviour logprobs near a random model's own. Its throughput is what the stage
 itself reports (`perf/train_tokens_per_s`, `perf/train_tflops`; FLOPs from
-`rftpipe.perf.train_flops`), the median over the steps after `--warmup`. MFU divides by the
-device's dense peak (`rftpipe.perf.PEAK_TFLOPS`, or `--peak-tflops`); none on the CPU.
+`rftpipe.observe.perf.train_flops`), the median over the steps after `--warmup`. MFU divides by the
+device's dense peak (`rftpipe.observe.perf.PEAK_TFLOPS`, or `--peak-tflops`); none on the CPU.
 
 Models are random-init from published shapes (GPU machines here have no hub access): a
 random model's loss means nothing, but its FLOPs and memory are the real ones.
@@ -33,15 +33,15 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from rftpipe import perf
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.dist import Dist, init_from_env
-from rftpipe.engines.train import TRAIN_ENGINES
-from rftpipe.runtime import place_for_engine
+from rftpipe.engines.train.base import TRAIN_ENGINES
+from rftpipe.observe import perf
+from rftpipe.run.runtime import place_for_engine
 from rftpipe.stages import train as train_stage
 
 SHAPES: dict[str, dict] = {
-    # builtin:tiny's shape (rftpipe.models.prepare_tiny): a smoke check, on the CPU too.
+    # builtin:tiny's shape (rftpipe.engines.models.prepare_tiny): a smoke check, on the CPU too.
     "tiny": dict(
         vocab_size=259,
         hidden_size=64,

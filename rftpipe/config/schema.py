@@ -442,7 +442,7 @@ class RewardFunctionConfig:
     this path, so it must be a module-level function (no closures or lambdas)."""
 
     signature: RewardSignature = "rftpipe"
-    """How it is called. `rftpipe`: fn(sample: rftpipe.rewards.RewardSample) per row.
+    """How it is called. `rftpipe`: fn(sample: rftpipe.rewards.resolve.RewardSample) per row.
     `verl`: compute_score(data_source, solution_str, ground_truth, extra_info) per row.
     `trl`: fn(prompts, completions, **columns) once per group (the n samples of one
     prompt), returning one value per completion. A value is a number, or a dict with a
@@ -1001,7 +1001,7 @@ class CheckpointConfig:
     """fixed: checkpoint every `interval` steps. young_daly: every k steps, k the
     Young/Daly optimum for the measured checkpoint cost, step and train-stage seconds and
     the MTBF (`mtbf_hours` pooled with the run's own interruptions in RUN/events.jsonl),
-    within [min_interval, max_interval] (rftpipe/ckpt_policy.py). Either way the last
+    within [min_interval, max_interval] (rftpipe/checkpoint/policy.py). Either way the last
     step checkpoints, and only the timing of checkpoints changes, never a committed row."""
 
     interval: int = 20
@@ -1152,7 +1152,7 @@ class LaunchConfig:
 
     peak_tflops: float = 0.0
     """Dense peak TFLOP/s of one rank's device at the train compute dtype: the denominator
-    of the train stage's perf/mfu. 0: the GPU's entry in rftpipe/perf.py's table (H100 SXM
+    of the train stage's perf/mfu. 0: the GPU's entry in rftpipe/observe/perf.py's table (H100 SXM
     bf16: 989.5); no perf/mfu on the CPU or an unlisted GPU unless set here."""
 
     def __post_init__(self) -> None:

@@ -17,7 +17,7 @@ FINAL: StageName = ORDER[-1]
 # step is complete at sync), so a restart that finds it missing runs it on its own.
 
 GENERATION: tuple[StageName, ...] = ("rollout", "score")
-"""The stages a generation round repeats (DAPO's dynamic sampling, `rftpipe.dynamic_sampling`)."""
+"""The stages a generation round repeats (DAPO's dynamic sampling, `rftpipe.stages.generation`)."""
 
 _ROUND = re.compile(r"^(rollout|score)\.r([1-9][0-9]*)$")
 

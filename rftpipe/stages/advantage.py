@@ -11,8 +11,8 @@ import torch
 
 from rftpipe.algos.advantage import AdvantageInputs, Reducer, compute_advantages, gae_returns
 from rftpipe.algos.losses import kl_estimate
-from rftpipe.baseline_rows import baseline_flags
 from rftpipe.config.schema import AdvantageConfig, KLConfig
+from rftpipe.storage.baseline_rows import baseline_flags
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
 """Response logprobs of (prompts, responses) under some model: the reference, or the actor."""

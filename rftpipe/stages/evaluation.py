@@ -2,7 +2,7 @@
 
 It runs after a step's sync when `eval.due(step)` (step 0: the initial weights), with the
 weights of that step. Rows carry `mode` (greedy or sampled) and the score stage's reward
-columns and `correct`; `rftpipe.metrics.eval_metrics` turns committed rows into greedy
+columns and `correct`; `rftpipe.run.metrics.eval_metrics` turns committed rows into greedy
 accuracy and pass@k, overall and per data source.
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 import pyarrow as pa
 
 from rftpipe.config.schema import EvalConfig, RewardConfig, RolloutConfig
-from rftpipe.data import Prompt
-from rftpipe.engines.rollout import RolloutEngine
-from rftpipe.rewards import RewardComponent
+from rftpipe.data.prompts import Prompt
+from rftpipe.engines.rollout.base import RolloutEngine
+from rftpipe.rewards.resolve import RewardComponent
 from rftpipe.seeding import derive_seed
 from rftpipe.stages import score
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from rftpipe.config.schema import RolloutConfig
-from rftpipe.data import Prompt
-from rftpipe.engines.rollout import RolloutEngine
+from rftpipe.data.prompts import Prompt
+from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.seeding import derive_seed
 
 ROLLOUT_SCHEMA = pa.schema(

@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from rftpipe.config.schema import RewardConfig
 from rftpipe.errors import UserError
-from rftpipe.rewards import (
+from rftpipe.rewards.resolve import (
     Outcome,
     RewardComponent,
     RewardSample,

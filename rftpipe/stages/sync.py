@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from rftpipe.dist import Dist
-from rftpipe.engines.rollout import RolloutEngine
-from rftpipe.engines.train import TrainEngine
+from rftpipe.engines.rollout.base import RolloutEngine
+from rftpipe.engines.train.base import TrainEngine
 
 
 def run(

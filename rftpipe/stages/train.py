@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from rftpipe import perf
 from rftpipe.algos.correction import ROLLOUT_CORRECTIONS
 from rftpipe.algos.losses import (
     AGGREGATIONS,
@@ -34,10 +33,11 @@ from rftpipe.algos.losses import (
     kl_estimate,
 )
 from rftpipe.config.schema import KLConfig, TrainConfig
-from rftpipe.data import PTXExample, ptx_batch, rank_slice
+from rftpipe.data.prompts import PTXExample, ptx_batch, rank_slice
 from rftpipe.dist import Dist
-from rftpipe.engines.train import TrainEngine, split_micro_batches
+from rftpipe.engines.train.base import TrainEngine, split_micro_batches
 from rftpipe.faults import fault
+from rftpipe.observe import perf
 from rftpipe.seeding import derive_seed
 from rftpipe.stages.advantage import pad_ragged
 

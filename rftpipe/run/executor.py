@@ -1,0 +1,145 @@
+"""The durable stage executor: the one place that writes, checksums, commits and reads back.
+
+Every stage of a step goes through `execute`:
+- not committed: check for a stop, run it, write this rank's shard (if it returns rows),
+  and commit the manifest on rank 0 between two barriers (publishing the shards as the
+  step's dataset if the stage says so);
+- committed: never run again. Its rows are read back (and verified) only if a later stage
+  asks for them, and a stage with side effects outside the run directory (training the
+  weights, handing them to the rollout engine) re-applies them with `replay`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import pyarrow as pa
+
+from rftpipe.errors import UserError
+from rftpipe.faults import events, slow
+from rftpipe.run.runtime import Runtime
+from rftpipe.storage.store import TRAJECTORY_SCHEMA_VERSION, CorruptionError
+
+Rows = Callable[[], pa.Table]
+"""The newest rows of the step so far (read back and verified on first call if committed)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepPlan:
+    """Which prompts a step uses: the global window and this rank's share of it."""
+
+    step: int
+    global_ids: list[int]
+    """Prompt ids of the whole step, in the global (world-size independent) order."""
+    mine: list[Any]
+    """This rank's prompts (`rftpipe.data.prompts.Prompt`), whole groups."""
+    sampler: dict[str, int]
+    """Consumed-sample counts before and after this step."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageOutput:
+    rows: pa.Table | None
+    """This rank's shard of the stage; None for a stage that commits only its manifest."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Fields for the manifest (e.g. the train metrics, the sampler state)."""
+
+
+class Stage(Protocol):
+    """One durable stage of a step."""
+
+    @property
+    def name(self) -> str:
+        """Its directory under the step (a `StageName`, or a generation round's `STAGE.rR`)."""
+        ...
+
+    publish: bool
+    """Its shards become the step's user-facing dataset (``RUN/trajectories/step=N``)."""
+    replay_reads_rows: bool
+    """Its `replay` reads the step's rows (what a restart must verify before replaying)."""
+    engine_awake: bool
+    """It uses the rollout engine; the engine sleeps through the others, freeing the
+    accelerator memory it holds for the trainer's forwards and updates."""
+
+    def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
+        """Compute the stage for the first time."""
+        ...
+
+    def replay(self, rt: Runtime, plan: StepPlan, rows: Rows, manifest: dict[str, Any]) -> None:
+        """Re-apply what a committed stage did outside the run directory (often nothing)."""
+        ...
+
+
+@dataclass(kw_only=True, slots=True)
+class StepState:
+    """What flows between the stages of one step."""
+
+    rows: Rows
+    timings: dict[str, float]
+    manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each stage's manifest, as committed (or as found committed)."""
+
+
+def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None:
+    store, dist, step = rt.store, rt.dist, plan.step
+    if store.is_committed(step, stage.name):
+        manifest = store.manifest(step, stage.name)
+        stage.replay(rt, plan, state.rows, manifest)
+        state.manifests[stage.name] = manifest
+        if manifest["shards"]:
+            state.rows = _reader(rt, plan, stage.name)
+        return
+    rt.stop.check(dist, f"step {step} {stage.name}")
+    # Counted by the tests: a stage may run again only if it never committed.
+    events().write("stage_begin", step=step, stage=stage.name)
+    t0 = time.perf_counter()
+    out = stage.run(rt, plan, state.rows)
+    slow(stage.name)
+    t1 = time.perf_counter()
+    if out.rows is not None:
+        meta = {
+            "rftpipe.schema_version": TRAJECTORY_SCHEMA_VERSION,
+            "rftpipe.stage": stage.name,
+            "rftpipe.step": str(step),
+        }
+        store.write_shard(step, stage.name, dist.rank, out.rows, meta)
+    dist.barrier()
+    manifest = {**out.extra, "seconds": t1 - t0}
+    if dist.is_main:
+        store.commit(step, stage.name, dist.world, manifest, publish=stage.publish)
+    dist.barrier()
+    state.manifests[stage.name] = manifest
+    if out.rows is not None:
+        table = out.rows
+        state.rows = lambda: table
+    state.timings[stage.name] = t1 - t0
+    state.timings["commit"] = state.timings.get("commit", 0.0) + time.perf_counter() - t1
+
+
+def _reader(rt: Runtime, plan: StepPlan, stage: str) -> Rows:
+    """Read a committed stage's rows for this rank once, on first use."""
+    cache: list[pa.Table] = []
+
+    def rows() -> pa.Table:
+        if not cache:
+            mine = [p.prompt_id for p in plan.mine]
+            try:
+                table = rt.store.read_for(plan.step, stage, rt.dist.rank, rt.dist.world, mine)
+            except CorruptionError as exc:
+                # Only when a corrupt checkpoint sent replay further back than the restart
+                # checked; the next start checks this stage and can repair it.
+                raise UserError(
+                    f"corrupt committed file {exc.path} ({exc.why}); "
+                    "rerun with --repair to roll the run back before it"
+                ) from exc
+            cache.append(table)
+        return cache[0]
+
+    return rows
+
+
+def no_rows() -> pa.Table:
+    raise RuntimeError("the first stage of a step has no input rows")

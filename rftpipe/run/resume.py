@@ -1,0 +1,141 @@
+"""Restart: clean leftovers, check what the restart will read, restore the newest checkpoint.
+
+The work is proportional to what the restart needs, not to the run's length:
+- leftovers exist only around the step in progress (`StageStore.clean_uncommitted`);
+- verified here: the newest committed stage (a corrupt one is redone: seeds are derived, so
+  its rows come out identical) and the committed stages that replay will read (the newest
+  data stage of every step after the checkpoint); corruption there that is not the newest
+  stage refuses to start (exit 2, naming the path) unless ``--repair``, which moves that
+  step and everything after it to ``RUN/quarantine/`` and recomputes them;
+- the checkpoint is verified block by block while it loads; a corrupt one falls back to the
+  previous one (more train steps replayed), or to the initial weights;
+- everything older is checked by ``python -m tools.inspect RUN verify``, off the critical path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+
+from rftpipe.checkpoint import writer
+from rftpipe.errors import UserError
+from rftpipe.faults import events
+from rftpipe.run.driver import stateful_parts
+from rftpipe.run.pipeline import PIPELINE, sync_weights
+from rftpipe.run.runtime import Runtime, rebuild_actor
+from rftpipe.stages import FINAL, chain_position
+from rftpipe.storage.store import CorruptionError, RunDir, StageStore, fsync_dir, list_steps
+
+log = logging.getLogger(__name__)
+
+
+def replay_reads(store: StageStore, after: int) -> list[tuple[int, str]]:
+    """(step, stage) whose rows a restart from checkpoint `after` reads: in each later step,
+    the newest committed stage with rows before the first stage that runs or replays with
+    them (the executor reads nothing else)."""
+    out = []
+    for step in (s for s in list_steps(store.run.stages) if s > after):
+        newest = None
+        for stage in PIPELINE:
+            if not store.is_committed(step, stage.name) or stage.replay_reads_rows:
+                break
+            if store.manifest(step, stage.name)["shards"]:
+                newest = stage.name
+        if newest is not None:
+            out.append((step, newest))
+    return out
+
+
+def check_files(store: StageStore, ckpt_step: int, repair: bool) -> None:
+    """Verify the newest commit and what replay reads (rank 0 only); see the module doc."""
+    newest = store.newest_commit(chain_position)
+    if newest is None:
+        return
+    todo = replay_reads(store, ckpt_step)
+    if newest not in todo:
+        todo.append(newest)
+    for step, stage in todo:
+        try:
+            store.verify(step, stage)
+        except CorruptionError as exc:
+            if (step, stage) == newest:
+                events().write("redo_corrupt_stage", step=step, stage=stage, path=str(exc.path))
+                log.warning(
+                    "newest committed stage %s of step %d is corrupt (%s); redoing it",
+                    stage,
+                    step,
+                    exc,
+                )
+                store.uncommit(step, stage)
+                return
+            if not repair:
+                raise UserError(
+                    f"corrupt committed file {exc.path} ({exc.why}); "
+                    "rerun with --repair to roll the run back before it"
+                ) from exc
+            quarantine_from(store.run, step)
+            return
+
+
+def quarantine_from(run: RunDir, step: int) -> None:
+    """Move step `step` and everything after it (stages, trajectories, checkpoints) aside."""
+    dest = run.quarantine / time.strftime("%Y%m%d-%H%M%S")
+    dest.mkdir(parents=True, exist_ok=True)
+    moves = [run.step_dir(s) for s in list_steps(run.stages) if s >= step]
+    moves += [run.trajectory_dir(s) for s in list_steps(run.trajectories) if s >= step]
+    moves += [c.path for c in writer.list_committed(run.checkpoints) if c.step >= step]
+    for p in sorted(moves):
+        target = dest / p.parent.name / p.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(p, target)
+    for d in {p.parent for p in moves}:
+        fsync_dir(d)
+    events().write("repair", from_step=step, quarantine=str(dest))
+    log.warning("--repair: moved step %d onwards to %s", step, dest)
+
+
+def restore(rt: Runtime) -> int:
+    """Load the newest intact checkpoint; return its step (0: the initial weights)."""
+    parts = stateful_parts(rt)
+    dirty = False
+    for ckpt in reversed(writer.list_committed(rt.run.checkpoints)):
+        try:
+            # The optimizer's moments load while the first rollout runs (the first train
+            # stage waits for them): a restart's first new work starts sooner.
+            writer.load(ckpt, parts, later=rt.ckpt_writer)
+            return ckpt.step
+        except CorruptionError as exc:
+            dirty = True
+            events().write("corrupt_checkpoint", step=ckpt.step, path=str(exc.path))
+            log.warning(
+                "checkpoint %s is corrupt (%s); falling back to an older one", ckpt.path, exc
+            )
+            rt.dist.barrier()
+            if rt.dist.is_main:
+                shutil.rmtree(ckpt.path)
+            rt.dist.barrier()
+    if dirty:
+        # A failed load may have written part of the state: start again from the model.
+        rebuild_actor(rt)
+    return 0
+
+
+def prepare(rt: Runtime, repair: bool) -> int:
+    """Make the run directory consistent and restore state; returns the checkpoint step."""
+    store = rt.store
+    if rt.dist.is_main:
+        removed = store.clean_uncommitted(FINAL)
+        done = writer.list_committed(rt.run.checkpoints)
+        check_files(store, done[-1].step if done else 0, repair)
+        newest = store.newest_commit(chain_position)
+        if newest is not None and store.manifest(*newest).get("published"):
+            store.publish(*newest)  # killed between its commit and its publication
+        events().write("start", removed=len(removed), last_commit=str(newest))
+    rt.dist.barrier()
+    step = restore(rt)
+    # The engine now serves the restored weights; later rollouts record their version.
+    sync_weights(rt, step)
+    rt.dist.barrier()
+    return step

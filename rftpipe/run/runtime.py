@@ -1,0 +1,381 @@
+"""Everything a step needs, built once per process from the run directory.
+
+`Runtime` is a plain record of already-constructed parts (no behaviour of its own), so each
+stage receives exactly the pieces it uses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rftpipe.algos.kl_controller import make_kl_controller
+from rftpipe.checkpoint import writer
+from rftpipe.checkpoint.policy import FixedSchedule, YoungDalySchedule, make_schedule
+from rftpipe.config.schema import RunConfig
+from rftpipe.data.prompts import (
+    PromptSet,
+    PTXExample,
+    data_fingerprint,
+    load_prompts,
+    load_ptx_examples,
+    split_held_out,
+)
+from rftpipe.dist import Dist
+from rftpipe.engines import models
+from rftpipe.engines.rollout.base import HFGenerateEngine, RolloutEngine
+from rftpipe.engines.train.base import TRAIN_ENGINES, TrainEngine
+from rftpipe.engines.train.critic import Critic, critic_train_config, head_seed, load_value_model
+from rftpipe.errors import UserError
+from rftpipe.rewards.resolve import RewardComponent, check_coverage, resolve_all
+from rftpipe.run.preemption import NoStop, StopFlag
+from rftpipe.storage.store import (
+    RUN_LAYOUT_VERSION,
+    RunDir,
+    StageStore,
+    atomic_write_json,
+    read_json,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class Runtime:
+    cfg: RunConfig
+    run: RunDir
+    store: StageStore
+    """Commits and reads of the run's stages."""
+    dist: Dist
+    tokenizer: Any
+    prompts: PromptSet
+    """The training prompts."""
+    held_out: PromptSet | None
+    """The held-out problems of `eval` (None: no evaluation); disjoint from `prompts`."""
+    rewards: dict[str, RewardComponent]
+    """Column name -> reward function (`reward.functions`), ready to score rows."""
+    train_engine: TrainEngine
+    """The actor."""
+    reference: TrainEngine | None
+    """The frozen initial policy, on the actor's backend; None without a KL term."""
+    rollout_engine: RolloutEngine
+    kl_ctrl: Any
+    model_dir: Path
+    stop: StopFlag | NoStop
+    """Checked collectively at every stage boundary (signals under Slurm)."""
+    ckpt_writer: writer.Writer
+    """Background checkpoint writes, overlapped with the next step's rollout."""
+    ckpt_schedule: FixedSchedule | YoungDalySchedule
+    """When to checkpoint (`checkpoint.policy`); saved with each checkpoint."""
+    critic: Critic | None = None
+    """The value model (`critic`), on the actor's backend; None without one."""
+    ptx: tuple[PTXExample, ...] = ()
+    """The supervised examples of `train.ptx` (empty with it off)."""
+
+
+def configure_threads(cfg: RunConfig, dist: Dist) -> None:
+    threads = cfg.launch.threads or max(
+        1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", dist.world))
+    )
+    torch.set_num_threads(threads)
+
+
+#: glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def retain_host_memory() -> bool:
+    """Make glibc malloc keep freed memory for reuse; False where the C library is not glibc.
+
+    By default glibc serves every block above its mmap threshold (at most 32 MB) with a fresh
+    mapping and unmaps it on free, so the same large tensors re-fault their pages in at every
+    step. Without mmap, large blocks come from the heap and return to it; a huge trim
+    threshold stops the heap top from shrinking. Thread arenas still fall back to mmap for
+    blocks larger than their heaps, so no allocation can fail because of this.
+    """
+    try:
+        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
+            return False
+    except (ValueError, OSError):
+        return False
+    libc = ctypes.CDLL(None)
+    ok = libc.mallopt(_M_MMAP_MAX, 0) == 1
+    return ok and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+
+
+def check_fingerprints(
+    run: RunDir, model_fp: str, data_fp: str, allow_mismatch: bool, dist: Dist
+) -> None:
+    """Record the model/data fingerprints at first start; refuse a resume that changed them."""
+    if not run.run_json.exists():
+        return
+    info = read_json(run.run_json)
+    if info.get("schema_version") != RUN_LAYOUT_VERSION:
+        raise UserError(
+            f"run_dir: {run.root} was written with run layout {info.get('schema_version')}, "
+            f"this rftpipe writes layout {RUN_LAYOUT_VERSION}; resume it with the rftpipe "
+            "that created it, or start a new run directory"
+        )
+    for key, new in (("model_fingerprint", model_fp), ("data_fingerprint", data_fp)):
+        old = info.get(key)
+        if old is None or old == new:
+            continue
+        if not allow_mismatch:
+            raise UserError(
+                f"resume: the {key.split('_')[0]} differs from the one this run started with "
+                f"({old[:12]} != {new[:12]}); pass --allow-fingerprint-mismatch to resume anyway"
+            )
+        log.warning("resuming despite a changed %s (explicitly allowed)", key)
+    if dist.is_main and allow_mismatch:
+        atomic_write_json(
+            run.run_json, {**info, "model_fingerprint": model_fp, "data_fingerprint": data_fp}
+        )
+
+
+def check_round_size(cfg: RunConfig, num_prompts: int) -> None:
+    """A step's (or a generation round's) prompts must be distinct: a group is keyed by its
+    prompt id, so a window longer than the training set would hold a prompt twice."""
+    ds = cfg.rollout.dynamic_sampling
+    size = ds.round_size(cfg.data.prompts_per_step)
+    if size <= num_prompts:
+        return
+    field = (
+        "rollout.dynamic_sampling.prompts_per_round"
+        if ds.enabled and ds.prompts_per_round
+        else "data.prompts_per_step"
+    )
+    raise UserError(
+        f"{field}={size} exceeds the {num_prompts} training prompts (after the held-out "
+        "split): a step would hold a prompt twice"
+    )
+
+
+def build(
+    cfg: RunConfig,
+    run: RunDir,
+    dist: Dist,
+    allow_mismatch: bool = False,
+    stop: StopFlag | NoStop | None = None,
+) -> Runtime:
+    configure_threads(cfg, dist)
+    if cfg.launch.retain_host_memory and not retain_host_memory():
+        log.info("launch.retain_host_memory: not glibc, the allocator is left as it is")
+    model_dir = models.resolve_model_path(cfg.model.path)
+    tokenizer = models.load_tokenizer(model_dir)
+    prompts, held_out = split_held_out(
+        cfg.data, cfg.eval, load_prompts(cfg.data, tokenizer), tokenizer
+    )
+    check_coverage(cfg.reward, prompts.data_sources())
+    check_round_size(cfg, len(prompts))
+    # Before any model loads, so a bad PTX file fails in seconds.
+    ptx = (
+        tuple(load_ptx_examples(cfg.train.ptx, tokenizer, cfg.data.system_prompt))
+        if cfg.train.ptx.coef
+        else ()
+    )
+    rewards = resolve_all(cfg.reward, prompts.scorer, cfg.rollout.max_new_tokens, dist.device)
+    if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
+        preflight(cfg, model_dir)
+    check_fingerprints(
+        run,
+        models.model_fingerprint(model_dir),
+        data_fingerprint(prompts, ptx),
+        allow_mismatch,
+        dist,
+    )
+    if dist.is_main and not run.run_json.exists():
+        atomic_write_json(
+            run.run_json,
+            {
+                "schema_version": RUN_LAYOUT_VERSION,
+                "model_fingerprint": models.model_fingerprint(model_dir),
+                "data_fingerprint": data_fingerprint(prompts, ptx),
+                "num_prompts": len(prompts),
+            },
+        )
+    engine, rollout = build_actor(cfg, model_dir, dist, tokenizer)
+    reference = (
+        TRAIN_ENGINES[cfg.train.backend](
+            load_for_engine(cfg, model_dir, dist), cfg.train, dist, role="reference"
+        )
+        if cfg.kl.mode != "none"
+        else None
+    )
+    return Runtime(
+        cfg=cfg,
+        run=run,
+        store=StageStore(run),
+        dist=dist,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        held_out=held_out,
+        rewards=rewards,
+        train_engine=engine,
+        reference=reference,
+        rollout_engine=rollout,
+        kl_ctrl=new_kl_controller(cfg),
+        model_dir=model_dir,
+        stop=stop or NoStop(),
+        ckpt_writer=writer.Writer(dist, cfg.checkpoint.direct_io),
+        ckpt_schedule=make_schedule(cfg.checkpoint, run.events_path),
+        critic=build_critic(cfg, model_dir, dist),
+        ptx=ptx,
+    )
+
+
+def build_critic(cfg: RunConfig, model_dir: Path, dist: Dist) -> Critic | None:
+    """The value model at its initial weights (backbone from `critic.model.path`, else the
+    actor's `model_dir`; head from the run seed), trained by an engine of the actor's backend."""
+    if cfg.critic is None:
+        return None
+    path = models.resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else model_dir
+    seed = head_seed(cfg.seed)
+    model = place_for_engine(load_value_model(path, cfg.model.dtype, seed), cfg.train.backend, dist)
+    train_cfg = critic_train_config(cfg.train, cfg.critic)
+    updates = cfg.total_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
+    engine = TRAIN_ENGINES[cfg.train.backend](
+        model, train_cfg, dist, role="actor", total_updates=updates
+    )
+    return Critic(engine=engine, cfg=cfg.critic, train_cfg=train_cfg, dist=dist)
+
+
+def build_actor(
+    cfg: RunConfig,
+    model_dir: Path,
+    dist: Dist,
+    tokenizer: Any,
+    rollout: RolloutEngine | None = None,
+) -> tuple[TrainEngine, RolloutEngine]:
+    """The actor at its initial weights, and the rollout engine that samples from it.
+
+    A serving engine given as `rollout` is kept (it is expensive to start and takes its
+    weights at the next sync); the HF loop is rebuilt, since it may share the actor's module.
+    """
+    model = load_for_engine(cfg, model_dir, dist)
+    updates = cfg.total_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
+    engine = TRAIN_ENGINES[cfg.train.backend](
+        model, cfg.train, dist, role="actor", total_updates=updates
+    )
+    if rollout is None or isinstance(rollout, HFGenerateEngine):
+        rollout = ROLLOUT_ENGINES[cfg.rollout.engine].build(cfg, model_dir, dist, tokenizer, model)
+    return engine, rollout
+
+
+def _hf_engine(
+    cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any, actor: torch.nn.Module
+) -> RolloutEngine:
+    # Colocated single-device training shares its module with the rollout engine; a sharded
+    # trainer hands full weights to a per-rank rollout copy at every sync.
+    rollout_model = (
+        actor
+        if cfg.train.backend == "single"
+        else models.load_causal_lm(model_dir, cfg.model.dtype).to(dist.device)
+    )
+    return HFGenerateEngine(
+        rollout_model,
+        cfg.rollout,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        # Special tokens stay in the text, as in vLLM's detokenizer (skip_special_tokens off).
+        decode=functools.partial(tokenizer.decode, skip_special_tokens=False),
+    )
+
+
+def _engine_spec(cfg: RunConfig, model_dir: Path, tokenizer: Any) -> Any:
+    from rftpipe.engines.rollout.vllm import EngineSpec
+
+    return EngineSpec(
+        model_dir=model_dir,
+        dtype=cfg.model.dtype,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        seed=cfg.seed,
+        max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+    )
+
+
+def _vllm_engine(
+    cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any, actor: torch.nn.Module
+) -> RolloutEngine:
+    from rftpipe.engines.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(cfg.rollout, _engine_spec(cfg, model_dir, tokenizer), dist)
+
+
+def _sglang_engine(
+    cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any, actor: torch.nn.Module
+) -> RolloutEngine:
+    from rftpipe.engines.rollout.sglang import SGLangEngine
+
+    return SGLangEngine(
+        model_dir,
+        cfg.rollout,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        cfg.model.dtype,
+        cfg.seed,
+    )
+
+
+def _vllm_preflight(cfg: RunConfig, model_dir: Path) -> None:
+    from rftpipe.engines.rollout.vllm import preflight
+
+    preflight(model_dir, cfg.model.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutEngineEntry:
+    build: Callable[..., RolloutEngine]
+    """(cfg, model_dir, dist, tokenizer, actor module) -> the engine."""
+    preflight: Callable[[RunConfig, Path], None] | None = None
+    """Refuses (UserError) what would fail later, before the run directory is written."""
+
+
+#: Rollout engines by `rollout.engine`; serving engines import their library lazily.
+ROLLOUT_ENGINES: dict[str, RolloutEngineEntry] = {
+    "hf": RolloutEngineEntry(_hf_engine),
+    "vllm": RolloutEngineEntry(_vllm_engine, _vllm_preflight),
+    "sglang": RolloutEngineEntry(_sglang_engine),
+}
+
+
+def load_for_engine(cfg: RunConfig, model_dir: Path, dist: Dist) -> torch.nn.Module:
+    """The initial weights, placed for `cfg.train.backend` (`place_for_engine`)."""
+    return place_for_engine(
+        models.load_causal_lm(model_dir, cfg.model.dtype), cfg.train.backend, dist
+    )
+
+
+def place_for_engine(model: torch.nn.Module, backend: str, dist: Dist) -> torch.nn.Module:
+    """A CPU-loaded model where the training backend `backend` takes it.
+
+    `single` trains the module where it finds it, so it goes to this rank's device here.
+    Sharded backends get it on the CPU and place it themselves (FSDP2's `fully_shard` moves
+    one unit at a time to the process group's device and shards it; DeepSpeed does its
+    own), so the whole model never has to fit on one device at once.
+    """
+    return model.to(dist.device) if backend == "single" else model
+
+
+def new_kl_controller(cfg: RunConfig) -> Any:
+    k = cfg.kl
+    return make_kl_controller(k.controller, init_coef=k.coef, target=k.target, horizon=k.horizon)
+
+
+def rebuild_actor(rt: Runtime) -> None:
+    """Back to the initial actor, critic, optimizers, schedulers and KL controller (after a failed
+    checkpoint load left them partly overwritten)."""
+    rt.train_engine, rt.rollout_engine = build_actor(
+        rt.cfg, rt.model_dir, rt.dist, rt.tokenizer, rt.rollout_engine
+    )
+    rt.kl_ctrl = new_kl_controller(rt.cfg)
+    rt.critic = build_critic(rt.cfg, rt.model_dir, rt.dist)
+    rt.ckpt_schedule = make_schedule(rt.cfg.checkpoint, rt.run.events_path)

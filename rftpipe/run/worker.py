@@ -1,0 +1,118 @@
+"""Per-task entry point: ``python -m rftpipe.run.worker RUN_DIR`` on every rank (SPMD).
+
+The run directory is the only input: its config.yaml was written by ``jobs.submit``, and
+its commit markers say where to resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from rftpipe.config.loader import load_config
+from rftpipe.config.schema import RunConfig
+from rftpipe.errors import UserError
+from rftpipe.faults import EventLog, events, set_event_log
+from rftpipe.storage.store import RunDir, prefetch_newest_checkpoint
+
+log = logging.getLogger("rftpipe")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rftpipe.run.worker", description=__doc__)
+    p.add_argument("run_dir")
+    p.add_argument("--repair", action="store_true", help="roll back past corrupt older files")
+    p.add_argument(
+        "--allow-fingerprint-mismatch",
+        action="store_true",
+        help="resume although the model or data changed",
+    )
+    p.add_argument(
+        "--slurm",
+        action="store_true",
+        help="a Slurm task: take ranks from Slurm, stop on USR2/TERM at a stage boundary, requeue",
+    )
+    return p.parse_args(argv)
+
+
+def setup_logging(level: str, rank: int) -> None:
+    # Library logs go to stdout so that stderr carries only a fatal one-line error.
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s [r{rank}] %(levelname)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level if rank == 0 else "WARNING")
+    logging.captureWarnings(True)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    run = RunDir(args.run_dir)
+    prefetch_newest_checkpoint(run.checkpoints)
+    stop = None
+    if args.slurm:
+        from rftpipe.run.preemption import StopFlag
+
+        # First thing: a signal that arrives while the model loads must not be lost.
+        stop = StopFlag()
+        stop.install()
+    try:
+        if not run.config_path.exists():
+            raise UserError(
+                f"run_dir: {run.root} has no config.yaml (create runs with jobs.submit)"
+            )
+        cfg = load_config(RunConfig, run.active_config_path())
+        from rftpipe.dist import init_from_env
+
+        dist = init_from_env(require_group=cfg.train.backend != "single")
+        setup_logging(cfg.logging.level, dist.rank)
+        set_event_log(EventLog(run.events_path, dist.rank))
+        from rftpipe.run.loop import train_run
+        from rftpipe.run.preemption import StopRequested, requeue_after_stop
+
+        try:
+            return train_run(
+                cfg,
+                run,
+                dist,
+                repair=args.repair,
+                allow_mismatch=args.allow_fingerprint_mismatch,
+                stop=stop,
+            )
+        except StopRequested as req:
+            requeue_after_stop(req, dist, cfg.launch.max_requeues)
+            return 0
+    except UserError as exc:
+        events().write("user_error", message=str(exc))
+        # Every rank usually meets the same bad input; one line on stderr is enough.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"rftpipe: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def slurm_task(argv: list[str]) -> None:
+    """What submitit runs on every task: the worker, in this process, with `--slurm`."""
+    code = main(argv)
+    import torch.distributed as tdist
+
+    # Leave no gloo/nccl threads behind: submitit writes its result and the process exits.
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+    if code:
+        raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    code = main()
+    sys.stdout.flush()
+    # Skip interpreter teardown of torch/gloo threads, which can hang after a collective.
+    os._exit(code)
