@@ -25,7 +25,7 @@ from rftpipe.data.prompts import rank_slice
 from rftpipe.dist import init_from_env
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train.base import TRAIN_ENGINES, TrainEngine
-from rftpipe.stages import train
+from rftpipe.stages import batching, train
 
 GROUPS, SAMPLES = 4, 4
 
@@ -128,7 +128,7 @@ def main() -> None:
         return TRAIN_ENGINES[cfg.backend](model, cfg, dist, total_updates=12)
 
     def step(engine: TrainEngine, n: int) -> dict[str, float]:
-        inp = train.TrainInputs(
+        inp = batching.TrainInputs(
             step=n, run_seed=0, table=local, global_samples=samples, kl_coef=0.0, temperature=1.0
         )
         return train.run(cfg, KLConfig(), engine, dist, inp)

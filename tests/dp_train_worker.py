@@ -22,7 +22,7 @@ from rftpipe.data.prompts import rank_slice
 from rftpipe.dist import init_from_env
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train.base import FSDP2Engine
-from rftpipe.stages import train
+from rftpipe.stages import batching, train
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
     samples = [(p, k) for p in ids for k in range(4)]
     metrics = []
     for step in (1, 2):
-        inp = train.TrainInputs(
+        inp = batching.TrainInputs(
             step=step, run_seed=0, table=local, global_samples=samples, kl_coef=0.0, temperature=1.0
         )
         metrics.append(train.run(cfg, KLConfig(), engine, dist, inp))

@@ -30,7 +30,7 @@ from rftpipe.data.prompts import rank_slice
 from rftpipe.dist import Dist, init_from_env
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train.base import FSDP2Engine
-from rftpipe.stages import train
+from rftpipe.stages import batching, train
 
 BASE = TrainConfig(backend="fsdp2", lr=1e-3, mini_batches=2, micro_batch_size=2, entropy_coef=0.01)
 VARIANTS: dict[str, dict] = {
@@ -74,7 +74,7 @@ def run_variant(name: str, dist: Dist, local: pa.Table, samples: list, out: Path
     engine = FSDP2Engine(model, cfg, dist, total_updates=1)
     decoder_calls = count_calls(engine.model.get_decoder())
     mlp_calls = count_calls(engine.model.get_decoder().layers[0].mlp)
-    inp = train.TrainInputs(
+    inp = batching.TrainInputs(
         step=1, run_seed=0, table=local, global_samples=samples, kl_coef=0.0, temperature=1.0
     )
     metrics = train.run(cfg, KLConfig(), engine, dist, inp)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from rftpipe.data.prompts import SamplerState, global_window
 from rftpipe.engines.models import prepare_tiny
 from rftpipe.stages import chain_position, generation
-from rftpipe.stages.train import TrainInputs, minibatch_plan
+from rftpipe.stages.batching import TrainInputs, minibatch_plan
 from rftpipe.storage.store import RunDir, StageStore
 
 TESTS = Path(__file__).resolve().parent

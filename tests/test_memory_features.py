@@ -28,7 +28,7 @@ from rftpipe.engines.train.base import (
     response_logprobs,
     split_micro_batches,
 )
-from rftpipe.stages import train
+from rftpipe.stages import batching, train
 
 PROMPT_LENGTHS = (6, 11, 4, 9)
 RESPONSE_LENGTHS = ((9, 2, 5, 1), (3, 7, 7, 4), (8, 1, 6, 2), (5, 5, 3, 9))
@@ -86,7 +86,7 @@ def _train_step(cfg: TrainConfig, table: pa.Table) -> tuple[dict, dict, int]:
             strict=True,
         )
     )
-    inp = train.TrainInputs(
+    inp = batching.TrainInputs(
         step=1, run_seed=0, table=table, global_samples=samples, kl_coef=0.0, temperature=1.0
     )
     metrics = train.run(cfg, KLConfig(), engine, Dist(), inp)
@@ -125,7 +125,7 @@ def test_token_budget_micro_batches_train_like_row_micro_batches(table: pa.Table
 
     # The budget really re-splits each mini-batch: more, unevenly sized micro-batches.
     rows = table.to_pylist()
-    inp = train.TrainInputs(
+    inp = batching.TrainInputs(
         step=1,
         run_seed=0,
         table=table,
@@ -134,7 +134,7 @@ def test_token_budget_micro_batches_train_like_row_micro_batches(table: pa.Table
         temperature=1.0,
     )
     sizes = []
-    for mb in train.minibatch_plan(inp, 0, 2):
+    for mb in batching.minibatch_plan(inp, 0, 2):
         p = [rows[i]["prompt_token_ids"] for i in mb]
         r = [rows[i]["response_token_ids"] for i in mb]
         assert [len(s) for s in split_micro_batches(rows_cfg, p, r)] == [4, 4]
@@ -419,7 +419,7 @@ def test_fsdp2_token_budget_pads_ranks_to_the_same_micro_batch_count(
     for rank in (0, 1):
         mine = set(rank_slice(sorted({r["prompt_id"] for r in rows}), rank, 2))
         local = table.filter(pa.array([r["prompt_id"] in mine for r in rows]))
-        inp = train.TrainInputs(
+        inp = batching.TrainInputs(
             step=1, run_seed=0, table=local, global_samples=samples, kl_coef=0.0, temperature=1.0
         )
         lr = local.to_pylist()
@@ -432,7 +432,7 @@ def test_fsdp2_token_budget_pads_ranks_to_the_same_micro_batch_count(
                         [lr[i]["response_token_ids"] for i in mb],
                     )
                 )
-                for mb in train.minibatch_plan(inp, 0, cfg.mini_batches)
+                for mb in batching.minibatch_plan(inp, 0, cfg.mini_batches)
             ]
         )
     assert local_counts[0] != local_counts[1], local_counts

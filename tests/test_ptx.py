@@ -18,7 +18,7 @@ from rftpipe.data.prompts import load_ptx_examples, ptx_batch, rank_slice
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
 from rftpipe.engines.train.base import SingleDeviceEngine
-from rftpipe.stages import train
+from rftpipe.stages import batching, train
 
 #: Questions and answers of the PTX file: short, so the tiny model learns them in a few steps.
 EXAMPLES = [
@@ -71,7 +71,7 @@ def test_ptx_loss_is_the_completion_cross_entropy(tmp_path: Path) -> None:
     cfg = TrainConfig(lr=1e-3, micro_batch_size=4, ptx=ptx)
     engine = SingleDeviceEngine(load_causal_lm(tiny, "float32"), cfg, Dist())
     table = _rl_table()
-    inp = train.TrainInputs(
+    inp = batching.TrainInputs(
         step=1,
         run_seed=0,
         table=table,
@@ -114,7 +114,7 @@ def test_ptx_off_leaves_the_update_and_metrics_as_they_were(tmp_path: Path) -> N
         table = _rl_table().set_column(
             5, "advantages", pa.array([[1.0, -1.0], [0.5]], pa.list_(pa.float32()))
         )
-        inp = train.TrainInputs(
+        inp = batching.TrainInputs(
             step=1, run_seed=0, table=table, global_samples=[(0, 0), (0, 1)],
             kl_coef=0.0, temperature=1.0,
         )  # fmt: skip

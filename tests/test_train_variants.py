@@ -16,8 +16,8 @@ from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train.base import SingleDeviceEngine
-from rftpipe.stages import train
-from rftpipe.stages.advantage import pad_ragged
+from rftpipe.stages import batching, train
+from rftpipe.stages.batching import pad_ragged
 
 LENGTHS = ((5, 2, 7, 3), (4, 6, 1, 3))
 
@@ -65,7 +65,7 @@ def _train(
 ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     engine = _engine(cfg)
     rows = table.to_pylist()
-    inp = train.TrainInputs(
+    inp = batching.TrainInputs(
         step=1,
         run_seed=0,
         table=table,

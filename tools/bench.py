@@ -823,7 +823,7 @@ def bench_floor(a: argparse.Namespace) -> dict[str, Any]:
     from rftpipe.engines.rollout.base import HFGenerateEngine
     from rftpipe.engines.train.base import SingleDeviceEngine
     from rftpipe.seeding import derive_seed
-    from rftpipe.stages.advantage import pad_ragged
+    from rftpipe.stages.batching import pad_ragged
 
     cfg, model_dir, tok, _, order = step_prompts(a)
     model = load_causal_lm(model_dir, "float32")

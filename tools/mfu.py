@@ -38,6 +38,7 @@ from rftpipe.dist import Dist, init_from_env
 from rftpipe.engines.train.base import TRAIN_ENGINES
 from rftpipe.observe import perf
 from rftpipe.run.runtime import place_for_engine
+from rftpipe.stages import batching
 from rftpipe.stages import train as train_stage
 
 SHAPES: dict[str, dict] = {
@@ -204,7 +205,7 @@ def measure(name: str, a: argparse.Namespace, dist: Dist) -> dict:
 
 
 def _step(engine, cfg: TrainConfig, dist: Dist, rows: list[dict], mine: list[dict], step: int):
-    inp = train_stage.TrainInputs(
+    inp = batching.TrainInputs(
         step=step,
         run_seed=0,
         table=pa.Table.from_pylist(mine),

@@ -12,75 +12,13 @@ Every stage of a step goes through `execute`:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import pyarrow as pa
 
 from rftpipe.errors import UserError
 from rftpipe.faults import events, slow
-from rftpipe.run.runtime import Runtime
+from rftpipe.stages.base import Rows, Runtime, Stage, StepPlan, StepState
 from rftpipe.storage.store import TRAJECTORY_SCHEMA_VERSION, CorruptionError
-
-Rows = Callable[[], pa.Table]
-"""The newest rows of the step so far (read back and verified on first call if committed)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepPlan:
-    """Which prompts a step uses: the global window and this rank's share of it."""
-
-    step: int
-    global_ids: list[int]
-    """Prompt ids of the whole step, in the global (world-size independent) order."""
-    mine: list[Any]
-    """This rank's prompts (`rftpipe.data.prompts.Prompt`), whole groups."""
-    sampler: dict[str, int]
-    """Consumed-sample counts before and after this step."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StageOutput:
-    rows: pa.Table | None
-    """This rank's shard of the stage; None for a stage that commits only its manifest."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Fields for the manifest (e.g. the train metrics, the sampler state)."""
-
-
-class Stage(Protocol):
-    """One durable stage of a step."""
-
-    @property
-    def name(self) -> str:
-        """Its directory under the step (a `StageName`, or a generation round's `STAGE.rR`)."""
-        ...
-
-    publish: bool
-    """Its shards become the step's user-facing dataset (``RUN/trajectories/step=N``)."""
-    replay_reads_rows: bool
-    """Its `replay` reads the step's rows (what a restart must verify before replaying)."""
-    engine_awake: bool
-    """It uses the rollout engine; the engine sleeps through the others, freeing the
-    accelerator memory it holds for the trainer's forwards and updates."""
-
-    def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
-        """Compute the stage for the first time."""
-        ...
-
-    def replay(self, rt: Runtime, plan: StepPlan, rows: Rows, manifest: dict[str, Any]) -> None:
-        """Re-apply what a committed stage did outside the run directory (often nothing)."""
-        ...
-
-
-@dataclass(kw_only=True, slots=True)
-class StepState:
-    """What flows between the stages of one step."""
-
-    rows: Rows
-    timings: dict[str, float]
-    manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Each stage's manifest, as committed (or as found committed)."""
 
 
 def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None:
@@ -139,7 +77,3 @@ def _reader(rt: Runtime, plan: StepPlan, stage: str) -> Rows:
         return cache[0]
 
     return rows
-
-
-def no_rows() -> pa.Table:
-    raise RuntimeError("the first stage of a step has no input rows")

@@ -23,9 +23,11 @@ from rftpipe.checkpoint import writer
 from rftpipe.errors import UserError
 from rftpipe.faults import events
 from rftpipe.run.driver import stateful_parts
-from rftpipe.run.pipeline import PIPELINE, sync_weights
-from rftpipe.run.runtime import Runtime, rebuild_actor
+from rftpipe.run.runtime import rebuild_actor
 from rftpipe.stages import FINAL, chain_position
+from rftpipe.stages.base import Runtime
+from rftpipe.stages.chain import PIPELINE
+from rftpipe.stages.sync import sync_weights
 from rftpipe.storage.store import CorruptionError, RunDir, StageStore, fsync_dir, list_steps
 
 log = logging.getLogger(__name__)

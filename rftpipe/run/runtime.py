@@ -1,8 +1,5 @@
-"""Everything a step needs, built once per process from the run directory.
-
-`Runtime` is a plain record of already-constructed parts (no behaviour of its own), so each
-stage receives exactly the pieces it uses.
-"""
+"""Everything a step needs, built once per process from the run directory into a
+`rftpipe.stages.base.Runtime`."""
 
 from __future__ import annotations
 
@@ -19,11 +16,9 @@ import torch
 
 from rftpipe.algos.kl_controller import make_kl_controller
 from rftpipe.checkpoint import writer
-from rftpipe.checkpoint.policy import FixedSchedule, YoungDalySchedule, make_schedule
+from rftpipe.checkpoint.policy import make_schedule
 from rftpipe.config.schema import RunConfig
 from rftpipe.data.prompts import (
-    PromptSet,
-    PTXExample,
     data_fingerprint,
     load_prompts,
     load_ptx_examples,
@@ -35,8 +30,9 @@ from rftpipe.engines.rollout.base import HFGenerateEngine, RolloutEngine
 from rftpipe.engines.train.base import TRAIN_ENGINES, TrainEngine
 from rftpipe.engines.train.critic import Critic, critic_train_config, head_seed, load_value_model
 from rftpipe.errors import UserError
-from rftpipe.rewards.resolve import RewardComponent, check_coverage, resolve_all
+from rftpipe.rewards.resolve import check_coverage, resolve_all
 from rftpipe.run.preemption import NoStop, StopFlag
+from rftpipe.stages.base import Runtime
 from rftpipe.storage.store import (
     RUN_LAYOUT_VERSION,
     RunDir,
@@ -46,39 +42,6 @@ from rftpipe.storage.store import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True, slots=True)
-class Runtime:
-    cfg: RunConfig
-    run: RunDir
-    store: StageStore
-    """Commits and reads of the run's stages."""
-    dist: Dist
-    tokenizer: Any
-    prompts: PromptSet
-    """The training prompts."""
-    held_out: PromptSet | None
-    """The held-out problems of `eval` (None: no evaluation); disjoint from `prompts`."""
-    rewards: dict[str, RewardComponent]
-    """Column name -> reward function (`reward.functions`), ready to score rows."""
-    train_engine: TrainEngine
-    """The actor."""
-    reference: TrainEngine | None
-    """The frozen initial policy, on the actor's backend; None without a KL term."""
-    rollout_engine: RolloutEngine
-    kl_ctrl: Any
-    model_dir: Path
-    stop: StopFlag | NoStop
-    """Checked collectively at every stage boundary (signals under Slurm)."""
-    ckpt_writer: writer.Writer
-    """Background checkpoint writes, overlapped with the next step's rollout."""
-    ckpt_schedule: FixedSchedule | YoungDalySchedule
-    """When to checkpoint (`checkpoint.policy`); saved with each checkpoint."""
-    critic: Critic | None = None
-    """The value model (`critic`), on the actor's backend; None without one."""
-    ptx: tuple[PTXExample, ...] = ()
-    """The supervised examples of `train.ptx` (empty with it off)."""
 
 
 def configure_threads(cfg: RunConfig, dist: Dist) -> None:

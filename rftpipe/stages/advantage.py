@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import pyarrow as pa
 import torch
 
 from rftpipe.algos.advantage import AdvantageInputs, Reducer, compute_advantages, gae_returns
 from rftpipe.algos.losses import kl_estimate
-from rftpipe.config.schema import AdvantageConfig, KLConfig
+from rftpipe.config.schema import AdvantageConfig, KLConfig, old_logprobs_source
+from rftpipe.stages import StageName
+from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
+from rftpipe.stages.batching import pad_ragged
 from rftpipe.storage.baseline_rows import baseline_flags
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
@@ -19,19 +23,6 @@ RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[
 
 CriticValues = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
 """The critic's per-token values V(s_t) of (prompts, responses), no grad."""
-
-
-def pad_ragged(
-    rows: Sequence[Sequence[float]], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad ragged lists to (B, T) with a bool mask."""
-    t_max = max(1, max((len(r) for r in rows), default=1))
-    out = torch.zeros((len(rows), t_max), dtype=dtype)
-    mask = torch.zeros((len(rows), t_max), dtype=torch.bool)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(list(r), dtype=dtype)
-        mask[i, : len(r)] = True
-    return out, mask
 
 
 def unpad(t: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
@@ -176,3 +167,43 @@ def _logprob_diff_metrics(
         "rollout/logprob_abs_diff_mean": float(sums[0]) / max(float(sums[1]), 1.0),
         "rollout/logprob_abs_diff_max": float(top[0]),
     }
+
+
+@dataclass(frozen=True, slots=True)
+class AdvantageStage(NoSideEffects):
+    """3. The actor's old logprobs (if `train.old_logprobs` resolves to `actor`), reference
+    logprobs (if a KL term is on) and per-token advantages."""
+
+    name: StageName = "advantage"
+    publish: bool = False
+    replay_reads_rows: bool = False
+    engine_awake: bool = False
+
+    def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
+        kl_coef = float(rt.kl_ctrl.coef)
+        cfg = AdvantageStageConfig(advantage=rt.cfg.advantage, kl=rt.cfg.kl, kl_coef=kl_coef)
+        ref = (
+            None
+            if rt.reference is None
+            # Under the sampling temperature, as the rollout recorded its own logprobs.
+            else partial(rt.reference.compute_logprobs, temperature=rt.cfg.rollout.temperature)
+        )
+        # The actor still holds the weights that sampled these rows (the step's train stage
+        # has not run, and a restart replays every earlier one before this stage), and a
+        # committed column is never recomputed, so the old policy is exact under replay too.
+        actor = (
+            partial(rt.train_engine.compute_logprobs, temperature=rt.cfg.rollout.temperature)
+            if old_logprobs_source(rt.cfg.train, rt.cfg.rollout) == "actor"
+            else None
+        )
+        table, metrics = run(
+            cfg,
+            rows(),
+            ref,
+            rt.dist.all_reduce_sum,
+            actor_logprobs=actor,
+            reduce_max=rt.dist.all_reduce_max,
+            # The critic holds the weights of the step's train stages so far, as the actor.
+            critic_values=None if rt.critic is None else rt.critic.compute_values,
+        )
+        return StageOutput(rows=table, extra={"kl_coef": kl_coef, "metrics": metrics})

@@ -11,10 +11,8 @@ import torch
 from rftpipe.algos.losses import AGGREGATIONS
 from rftpipe.algos.value import clipped_value_loss
 from rftpipe.dist import Dist
-from rftpipe.engines.train.base import split_micro_batches
 from rftpipe.engines.train.critic import Critic
-from rftpipe.stages.advantage import pad_ragged
-from rftpipe.stages.train import TrainInputs, minibatch_plan
+from rftpipe.stages.batching import TrainInputs, mini_batches, pad_ragged
 
 #: Stand-in row for a rank with no rows left in a micro-batch slot (its loss weight is 0).
 _PADDING_ROW = {
@@ -34,28 +32,12 @@ def run(critic: Critic, dist: Dist, inp: TrainInputs) -> dict[str, float]:
     grad_norm, updates = 0.0, 0
     lr = critic.engine.current_lr()
     with critic.engine.train_mode():
-        for epoch in range(cfg.ppo_epochs):
-            plan = minibatch_plan(inp, epoch, cfg.mini_batches)
-            counts = torch.tensor(
-                [[sum(rows[i]["response_length"] for i in mb), len(mb)] for mb in plan],
-                dtype=torch.float64,
-            )
-            counts = dist.all_reduce_sum(counts)
-            for m, mb in enumerate(plan):
-                local = [rows[i] for i in mb]
-                chunks = split_micro_batches(
-                    cfg,
-                    [r["prompt_token_ids"] for r in local],
-                    [r["response_token_ids"] for r in local],
-                )
-                # Sharded backends' forwards are collective: every rank runs as many.
-                n_chunks = int(dist.all_reduce_max(torch.tensor([len(chunks)]))[0])
-                for c in range(n_chunks):
-                    chunk = [local[i] for i in chunks[c]] if c < len(chunks) else []
-                    _micro_step(critic, dist, chunk, counts[m], sums)
-                grad_norm += critic.engine.optimizer_step()
-                updates += 1
-                critic.engine.lr_scheduler_step()
+        for mb in mini_batches(cfg, dist, inp, rows):
+            for chunk in mb.micro:
+                _micro_step(critic, dist, chunk, mb.counts, sums)
+            grad_norm += critic.engine.optimizer_step()
+            updates += 1
+            critic.engine.lr_scheduler_step()
     total = dist.all_reduce_sum(torch.tensor([sums[k] for k in _SUMS], dtype=torch.float64))
     g = dict(zip(_SUMS, total.tolist(), strict=True))
     tok = max(g["tokens"], 1.0)

@@ -16,11 +16,12 @@ from typing import Any
 import pyarrow as pa
 
 from rftpipe.config.schema import EvalConfig, RewardConfig, RolloutConfig
-from rftpipe.data.prompts import Prompt
+from rftpipe.data.prompts import Prompt, content_key, rank_slice
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.rewards.resolve import RewardComponent
 from rftpipe.seeding import derive_seed
-from rftpipe.stages import score
+from rftpipe.stages import StageName, score
+from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
 
 EVAL_SCHEMA = pa.schema(
     [
@@ -109,3 +110,40 @@ def run(
     # Null where the metric's function does not score the row's data source.
     correct = [None if v is None else v >= inp.eval.threshold for v in metric]
     return scored.append_column(pa.field("correct", pa.bool_()), pa.array(correct, pa.bool_()))
+
+
+@dataclass(frozen=True, slots=True)
+class EvalStage(NoSideEffects):
+    """After sync, when `eval.due(step)`: greedy and sampled completions of the held-out
+    problems with the step's weights, scored (its rows are the evaluation's record)."""
+
+    name: StageName = "eval"
+    publish: bool = False
+    replay_reads_rows: bool = False
+    engine_awake: bool = True
+
+    def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
+        assert rt.held_out is not None, "eval is due only with eval.size > 0"
+        held = rt.held_out.prompts
+        # Dealt in whole calls of the problems' order (see evaluation.run).
+        mine = rank_slice(
+            range(len(held)), rt.dist.rank, rt.dist.world, rt.cfg.eval.problems_per_call
+        )
+        inp = EvalInputs(
+            step=plan.step,
+            rank=rt.dist.rank,
+            run_seed=rt.cfg.seed,
+            prompts=[held[i] for i in mine],
+            eval=rt.cfg.eval,
+            rollout=rt.cfg.rollout,
+            reward=rt.cfg.reward,
+        )
+        table = run(rt.rollout_engine, rt.tokenizer, rt.rewards, inp)
+        train = {content_key(p) for p in rt.prompts.prompts}
+        overlap = sum(content_key(p) in train for p in held)
+        extra = {
+            "problems": len(held),
+            "overlap_with_train": overlap,
+            "k": list(rt.cfg.eval.k) if rt.cfg.eval.samples else [],
+        }
+        return StageOutput(rows=table, extra=extra)

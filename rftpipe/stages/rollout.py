@@ -9,10 +9,13 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from rftpipe.algos.names import ESTIMATOR_TRAITS
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.data.prompts import Prompt
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.seeding import derive_seed
+from rftpipe.stages import round_stage
+from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
 
 ROLLOUT_SCHEMA = pa.schema(
     [
@@ -117,3 +120,33 @@ def _row(
 def _append(cols: dict[str, list], row: dict) -> None:
     for name, value in row.items():
         cols[name].append(value)
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutStage(NoSideEffects):
+    """1. n samples per prompt, grouped, with their sampling logprobs."""
+
+    round: int = 0
+    """The generation round (> 0 only under dynamic sampling); its samples are seeded from
+    its own stage name, so a prompt met again in a later round samples afresh."""
+    publish: bool = False
+    replay_reads_rows: bool = False
+    engine_awake: bool = True
+
+    @property
+    def name(self) -> str:
+        return round_stage("rollout", self.round)
+
+    def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
+        inp = RolloutInputs(
+            step=plan.step,
+            rank=rt.dist.rank,
+            run_seed=rt.cfg.seed,
+            prompts=plan.mine,
+            baseline=ESTIMATOR_TRAITS[rt.cfg.advantage.estimator].needs_baseline_rollout,
+            seed_stage=self.name,
+        )
+        table = run(rt.cfg.rollout, rt.rollout_engine, rt.tokenizer, inp)
+        return StageOutput(
+            rows=table, extra={"sampler": plan.sampler, "prompt_ids": plan.global_ids}
+        )

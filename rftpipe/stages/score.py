@@ -17,9 +17,11 @@ import logging
 import numbers
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import torch
 
 from rftpipe.config.schema import RewardConfig
 from rftpipe.errors import UserError
@@ -31,6 +33,8 @@ from rftpipe.rewards.resolve import (
     data_source_of,
     parse_value,
 )
+from rftpipe.stages import generation, round_stage
+from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -136,3 +140,35 @@ def _report(status: list[str], errors: list[str | None]) -> None:
             status.count("error"),
             failed[0],
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreStage(NoSideEffects):
+    """2. One column per reward function and their weighted sum; under dynamic sampling,
+    also which of the round's groups have scores that vary (in the manifest)."""
+
+    round: int = 0
+    publish: bool = False
+    replay_reads_rows: bool = False
+    engine_awake: bool = False
+
+    @property
+    def name(self) -> str:
+        return round_stage("score", self.round)
+
+    def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
+        table = run(rt.cfg.reward, rt.rewards, rows())
+        ds = rt.cfg.rollout.dynamic_sampling
+        if not ds.enabled:
+            return StageOutput(rows=table)
+        local = generation.varied_groups(table, generation.metric_column(ds.metric))
+        # Each rank knows only its own groups: a flag per prompt of the round, summed.
+        flags = rt.dist.all_reduce_sum(
+            torch.tensor([float(p in local) for p in plan.global_ids], dtype=torch.float64)
+        )
+        varied = [p for p, f in zip(plan.global_ids, flags.tolist(), strict=True) if f > 0]
+        extra = {
+            generation.VARIED: varied,
+            generation.TARGET: rt.cfg.data.prompts_per_step,
+        }
+        return StageOutput(rows=table, extra=extra)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -13,6 +15,8 @@ from safetensors.torch import save_file
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.engines.train.base import TrainEngine
+from rftpipe.stages import StageName
+from rftpipe.stages.base import Rows, Runtime, StageOutput, StepPlan
 
 
 def run(
@@ -59,3 +63,29 @@ def _write(weights: torch.nn.Module | Mapping[str, torch.Tensor], target: Path) 
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "index.json").write_text(json.dumps({"tensors": len(tensors)}))
     tmp.rename(target)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncStage:
+    """5. The rollout engine takes the new weights; the step's rows become its dataset."""
+
+    name: StageName = "sync"
+    publish: bool = True
+    replay_reads_rows: bool = False
+    engine_awake: bool = True
+
+    def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
+        sync_weights(rt, plan.step)
+        # `step` is the hive key of the dataset's directory: a column of the same name would
+        # make pandas and pyarrow refuse to read it.
+        return StageOutput(rows=rows().drop_columns(["step"]), extra={"weight_version": plan.step})
+
+    def replay(self, rt: Runtime, plan: StepPlan, rows: Rows, manifest: dict[str, Any]) -> None:
+        sync_weights(rt, plan.step)
+
+
+def sync_weights(rt: Runtime, version: int) -> None:
+    """The sync stage's work (also a restart's, for the weights it loaded). With
+    `weight_sync=disk` the weights go through RUN/sync, transient: a replay writes it again."""
+    via = rt.run.root / "sync" if rt.cfg.rollout.inference.weight_sync == "disk" else None
+    run(rt.rollout_engine, rt.train_engine, version, rt.dist, via)

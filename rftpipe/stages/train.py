@@ -5,10 +5,9 @@ the advantage stage) when there is one, else the rollout engine's `logprobs`; a 
 correction (`train.rollout_correction`) weights each token's policy loss by a function of
 their ratio.
 
-Mini-batches are drawn from a permutation of the step's *global* samples keyed by
-(seed, step, epoch, prompt id, sample idx), and losses are normalised by global token and
-sequence counts, so the update is the same on any number of ranks and any micro-batching
-(rows or a token budget per micro-batch: `split_micro_batches`).
+Mini-batches come from `stages.batching` (a world-size-independent global order), and losses
+are normalised by global token and sequence counts, so the update is the same on any number
+of ranks and any micro-batching.
 
 With `train.ptx.coef` each optimizer step also accumulates PPO-ptx's supervised term: coef x
 the token-mean NLL of a batch of PTX examples chosen by the update's number alone
@@ -17,11 +16,12 @@ the token-mean NLL of a batch of PTX examples chosen by the update's number alon
 
 from __future__ import annotations
 
-import itertools
+import logging
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import pyarrow as pa
 import torch
 
 from rftpipe.algos.correction import ROLLOUT_CORRECTIONS
@@ -36,10 +36,16 @@ from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.data.prompts import PTXExample, ptx_batch, rank_slice
 from rftpipe.dist import Dist
 from rftpipe.engines.train.base import TrainEngine, split_micro_batches
-from rftpipe.faults import fault
+from rftpipe.errors import UserError
+from rftpipe.faults import events, fault
 from rftpipe.observe import perf
-from rftpipe.seeding import derive_seed
-from rftpipe.stages.advantage import pad_ragged
+from rftpipe.stages import StageName, critic_train
+from rftpipe.stages.base import Rows, Runtime, StageOutput, StepPlan
+from rftpipe.stages.batching import TrainInputs, mini_batches, pad_ragged
+from rftpipe.storage.baseline_rows import without_baseline
+from rftpipe.storage.store import CorruptionError
+
+log = logging.getLogger(__name__)
 
 # Per-token sums gathered over the step, all-reduced once at the end.
 #: Stand-in row for a rank with no rows left in a micro-batch slot (its loss weight is 0).
@@ -70,61 +76,6 @@ _SUMS = (
 )
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TrainInputs:
-    step: int
-    run_seed: int
-    table: pa.Table
-    """This rank's committed advantage rows."""
-    global_samples: Sequence[tuple[int, int]]
-    """(prompt_id, sample_idx) of every sample of the step on all ranks."""
-    kl_coef: float
-    temperature: float
-    response_budget: int = 0
-    """rollout.max_new_tokens: the constant length of `seq-mean-token-sum-norm` (0: the
-    micro-batch's padded width, verl's fallback)."""
-    ptx: Sequence[PTXExample] = ()
-    """Every example of `train.ptx.data` (the same on all ranks); empty with ptx off."""
-
-
-def minibatch_plan(inp: TrainInputs, epoch: int, mini_batches: int) -> list[list[int]]:
-    """Local row indexes of each mini-batch, in a world-size-independent global order.
-
-    Groups are shuffled as units (keyed by prompt id) and stay contiguous, so a micro-batch
-    holds whole groups and their shared prompt is computed once.
-    """
-    keyed = sorted(
-        inp.global_samples,
-        key=lambda s: (derive_seed(inp.run_seed, inp.step, f"train/{epoch}", s[0]), s[1]),
-    )
-    bounds = _minibatch_bounds(keyed, mini_batches)
-    local = {
-        (p, k): i
-        for i, (p, k) in enumerate(
-            zip(
-                inp.table.column("prompt_id").to_pylist(),
-                inp.table.column("sample_idx").to_pylist(),
-                strict=True,
-            )
-        )
-    }
-    return [[local[s] for s in keyed[a:b] if s in local] for a, b in itertools.pairwise(bounds)]
-
-
-def _minibatch_bounds(keyed: Sequence[tuple[int, int]], mini_batches: int) -> list[int]:
-    """Where the ordered samples are cut into mini-batches: equal parts when they divide
-    (config validation makes a full step's samples divide); a dynamically sampled step
-    short of its batch is cut between whole groups, as evenly as they go, into at most one
-    mini-batch per group (an empty one would be an optimizer step without a gradient)."""
-    if len(keyed) % mini_batches == 0:
-        size = len(keyed) // mini_batches
-        return [m * size for m in range(mini_batches + 1)]
-    groups = len({p for p, _ in keyed})
-    per_group = len(keyed) // groups
-    parts = min(mini_batches, groups)
-    return [(m * groups // parts) * per_group for m in range(parts + 1)]
-
-
 def run(
     cfg: TrainConfig, kl: KLConfig, engine: TrainEngine, dist: Dist, inp: TrainInputs
 ) -> dict[str, float]:
@@ -148,33 +99,16 @@ def _run(
     rows = inp.table.to_pylist()
     sums = dict.fromkeys(_SUMS, 0.0)
     lr = engine.current_lr()  # the step's first update; the scheduler moves it per update
-    for epoch in range(cfg.ppo_epochs):
-        plan = minibatch_plan(inp, epoch, cfg.mini_batches)
-        counts = torch.tensor(
-            [[sum(rows[i]["response_length"] for i in mb), len(mb)] for mb in plan],
-            dtype=torch.float64,
-        )
-        counts = dist.all_reduce_sum(counts)
-        for m, mb in enumerate(plan):
-            local = [rows[i] for i in mb]
-            chunks = split_micro_batches(
-                cfg,
-                [r["prompt_token_ids"] for r in local],
-                [r["response_token_ids"] for r in local],
-            )
-            # Sharded backends issue collectives inside forward/backward, so every rank runs
-            # the same number of micro-batches; a rank with fewer runs weight-0 padding.
-            n_chunks = int(dist.all_reduce_max(torch.tensor([len(chunks)]))[0])
-            for c in range(n_chunks):
-                chunk = [local[i] for i in chunks[c]] if c < len(chunks) else []
-                _micro_step(cfg, kl, engine, dist, inp, chunk, counts[m], sums)
-            if cfg.ptx.coef:
-                update = (inp.step * cfg.ppo_epochs + epoch) * cfg.mini_batches + m
-                _ptx_step(cfg, engine, dist, inp.ptx, (inp.run_seed, update), sums)
-            sums["grad_norm"] += engine.optimizer_step()
-            sums["updates"] += 1
-            engine.lr_scheduler_step()
-            fault("train_mid_step")
+    for mb in mini_batches(cfg, dist, inp, rows):
+        for chunk in mb.micro:
+            _micro_step(cfg, kl, engine, dist, inp, chunk, mb.counts, sums)
+        if cfg.ptx.coef:
+            update = (inp.step * cfg.ppo_epochs + mb.epoch) * cfg.mini_batches + mb.index
+            _ptx_step(cfg, engine, dist, inp.ptx, (inp.run_seed, update), sums)
+        sums["grad_norm"] += engine.optimizer_step()
+        sums["updates"] += 1
+        engine.lr_scheduler_step()
+        fault("train_mid_step")
     metrics = _finish_metrics(sums, dist, cfg.rollout_correction != "none")
     return {**metrics, **_ptx_metrics(sums, dist, cfg), "train/lr": lr}
 
@@ -368,3 +302,81 @@ def _finish_metrics(sums: dict[str, float], dist: Dist, correction: bool) -> dic
         out["train/correction_weight_mean"] = g["correction_weight"] / tok
         out["train/correction_masked_frac"] = g["correction_masked"] / tok
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class TrainStage:
+    """4. PPO epochs x mini-batches on the committed rows; replayed after a restart until
+    the weights catch up with the newest committed step."""
+
+    name: StageName = "train"
+    publish: bool = False
+    replay_reads_rows: bool = True
+    engine_awake: bool = False
+
+    def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
+        return StageOutput(rows=None, extra={"metrics": self._train(rt, plan, rows)})
+
+    def replay(self, rt: Runtime, plan: StepPlan, rows: Rows, manifest: dict[str, Any]) -> None:
+        rt.stop.check(rt.dist, f"step {plan.step} train replay")
+        fault("train_mid_replay")
+        metrics = self._train(rt, plan, rows)
+        same = _update_metrics(metrics) == _update_metrics(manifest["metrics"])
+        events().write("replay", step=plan.step, identical=same)
+        if not same:
+            # Same inputs and seeds must give the same update; a difference means the
+            # environment changed (thread count, library version), which the user must know.
+            log.warning("replayed train step %d differs from its committed metrics", plan.step)
+
+    def _train(self, rt: Runtime, plan: StepPlan, rows: Rows) -> dict[str, float]:
+        # The previous step's checkpoint may still be reading the weights this stage updates,
+        # or a restart still loading the optimizer state it needs.
+        try:
+            rt.ckpt_writer.wait()
+        except CorruptionError as exc:
+            _refuse_corrupt_late_load(rt, exc)
+        # The controller's coefficient for this step is the one its advantage stage recorded.
+        kl_coef = float(rt.store.manifest(plan.step, "advantage")["kl_coef"])
+        n = rt.cfg.rollout.n
+        inp = TrainInputs(
+            step=plan.step,
+            run_seed=rt.cfg.seed,
+            # ReMax's greedy baseline rows only set the other rows' advantages.
+            table=without_baseline(rows()),
+            kl_coef=kl_coef,
+            global_samples=[(p, k) for p in plan.global_ids for k in range(n)],
+            temperature=rt.cfg.rollout.temperature,
+            response_budget=rt.cfg.rollout.max_new_tokens,
+            ptx=rt.ptx,
+        )
+        if not plan.global_ids:
+            # Dynamic sampling kept no group (none varied): nothing to learn from this step.
+            return {"train/kl": 0.0, "train/updates": 0.0}
+        critic = {} if rt.critic is None else critic_train.run(rt.critic, rt.dist, inp)
+        if rt.critic is not None and plan.step <= rt.critic.cfg.warmup_steps:
+            # Critic warm-up: the actor waits (no update, no KL-controller input).
+            return {"train/kl": 0.0, "train/updates": 0.0, **critic}
+        metrics = run(rt.cfg.train, rt.cfg.kl, rt.train_engine, rt.dist, inp)
+        rt.kl_ctrl.update(metrics["train/kl"], n_steps=len(plan.global_ids) * n)
+        dtype = perf.compute_dtype(rt.cfg.train.param_dtype, rt.cfg.model.dtype)
+        peak = perf.peak_tflops(rt.dist.device, dtype, rt.cfg.launch.peak_tflops)
+        return {**metrics, **perf.mfu(metrics["perf/train_tflops"], peak, rt.dist.world), **critic}
+
+
+def _update_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """What the update determines (timings, under perf/, are the machine's business)."""
+    return {k: v for k, v in metrics.items() if not k.startswith("perf/")}
+
+
+def _refuse_corrupt_late_load(rt: Runtime, exc: CorruptionError) -> None:
+    """The optimizer state that a restart loaded in the background is corrupt. The model
+    weights it sampled this step's rows with were verified, so those rows stand; the
+    checkpoint goes, and the next start falls back to the one before and replays."""
+    ckpt = exc.path.parent
+    events().write("corrupt_checkpoint", path=str(exc.path), deferred=True)
+    if rt.dist.is_main and ckpt.parent == rt.run.checkpoints:
+        shutil.rmtree(ckpt, ignore_errors=True)
+    raise UserError(
+        f"checkpoint {ckpt} is corrupt ({exc.path.name}: {exc.why}) and was removed; "
+        "start the run again to resume from the previous checkpoint"
+    ) from exc

@@ -1,0 +1,135 @@
+"""The train stage's inputs and how they are cut into mini- and micro-batches, shared by
+the actor's update (`stages.train`) and the critic's (`stages.critic_train`).
+
+Mini-batches are drawn from a permutation of the step's *global* samples keyed by
+(seed, step, epoch, prompt id, sample idx), and their token and sequence counts are
+all-reduced, so the update is the same on any number of ranks and any micro-batching
+(rows or a token budget per micro-batch: `split_micro_batches`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from rftpipe.config.schema import TrainConfig
+from rftpipe.data.prompts import PTXExample
+from rftpipe.dist import Dist
+from rftpipe.engines.train.base import split_micro_batches
+from rftpipe.seeding import derive_seed
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainInputs:
+    step: int
+    run_seed: int
+    table: pa.Table
+    """This rank's committed advantage rows."""
+    global_samples: Sequence[tuple[int, int]]
+    """(prompt_id, sample_idx) of every sample of the step on all ranks."""
+    kl_coef: float
+    temperature: float
+    response_budget: int = 0
+    """rollout.max_new_tokens: the constant length of `seq-mean-token-sum-norm` (0: the
+    micro-batch's padded width, verl's fallback)."""
+    ptx: Sequence[PTXExample] = ()
+    """Every example of `train.ptx.data` (the same on all ranks); empty with ptx off."""
+
+
+def minibatch_plan(inp: TrainInputs, epoch: int, mini_batches: int) -> list[list[int]]:
+    """Local row indexes of each mini-batch, in a world-size-independent global order.
+
+    Groups are shuffled as units (keyed by prompt id) and stay contiguous, so a micro-batch
+    holds whole groups and their shared prompt is computed once.
+    """
+    keyed = sorted(
+        inp.global_samples,
+        key=lambda s: (derive_seed(inp.run_seed, inp.step, f"train/{epoch}", s[0]), s[1]),
+    )
+    bounds = _minibatch_bounds(keyed, mini_batches)
+    local = {
+        (p, k): i
+        for i, (p, k) in enumerate(
+            zip(
+                inp.table.column("prompt_id").to_pylist(),
+                inp.table.column("sample_idx").to_pylist(),
+                strict=True,
+            )
+        )
+    }
+    return [[local[s] for s in keyed[a:b] if s in local] for a, b in itertools.pairwise(bounds)]
+
+
+def _minibatch_bounds(keyed: Sequence[tuple[int, int]], mini_batches: int) -> list[int]:
+    """Where the ordered samples are cut into mini-batches: equal parts when they divide
+    (config validation makes a full step's samples divide); a dynamically sampled step
+    short of its batch is cut between whole groups, as evenly as they go, into at most one
+    mini-batch per group (an empty one would be an optimizer step without a gradient)."""
+    if len(keyed) % mini_batches == 0:
+        size = len(keyed) // mini_batches
+        return [m * size for m in range(mini_batches + 1)]
+    groups = len({p for p, _ in keyed})
+    per_group = len(keyed) // groups
+    parts = min(mini_batches, groups)
+    return [(m * groups // parts) * per_group for m in range(parts + 1)]
+
+
+def pad_ragged(
+    rows: Sequence[Sequence[float]], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ragged lists to (B, T) with a bool mask."""
+    t_max = max(1, max((len(r) for r in rows), default=1))
+    out = torch.zeros((len(rows), t_max), dtype=dtype)
+    mask = torch.zeros((len(rows), t_max), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(list(r), dtype=dtype)
+        mask[i, : len(r)] = True
+    return out, mask
+
+
+@dataclass(frozen=True, slots=True)
+class MiniBatch:
+    """One optimizer step's share of this rank's rows."""
+
+    epoch: int
+    index: int
+    """Its position in the epoch's mini-batch order."""
+    counts: torch.Tensor
+    """(2,) float64: the mini-batch's global response tokens and sequences (all ranks)."""
+    micro: list[list[dict[str, Any]]]
+    """This rank's micro-batches of rows, as many on every rank: sharded backends issue
+    collectives inside forward and backward, so a rank short of rows runs an empty one
+    (the caller gives it weight 0)."""
+
+
+def mini_batches(
+    cfg: TrainConfig, dist: Dist, inp: TrainInputs, rows: Sequence[dict[str, Any]]
+) -> Iterator[MiniBatch]:
+    """The epochs x mini-batches of one update phase over `rows` (`inp.table` as dicts).
+
+    Collective: every rank must consume the same number of mini-batches in step.
+    """
+    for epoch in range(cfg.ppo_epochs):
+        plan = minibatch_plan(inp, epoch, cfg.mini_batches)
+        counts = torch.tensor(
+            [[sum(rows[i]["response_length"] for i in mb), len(mb)] for mb in plan],
+            dtype=torch.float64,
+        )
+        counts = dist.all_reduce_sum(counts)
+        for m, mb in enumerate(plan):
+            local = [rows[i] for i in mb]
+            chunks = split_micro_batches(
+                cfg,
+                [r["prompt_token_ids"] for r in local],
+                [r["response_token_ids"] for r in local],
+            )
+            n_chunks = int(dist.all_reduce_max(torch.tensor([len(chunks)]))[0])
+            micro = [
+                [local[i] for i in chunks[c]] if c < len(chunks) else [] for c in range(n_chunks)
+            ]
+            yield MiniBatch(epoch=epoch, index=m, counts=counts[m], micro=micro)
