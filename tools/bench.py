@@ -671,7 +671,8 @@ def bench_trl(a: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rftpipe.rewards.resolve import RewardSample, resolve_all
+    from rftpipe.rewards import resolve_all
+    from rftpipe.rewards.types import RewardSample
 
     cfg, model_dir, tok, ps, order = step_prompts(a)
     fns = resolve_all(cfg.reward, ps.scorer)

@@ -35,7 +35,8 @@ from rftpipe.engines.rollout.base import HFGenerateEngine, RolloutEngine
 from rftpipe.engines.train.base import TRAIN_ENGINES, TrainEngine
 from rftpipe.engines.train.critic import Critic, critic_train_config, head_seed, load_value_model
 from rftpipe.errors import UserError
-from rftpipe.rewards.resolve import RewardComponent, check_coverage, resolve_all
+from rftpipe.rewards import check_coverage, resolve_all
+from rftpipe.rewards.types import RewardComponent
 from rftpipe.run.preemption import NoStop, StopFlag
 from rftpipe.storage.store import (
     RUN_LAYOUT_VERSION,

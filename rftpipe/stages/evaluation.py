@@ -18,7 +18,7 @@ import pyarrow as pa
 from rftpipe.config.schema import EvalConfig, RewardConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt
 from rftpipe.engines.rollout.base import RolloutEngine
-from rftpipe.rewards.resolve import RewardComponent
+from rftpipe.rewards.types import RewardComponent
 from rftpipe.seeding import derive_seed
 from rftpipe.stages import score
 

@@ -23,14 +23,9 @@ import pyarrow as pa
 
 from rftpipe.config.schema import RewardConfig
 from rftpipe.errors import UserError
-from rftpipe.rewards.resolve import (
-    Outcome,
-    RewardComponent,
-    RewardSample,
-    applies,
-    data_source_of,
-    parse_value,
-)
+from rftpipe.rewards import applies
+from rftpipe.rewards.signatures import parse_value
+from rftpipe.rewards.types import Outcome, RewardComponent, RewardSample, data_source_of
 
 log = logging.getLogger(__name__)
 
