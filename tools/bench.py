@@ -645,7 +645,8 @@ def step_prompts(a: argparse.Namespace):
     """The prompts rftpipe's sampler hands out in steps 1..N, in order, and the run config."""
     from rftpipe.config.loader import load_config
     from rftpipe.config.schema import RunConfig
-    from rftpipe.data.prompts import SamplerState, global_window, load_prompts
+    from rftpipe.data.prompts import load_prompts
+    from rftpipe.data.sampler import SamplerState, global_window
     from rftpipe.engines.models import load_tokenizer, resolve_model_path
 
     cfg = load_config(RunConfig, CONFIG, overrides(a, a.steps, a.child_engine))

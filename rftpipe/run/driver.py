@@ -12,7 +12,7 @@ from functools import partial
 import torch
 
 from rftpipe.checkpoint import writer
-from rftpipe.data.prompts import SamplerState, rank_slice
+from rftpipe.data.sampler import SamplerState, rank_slice
 from rftpipe.errors import UserError
 from rftpipe.run.executor import Stage, StepPlan, StepState, execute, no_rows
 from rftpipe.run.pipeline import AFTER_GENERATION, EVAL, generation_round

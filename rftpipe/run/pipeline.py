@@ -16,7 +16,8 @@ import torch
 
 from rftpipe.algos.names import ESTIMATOR_TRAITS
 from rftpipe.config.schema import old_logprobs_source
-from rftpipe.data.prompts import content_key, rank_slice
+from rftpipe.data.prompts import content_key
+from rftpipe.data.sampler import rank_slice
 from rftpipe.errors import UserError
 from rftpipe.faults import events, fault
 from rftpipe.observe import perf

@@ -21,14 +21,8 @@ from rftpipe.algos.kl_controller import make_kl_controller
 from rftpipe.checkpoint import writer
 from rftpipe.checkpoint.policy import FixedSchedule, YoungDalySchedule, make_schedule
 from rftpipe.config.schema import RunConfig
-from rftpipe.data.prompts import (
-    PromptSet,
-    PTXExample,
-    data_fingerprint,
-    load_prompts,
-    load_ptx_examples,
-    split_held_out,
-)
+from rftpipe.data.prompts import PromptSet, load_prompts, split_held_out
+from rftpipe.data.ptx import PTXExample, data_fingerprint, load_ptx_examples
 from rftpipe.dist import Dist
 from rftpipe.engines import models
 from rftpipe.engines.rollout.base import HFGenerateEngine, RolloutEngine
