@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from rftpipe.config.schema import KLConfig, TrainConfig
-from rftpipe.data.prompts import rank_slice
+from rftpipe.data.sampler import rank_slice
 from rftpipe.dist import init_from_env
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train.base import TRAIN_ENGINES, TrainEngine

@@ -33,7 +33,8 @@ from rftpipe.algos.losses import (
 )
 from rftpipe.algos.names import ESTIMATOR_TRAITS, POLICY_LOSS_TRAITS
 from rftpipe.config.schema import RewardConfig
-from rftpipe.rewards.resolve import RewardSample, resolve_all
+from rftpipe.rewards import resolve_all
+from rftpipe.rewards.types import RewardSample
 
 F64 = torch.float64
 EPS = 1e-6  # compute_advantages' default eps, as the formulas below use it

@@ -11,17 +11,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from rftpipe.config.schema import DataConfig, DatasetSourceConfig, FileDataConfig
-from rftpipe.data.prompts import (
-    ID_STRIDE,
+from rftpipe.data.prompts import load_prompts
+from rftpipe.data.sampler import (
     SamplerState,
-    _schedule,
     global_window,
-    load_prompts,
-    load_source_rows,
     mixed_window,
     rank_slice,
+    schedule,
     source_counts,
 )
+from rftpipe.data.sources import ID_STRIDE, load_source_rows
 from rftpipe.engines.models import build_tiny_tokenizer
 from rftpipe.errors import UserError
 
@@ -169,9 +168,9 @@ def test_saved_hf_datasets(tmp_path: Path) -> None:
 
 
 def test_schedule_period_follows_the_weights() -> None:
-    assert _schedule([1.0]) == [0]
-    assert _schedule([2, 1]) == [0, 1, 0]
-    period = _schedule([0.7, 0.3])
+    assert schedule([1.0]) == [0]
+    assert schedule([2, 1]) == [0, 1, 0]
+    period = schedule([0.7, 0.3])
     assert len(period) == 10 and period.count(0) == 7
     # Smooth: the minority source is never two positions apart from its share.
     assert max(len(run) for run in "".join(map(str, period)).split("1")) <= 3
@@ -180,7 +179,7 @@ def test_schedule_period_follows_the_weights() -> None:
 @pytest.mark.parametrize("weights", [(2.0, 1.0), (1.0, 1.0, 3.0), (0.25, 0.75)])
 def test_mix_uses_each_prompt_once_per_epoch_of_its_dataset(weights: tuple[float, ...]) -> None:
     sizes = [5, 3, 7][: len(weights)]
-    period = _schedule(weights)
+    period = schedule(weights)
     state, taken = SamplerState(), []
     for _ in range(40):
         w = mixed_window(sizes, period, 3, True, state, 4)

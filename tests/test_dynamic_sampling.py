@@ -19,7 +19,7 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
-from rftpipe.data.prompts import SamplerState, global_window
+from rftpipe.data.sampler import SamplerState, global_window
 from rftpipe.engines.models import prepare_tiny
 from rftpipe.stages import chain_position, generation
 from rftpipe.stages.batching import TrainInputs, minibatch_plan

@@ -407,7 +407,7 @@ def test_fsdp2_token_budget_pads_ranks_to_the_same_micro_batch_count(
     """Updates agree to 2e-4 relative (see the single-device test for why not bitwise)."""
     from fsdp_memory_worker import BASE, VARIANTS
 
-    from rftpipe.data.prompts import rank_slice
+    from rftpipe.data.sampler import rank_slice
 
     cfg = dataclasses.replace(BASE, **VARIANTS["token_budget"])
     base, budget = _variant(fsdp_runs, "base"), _variant(fsdp_runs, "token_budget")

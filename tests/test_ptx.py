@@ -14,7 +14,8 @@ import torch
 from helpers import events, final_weights, submit
 
 from rftpipe.config.schema import DatasetSourceConfig, KLConfig, PTXConfig, TrainConfig
-from rftpipe.data.prompts import load_ptx_examples, ptx_batch, rank_slice
+from rftpipe.data.ptx import load_ptx_examples, ptx_batch
+from rftpipe.data.sampler import rank_slice
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
 from rftpipe.engines.train.base import SingleDeviceEngine

@@ -15,7 +15,7 @@ from reward_server import RewardServer, Schedule, score_of
 from rftpipe.config.loader import from_dict
 from rftpipe.config.schema import RewardConfig
 from rftpipe.errors import UserError
-from rftpipe.rewards.resolve import resolve_all
+from rftpipe.rewards import resolve_all
 from rftpipe.stages import score
 
 TOKEN = "s3cret-token-value"

@@ -14,7 +14,7 @@ from rftpipe.config.loader import ConfigError, from_dict
 from rftpipe.config.schema import RewardConfig
 from rftpipe.engines.models import prepare_tiny, prepare_tiny_reward_model
 from rftpipe.errors import UserError
-from rftpipe.rewards.resolve import resolve_all
+from rftpipe.rewards import resolve_all
 from rftpipe.stages import score
 
 

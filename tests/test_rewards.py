@@ -13,8 +13,7 @@ from reward_fns import rollouts
 from rftpipe.config.loader import ConfigError, from_dict
 from rftpipe.config.schema import RewardConfig, RunConfig
 from rftpipe.errors import UserError
-from rftpipe.rewards import pool
-from rftpipe.rewards.resolve import check_coverage, resolve_all
+from rftpipe.rewards import check_coverage, pool, resolve_all
 from rftpipe.stages import score
 
 

@@ -645,7 +645,8 @@ def step_prompts(a: argparse.Namespace):
     """The prompts rftpipe's sampler hands out in steps 1..N, in order, and the run config."""
     from rftpipe.config.loader import load_config
     from rftpipe.config.schema import RunConfig
-    from rftpipe.data.prompts import SamplerState, global_window, load_prompts
+    from rftpipe.data.prompts import load_prompts
+    from rftpipe.data.sampler import SamplerState, global_window
     from rftpipe.engines.models import load_tokenizer, resolve_model_path
 
     cfg = load_config(RunConfig, CONFIG, overrides(a, a.steps, a.child_engine))
@@ -671,7 +672,8 @@ def bench_trl(a: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rftpipe.rewards.resolve import RewardSample, resolve_all
+    from rftpipe.rewards import resolve_all
+    from rftpipe.rewards.types import RewardSample
 
     cfg, model_dir, tok, ps, order = step_prompts(a)
     fns = resolve_all(cfg.reward, ps.scorer)

@@ -11,7 +11,7 @@ wandb) and a checkpoint interval longer than any run, so the only checkpoint is 
 final step always writes (`driver.maybe_checkpoint`): the restart loads it and replays no
 train step. A step still commits all five stages (12 shard and manifest files plus a
 published trajectory file), which is what a restart's checks walk over. The tiny data set
-(20 prompts) is enough at any N: the sampler wraps into new epochs (`rftpipe.data.prompts`). The
+(20 prompts) is enough at any N: the sampler wraps into new epochs (`rftpipe.data.sampler`). The
 tiny model's checkpoint is about 1 MB, so what grows with N here is the per-step part of a
 restart; reading a real model's checkpoint adds a constant, independent of N (tools.bench
 times a SmolLM2 restart).

@@ -442,7 +442,7 @@ class RewardFunctionConfig:
     this path, so it must be a module-level function (no closures or lambdas)."""
 
     signature: RewardSignature = "rftpipe"
-    """How it is called. `rftpipe`: fn(sample: rftpipe.rewards.resolve.RewardSample) per row.
+    """How it is called. `rftpipe`: fn(sample: rftpipe.rewards.types.RewardSample) per row.
     `verl`: compute_score(data_source, solution_str, ground_truth, extra_info) per row.
     `trl`: fn(prompts, completions, **columns) once per group (the n samples of one
     prompt), returning one value per completion. A value is a number, or a dict with a

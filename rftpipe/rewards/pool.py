@@ -28,7 +28,8 @@ import rftpipe
 from rftpipe.config.schema import RewardFunctionConfig, RewardSignature
 from rftpipe.errors import UserError
 from rftpipe.faults import events
-from rftpipe.rewards.resolve import Outcome, RewardSample, batches, split_batch
+from rftpipe.rewards.signatures import batches, split_batch
+from rftpipe.rewards.types import Outcome, RewardSample
 from rftpipe.rewards.worker import HEADER, frame
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from tenacity import (
 
 from rftpipe.config.schema import RemoteRewardConfig, RewardFunctionConfig
 from rftpipe.errors import UserError
-from rftpipe.rewards.resolve import Outcome, RewardSample
+from rftpipe.rewards.types import Outcome, RewardSample
 
 log = logging.getLogger(__name__)
 

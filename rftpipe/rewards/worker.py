@@ -4,8 +4,8 @@ It reads length-prefixed pickled requests on stdin and answers each on the stdou
 started with: ``("init", sys_path)`` sets the import path to the parent's and answers
 ``("ready", None)``; ``(path,
 signature, samples)`` imports ``module:function`` by path (cached) and calls it under the
-signature (`rftpipe.rewards.resolve.SIGNATURES`), answering ``("ok", values)`` or ``("error",
-"Type: message")``. Functions travel as import paths, never pickled, so closures and
+signature (`rftpipe.rewards.signatures.SIGNATURES`), answering ``("ok", values)`` or
+``("error", "Type: message")``. Functions travel as import paths, never pickled, so closures and
 lambdas are never needed. The parent kills this process with SIGKILL when a call outlives
 its timeout (`rftpipe.rewards.pool`); this process dies with its parent too.
 """
@@ -64,7 +64,7 @@ def main() -> None:
     # Whatever the user's function prints goes where this process's stderr goes (the
     # parent's log), never into the reply stream.
     os.dup2(2, 1)
-    from rftpipe.rewards.resolve import SIGNATURES
+    from rftpipe.rewards.signatures import SIGNATURES
 
     fns: dict[str, Callable[..., Any]] = {}
     while (data := read_frame(requests)) is not None:

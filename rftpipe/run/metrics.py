@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rftpipe.rewards.resolve import data_source_of
+from rftpipe.rewards.types import data_source_of
 from rftpipe.stages import ORDER, generation
 from rftpipe.storage.baseline_rows import COLUMN, baseline_flags, without_baseline
 from rftpipe.storage.store import RunDir, StageStore, atomic_write_bytes

@@ -18,19 +18,15 @@ from rftpipe.algos.kl_controller import make_kl_controller
 from rftpipe.checkpoint import writer
 from rftpipe.checkpoint.policy import make_schedule
 from rftpipe.config.schema import RunConfig
-from rftpipe.data.prompts import (
-    data_fingerprint,
-    load_prompts,
-    load_ptx_examples,
-    split_held_out,
-)
+from rftpipe.data.prompts import load_prompts, split_held_out
+from rftpipe.data.ptx import data_fingerprint, load_ptx_examples
 from rftpipe.dist import Dist
 from rftpipe.engines import models
 from rftpipe.engines.rollout.base import HFGenerateEngine, RolloutEngine
 from rftpipe.engines.train.base import TRAIN_ENGINES, TrainEngine
 from rftpipe.engines.train.critic import Critic, critic_train_config, head_seed, load_value_model
 from rftpipe.errors import UserError
-from rftpipe.rewards.resolve import check_coverage, resolve_all
+from rftpipe.rewards import check_coverage, resolve_all
 from rftpipe.run.preemption import NoStop, StopFlag
 from rftpipe.stages.base import Runtime
 from rftpipe.storage.store import (

@@ -18,12 +18,13 @@ import pyarrow as pa
 from rftpipe.checkpoint import writer
 from rftpipe.checkpoint.policy import FixedSchedule, YoungDalySchedule
 from rftpipe.config.schema import RunConfig
-from rftpipe.data.prompts import PromptSet, PTXExample
+from rftpipe.data.prompts import PromptSet
+from rftpipe.data.ptx import PTXExample
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.engines.train.base import TrainEngine
 from rftpipe.engines.train.critic import Critic
-from rftpipe.rewards.resolve import RewardComponent
+from rftpipe.rewards.types import RewardComponent
 from rftpipe.storage.store import RunDir, StageStore
 
 

@@ -18,7 +18,7 @@ import pyarrow as pa
 import torch
 
 from rftpipe.config.schema import TrainConfig
-from rftpipe.data.prompts import PTXExample
+from rftpipe.data.ptx import PTXExample
 from rftpipe.dist import Dist
 from rftpipe.engines.train.base import split_micro_batches
 from rftpipe.seeding import derive_seed

@@ -16,9 +16,10 @@ from typing import Any
 import pyarrow as pa
 
 from rftpipe.config.schema import EvalConfig, RewardConfig, RolloutConfig
-from rftpipe.data.prompts import Prompt, content_key, rank_slice
+from rftpipe.data.prompts import Prompt, content_key
+from rftpipe.data.sampler import rank_slice
 from rftpipe.engines.rollout.base import RolloutEngine
-from rftpipe.rewards.resolve import RewardComponent
+from rftpipe.rewards.types import RewardComponent
 from rftpipe.seeding import derive_seed
 from rftpipe.stages import StageName, score
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan

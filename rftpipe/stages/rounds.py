@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from functools import partial
 
-from rftpipe.data.prompts import SamplerState, rank_slice
+from rftpipe.data.sampler import SamplerState, rank_slice
 from rftpipe.errors import UserError
 from rftpipe.stages import generation, round_stage
 from rftpipe.stages.base import Runtime, StepPlan, StepState

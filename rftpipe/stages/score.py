@@ -25,14 +25,9 @@ import torch
 
 from rftpipe.config.schema import RewardConfig
 from rftpipe.errors import UserError
-from rftpipe.rewards.resolve import (
-    Outcome,
-    RewardComponent,
-    RewardSample,
-    applies,
-    data_source_of,
-    parse_value,
-)
+from rftpipe.rewards import applies
+from rftpipe.rewards.signatures import parse_value
+from rftpipe.rewards.types import Outcome, RewardComponent, RewardSample, data_source_of
 from rftpipe.stages import generation, round_stage
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
 

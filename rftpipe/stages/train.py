@@ -33,7 +33,8 @@ from rftpipe.algos.losses import (
     kl_estimate,
 )
 from rftpipe.config.schema import KLConfig, TrainConfig
-from rftpipe.data.prompts import PTXExample, ptx_batch, rank_slice
+from rftpipe.data.ptx import PTXExample, ptx_batch
+from rftpipe.data.sampler import rank_slice
 from rftpipe.dist import Dist
 from rftpipe.engines.train.base import TrainEngine, split_micro_batches
 from rftpipe.errors import UserError
