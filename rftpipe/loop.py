@@ -108,7 +108,7 @@ def train_run(
                     },
                     step,
                 )
-                bar_update(bar, m, metrics)
+                bar_update(bar, m, metrics, drift_label(cfg))
     finally:
         # A stop or an error between stages still lets a pending checkpoint commit.
         rt.ckpt_writer.wait()
@@ -154,13 +154,20 @@ def progress(cfg: RunConfig, dist: Dist, initial: int):
     )
 
 
-def bar_update(bar, m: dict[str, Any], train_metrics: dict[str, float]) -> None:
+def drift_label(cfg: RunConfig) -> str:
+    """The bar's name for `train/kl`: the KL to the reference with one (`kl.mode` loss or
+    reward), else the train stage's k3 estimate of the drift from the old (behaviour)
+    policy, which is no KL penalty and must not read as one."""
+    return "kl" if cfg.kl.mode != "none" else "drift"
+
+
+def bar_update(bar, m: dict[str, Any], train_metrics: dict[str, float], drift_key: str) -> None:
     if bar is None:
         return
     bar.set_postfix(
         {
             "reward": f"{m.get('rollout/reward_mean', math.nan):.3f}",
-            "kl": f"{train_metrics['train/kl']:.2e}",
+            drift_key: f"{train_metrics['train/kl']:.2e}",
             "len": f"{m.get('rollout/response_length', math.nan):.1f}",
             "t_roll": f"{m['perf/rollout_s']:.1f}s",
             "t_train": f"{m['perf/train_s']:.1f}s",
