@@ -54,6 +54,14 @@ def train_run(
             f"total_steps: {cfg.total_steps} is below the {last_done} steps already committed"
         )
     ckpt_step = resume.prepare(rt, repair)
+    if ckpt_step > cfg.total_steps:
+        # A checkpoint past every committed step: the steps it saved lost their stage files
+        # (the check above sees only those). Nothing is left to run, and its state is not a
+        # step-`total_steps` policy to finish with.
+        raise UserError(
+            f"total_steps: {cfg.total_steps} is below the checkpoint of step {ckpt_step}, "
+            f"whose steps are missing from {run.stages}"
+        )
     if dist.is_main:
         run.promote_pending_config()
     last_done = rt.store.newest_complete_step(FINAL)
@@ -67,7 +75,6 @@ def train_run(
     trackers.log_committed(rt.store, range(first, last_done + 1))
     bar = progress(cfg, dist, last_done)
     t_replay = t_prev = time.perf_counter()
-    ran = 0
     try:
         for step in range(ckpt_step + 1, cfg.total_steps + 1):
             replay = step <= last_done
@@ -82,7 +89,6 @@ def train_run(
             t_prev = now
             timings["checkpoint_wait"] = rt.ckpt_writer.last_wait_s
             maybe_checkpoint(rt, step, timings)
-            ran += 1
             if replay:
                 if step == last_done:
                     events().write(
@@ -112,10 +118,6 @@ def train_run(
     finally:
         # A stop or an error between stages still lets a pending checkpoint commit.
         rt.ckpt_writer.wait()
-    if ran == 0:
-        raise RuntimeError(
-            f"resume at step {ckpt_step + 1} with {cfg.total_steps} total did no work"
-        )
     finish(rt)
     trackers.close()
     if bar is not None:
