@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass
 from typing import get_args
 
@@ -45,6 +46,8 @@ from rftpipe.algos.losses import (
     kl_estimate,
     ppo_clip_loss,
 )
+from rftpipe.config.loader import field_docs
+from rftpipe.config.schema import KLConfig
 
 EPS = 1e-6
 F64 = torch.float64
@@ -218,6 +221,13 @@ def test_registries_cover_their_literal_names() -> None:
     assert set(AGGREGATIONS) == set(get_args(AggregationName))
     assert set(KL_CONTROLLERS) == set(get_args(KLControllerName))
     assert set(ROLLOUT_CORRECTIONS) == set(get_args(RolloutCorrectionName))
+
+
+def test_kl_estimator_docstring_names_every_registered_estimator() -> None:
+    """`kl.estimator`'s docstring (the config reference) lists what the registry runs."""
+    doc = field_docs(KLConfig)["estimator"]
+    named = {k for k in KL_ESTIMATORS if re.search(rf"(?<!\w){k}(?!\w)", doc)}
+    assert named == set(KL_ESTIMATORS), sorted(set(KL_ESTIMATORS) - named)
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])

@@ -1,8 +1,19 @@
-"""tools.bench: the engine comparison's summary and report from synthetic runs (no model)."""
+"""tools.bench: the engine comparison's summary and report from synthetic runs (no model),
+TRL's reward through rftpipe's score stage, and a tiny-model run of both sides."""
 
 from __future__ import annotations
 
-from tools.bench import overrides, parse, report, side_name, summarize
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from rftpipe.config.schema import RewardConfig
+from rftpipe.rewards import resolve_all
+from tools.bench import ROOT, overrides, parse, report, side_name, summarize, trl_reward
 
 
 def _run(steps: list[float], rollout: float, train: float, sync: float) -> dict:
@@ -50,3 +61,44 @@ def test_summary_reports_each_engine_against_the_hf_loop():
     assert "durability" not in s  # no checkpoints measured
     text = report(s)
     assert "rftpipe + vLLM" in text and "failed: AttributeError" in text
+
+
+def test_trl_reward_scores_like_rftpipes_score_stage():
+    """TRL's side gets rftpipe's weighted sum: accuracy needs a stop (an EOS last), format
+    a stop and a number; a completion cut at the length limit earns neither."""
+    cfg = RewardConfig(
+        functions=("accuracy", "format"), weights=(1.0, 0.2), extractor="last_number"
+    )
+    eos = 2
+    reward = trl_reward(cfg, resolve_all(cfg, None, 16), {eos})
+    got = reward(
+        prompts=[[{"role": "user", "content": "3 + 4 ="}]] * 3,
+        completions=[[{"role": "assistant", "content": c}] for c in ("7", "8", "7")],
+        completion_ids=[[55, eos], [56, eos], [55, 55]],
+        answer=["7"] * 3,
+        metadata=["{}"] * 3,
+        prompt_id=[5, 5, 5],
+        data_source=[""] * 3,
+        trainer_state=SimpleNamespace(global_step=0),
+    )
+    assert got == pytest.approx([1.2, 0.2, 0.0])
+
+
+@pytest.mark.slow
+def test_bench_runs_both_sides_on_the_tiny_model(tmp_path: Path):
+    """`python -m tools.bench` end to end, rftpipe (with a checkpoint and a restart), TRL
+    and the floor, on `builtin:tiny` with a few tiny steps: about a minute on 2 cores."""
+    pytest.importorskip("trl", reason="TRL is installed by tools/setup.sh (the bench extra)")
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "tools.bench", "--model", "builtin:tiny", "--pairs", "1"]
+    cmd += ["--steps", "4", "--ckpt-every", "2", "--floor-steps", "2", "--prompts", "2"]
+    cmd += ["--n", "2", "--tokens", "4", "--threads", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((out / "bench.json").read_text())["summary"]
+    for side in ("rftpipe", "trl"):
+        assert s[side]["step_s"] > 0 and s[side]["completions_per_s"] > 0, s[side]
+    assert s["ratio_completions_per_s"] > 0
+    assert s["floor"]["floor_s"] > 0
+    assert s["durability"]["resume_to_first_rollout_s"] > 0
+    assert "rftpipe/TRL" in proc.stdout  # the full report, not the engines-only one

@@ -112,3 +112,16 @@ def test_corrupt_newest_checkpoint_falls_back_and_replays(reference: Path, tmp_p
     assert any(e["event"] == "corrupt_checkpoint" for e in ev)
     assert any(e["event"] == "replay" for e in ev)
     _same_as_reference(run, reference)
+
+
+def test_checkpoint_past_total_steps_without_its_stages_is_refused(
+    reference: Path, tmp_path: Path
+) -> None:
+    """Lost stage files hide the committed steps from the `total_steps` check; the step-4
+    checkpoint still shows them, and a run to 3 steps has nothing left to do."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shutil.rmtree(run / "stages")
+    refused = submit(run, "total_steps=3")
+    assert refused.returncode == 2, refused.stderr
+    assert "total_steps: 3 is below the checkpoint of step 4" in refused.stderr

@@ -58,3 +58,31 @@ def test_killed_run_keeps_one_wandb_run_and_every_tracker_logs_each_step_once(
     for e in events:
         assert e.value == pytest.approx(want[e.step]["rollout/reward_mean"], rel=1e-6)
     assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 4
+
+
+@pytest.mark.parametrize(
+    ("kl", "label"),
+    [
+        ([], "drift"),
+        (["kl.mode=loss", "kl.coef=0.1"], "kl"),
+        (["kl.mode=reward", "kl.coef=0.1"], "kl"),
+    ],
+)
+def test_progress_bar_names_train_kl_by_what_it_measures(kl: list[str], label: str) -> None:
+    """Without a reference `train/kl` is the drift from the old policy, not a KL penalty."""
+    from rftpipe.config.loader import load_config
+    from rftpipe.config.schema import RunConfig
+    from rftpipe.run.loop import bar_update, drift_label
+
+    class Bar:
+        def set_postfix(self, postfix: dict, refresh: bool) -> None:
+            self.postfix = postfix
+
+        def update(self, n: int) -> None:
+            pass
+
+    bar = Bar()
+    m = {"rollout/reward_mean": 0.5, "perf/rollout_s": 1.0, "perf/train_s": 2.0}
+    bar_update(bar, m, {"train/kl": 3e-4}, drift_label(load_config(RunConfig, None, kl)))
+    assert bar.postfix[label] == "3.00e-04"
+    assert ({"kl", "drift"} - {label}).isdisjoint(bar.postfix)

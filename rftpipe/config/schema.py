@@ -704,7 +704,10 @@ class KLConfig:
     """Where the KL to the reference enters: nowhere, as a loss term, or as a per-token reward penalty."""
 
     estimator: KLEstimatorName = "k3"
-    """KL estimator (k1, k2 or k3)."""
+    """KL estimator: k1 (log ratio; unbiased, can be negative), k2 (half its square; low
+    variance, biased), k3 (unbiased and non-negative; clamped as verl), abs (|log ratio|),
+    or k1_st, k3_st, abs_st: that estimate's value with k2's gradient (straight-through,
+    verl's `k3+`)."""
 
     coef: float = 0.0
     """Initial KL coefficient beta."""

@@ -1,6 +1,6 @@
 """The `reward_model` component: a sequence-classification model scores each row.
 
-Loaded once per rank at start-up (`rftpipe.rewards.resolve`), it turns each row into the
+Loaded once per rank at start-up (`rftpipe.rewards`), it turns each row into the
 chat template of [user: prompt, assistant: response] under the reward model's own
 tokenizer, truncates it to `max_length` tokens on `truncation_side`, and runs batches of
 `batch_size` right-padded rows through the model under no_grad in eval mode. A row's score

@@ -55,6 +55,14 @@ def train_run(
             f"total_steps: {cfg.total_steps} is below the {last_done} steps already committed"
         )
     ckpt_step = resume.prepare(rt, repair)
+    if ckpt_step > cfg.total_steps:
+        # A checkpoint past every committed step: the steps it saved lost their stage files
+        # (the check above sees only those). Nothing is left to run, and its state is not a
+        # step-`total_steps` policy to finish with.
+        raise UserError(
+            f"total_steps: {cfg.total_steps} is below the checkpoint of step {ckpt_step}, "
+            f"whose steps are missing from {run.stages}"
+        )
     if dist.is_main:
         run.promote_pending_config()
     last_done = rt.store.newest_complete_step(FINAL)
@@ -68,7 +76,6 @@ def train_run(
     trackers.log_committed(rt.store, range(first, last_done + 1))
     bar = progress(cfg, dist, last_done)
     t_replay = t_prev = time.perf_counter()
-    ran = 0
     try:
         for step in range(ckpt_step + 1, cfg.total_steps + 1):
             replay = step <= last_done
@@ -83,7 +90,6 @@ def train_run(
             t_prev = now
             timings["checkpoint_wait"] = rt.ckpt_writer.last_wait_s
             maybe_checkpoint(rt, step, timings)
-            ran += 1
             if replay:
                 if step == last_done:
                     events().write(
@@ -109,14 +115,10 @@ def train_run(
                     },
                     step,
                 )
-                bar_update(bar, m, metrics)
+                bar_update(bar, m, metrics, drift_label(cfg))
     finally:
         # A stop or an error between stages still lets a pending checkpoint commit.
         rt.ckpt_writer.wait()
-    if ran == 0:
-        raise RuntimeError(
-            f"resume at step {ckpt_step + 1} with {cfg.total_steps} total did no work"
-        )
     finish(rt)
     trackers.close()
     if bar is not None:
@@ -155,13 +157,20 @@ def progress(cfg: RunConfig, dist: Dist, initial: int):
     )
 
 
-def bar_update(bar, m: dict[str, Any], train_metrics: dict[str, float]) -> None:
+def drift_label(cfg: RunConfig) -> str:
+    """The bar's name for `train/kl`: the KL to the reference with one (`kl.mode` loss or
+    reward), else the train stage's k3 estimate of the drift from the old (behaviour)
+    policy, which is no KL penalty and must not read as one."""
+    return "kl" if cfg.kl.mode != "none" else "drift"
+
+
+def bar_update(bar, m: dict[str, Any], train_metrics: dict[str, float], drift_key: str) -> None:
     if bar is None:
         return
     bar.set_postfix(
         {
             "reward": f"{m.get('rollout/reward_mean', math.nan):.3f}",
-            "kl": f"{train_metrics['train/kl']:.2e}",
+            drift_key: f"{train_metrics['train/kl']:.2e}",
             "len": f"{m.get('rollout/response_length', math.nan):.1f}",
             "t_roll": f"{m['perf/rollout_s']:.1f}s",
             "t_train": f"{m['perf/train_s']:.1f}s",

@@ -248,7 +248,9 @@ def _hf_engine(
     )
 
 
-def _engine_spec(cfg: RunConfig, model_dir: Path, tokenizer: Any) -> Any:
+def engine_spec(cfg: RunConfig, model_dir: Path, tokenizer: Any) -> Any:
+    """The serving engines' `EngineSpec` of a run (public: tools.bench builds a vLLM engine
+    the way the run does)."""
     from rftpipe.engines.rollout.vllm import EngineSpec
 
     return EngineSpec(
@@ -266,7 +268,7 @@ def _vllm_engine(
 ) -> RolloutEngine:
     from rftpipe.engines.rollout.vllm import VLLMEngine
 
-    return VLLMEngine(cfg.rollout, _engine_spec(cfg, model_dir, tokenizer), dist)
+    return VLLMEngine(cfg.rollout, engine_spec(cfg, model_dir, tokenizer), dist)
 
 
 def _sglang_engine(
