@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import random
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import get_args
 
@@ -177,11 +180,12 @@ def ref_returns(outcome: list[float], b: Batch, gamma: float) -> list[list[float
 
 
 def ref_whiten(rows: list[list[float]], b: Batch) -> list[list[float]]:
+    """verl's masked_whiten: unbiased variance over all valid tokens, rsqrt(var + 1e-8)."""
     flat = [x for row in rows for x in row]
     m = ref_mean(flat)
-    std = math.sqrt(sum((x - m) ** 2 for x in flat) / len(flat))
+    var = sum((x - m) ** 2 for x in flat) / (len(flat) - 1)
     return [
-        [(row[t] - m) / (std + EPS) if t < len(row) else 0.0 for t in range(b.width)]
+        [(row[t] - m) / math.sqrt(var + 1e-8) if t < len(row) else 0.0 for t in range(b.width)]
         for row in rows
     ]
 
@@ -191,8 +195,10 @@ def ref_reinforce_pp(b: Batch, gamma: float) -> list[list[float]]:
 
 
 def ref_reinforce_pp_baseline(b: Batch, gamma: float) -> list[list[float]]:
-    centred = [b.rewards[i] - ref_mean(ref_group(b.rewards, b.ids, i)) for i in range(len(b.ids))]
-    return ref_whiten(ref_returns(centred, b, gamma), b)
+    """verl: the group-centred score r - sum(KL) on every token (gamma unused), whitened."""
+    s = ref_scores(b)
+    centred = [s[i] - ref_mean(ref_group(s, b.ids, i)) for i in range(len(b.ids))]
+    return ref_whiten([[c] * n for c, n in zip(centred, b.lengths, strict=True)], b)
 
 
 def ref_advantages(name: str, b: Batch, gamma: float) -> list[list[float]]:
@@ -248,9 +254,9 @@ def test_reinforce_pp_matches_reference(name: AdvantageName, with_kl: bool, gamm
     _close(adv, ref_advantages(name, b, gamma))
     assert torch.all(adv[~inputs.response_mask] == 0)
     valid = adv[inputs.response_mask]
-    # Whitened over all valid tokens: zero mean, unit population std.
+    # Whitened over all valid tokens: zero mean, unit (unbiased) std.
     assert abs(valid.mean().item()) < 1e-9
-    assert abs(valid.std(correction=0).item() - 1.0) < 1e-5
+    assert abs(valid.std().item() - 1.0) < 1e-5
 
 
 def test_group_of_one_has_zero_advantage() -> None:
@@ -284,21 +290,41 @@ def test_reinforce_pp_is_exact_across_ranks(name: AdvantageName, gamma: float) -
         [i for i, g in enumerate(b.ids) if g in distinct[1::2]],
     ]
     parts = [b.subset(rows).inputs() for rows in rank_rows]
-
-    local_stats: list[Tensor] = []
-
-    def capture(x: Tensor) -> Tensor:
-        assert x.shape == (3,)
-        local_stats.append(x.clone())
-        return x
-
-    local = [compute_advantages(name, p, gamma=gamma, reduce_sum=capture) for p in parts]
-    for rank, part in enumerate(parts):
-        other = local_stats[1 - rank]
-        adv = compute_advantages(name, part, gamma=gamma, reduce_sum=lambda x, o=other: x + o)
+    local = [compute_advantages(name, p, gamma=gamma) for p in parts]
+    ranked = in_lockstep(
+        [functools.partial(compute_advantages, name, p, gamma=gamma) for p in parts]
+    )
+    for rank, adv in enumerate(ranked):
         torch.testing.assert_close(adv, full[rank_rows[rank]], rtol=1e-10, atol=1e-10)
         # Without the cross-rank sums the whitening differs, so the check above is meaningful.
         assert not torch.allclose(local[rank], full[rank_rows[rank]], atol=1e-4)
+
+
+def in_lockstep(calls: list[Callable[..., Tensor]]) -> list[Tensor]:
+    """``calls[r](reduce_sum=...)`` for every "rank" r, each in its own thread, with a
+    ``reduce_sum`` that sums the ranks' tensors as an all-reduce would (a collective: every
+    rank waits for the others), however many times the estimator calls it."""
+    barrier = threading.Barrier(len(calls), timeout=30)
+    slots: list[Tensor | None] = [None] * len(calls)
+    out: list[Tensor | None] = [None] * len(calls)
+
+    def run(rank: int) -> None:
+        def reduce_sum(x: Tensor) -> Tensor:
+            slots[rank] = x.clone()
+            barrier.wait()
+            total = torch.stack([s for s in slots if s is not None]).sum(dim=0)
+            barrier.wait()  # nobody overwrites a slot before every rank has read them all
+            return total
+
+        out[rank] = calls[rank](reduce_sum=reduce_sum)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(o is not None for o in out), "a rank failed (see the thread's exception)"
+    return [o for o in out if o is not None]
 
 
 def test_compute_advantages_validates() -> None:

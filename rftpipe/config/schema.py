@@ -627,10 +627,12 @@ class AdvantageConfig:
     """Advantage estimator (registry key)."""
 
     eps: float = 1e-6
-    """Added to standard deviations before dividing."""
+    """Added to group standard deviations before dividing (the batch whitening of
+    REINFORCE++ and GAE uses verl's rsqrt(var + 1e-8) instead)."""
 
     gamma: float = 1.0
-    """Discount for token-level returns (REINFORCE++, GAE)."""
+    """Discount for token-level returns (reinforce_pp, gae); reinforce_pp_baseline is
+    sequence-level, as in verl, and ignores it."""
 
     lam: float = 1.0
     """GAE's lambda (estimator gae): 1 gives Monte-Carlo returns minus the critic's value,
