@@ -641,6 +641,27 @@ def test_aggregate_micro_batches_sum_to_whole(mode: AggregationName) -> None:
     assert not torch.allclose(naive, whole)
 
 
+def test_seq_mean_token_sum_norm_micro_batches_sum_to_verl_on_the_whole() -> None:
+    """Micro-batches (or ranks) given the global counts, as the train stage passes them, add
+    up to verl's agg_loss on the whole mini-batch: the sum of every valid token's loss over
+    the constant length, whatever the split."""
+    loss, mask = ragged_loss(seed=4)
+    verl = sum(sum(row[:n]) for row, n in zip(loss.tolist(), LENGTHS, strict=True)) / 16
+    for splits in ([(0, 6)], [(0, 2), (2, 3), (3, 6)], [(i, i + 1) for i in range(6)]):
+        total = sum(
+            aggregate(
+                loss[a:b],
+                mask[a:b],
+                "seq-mean-token-sum-norm",
+                num_tokens=float(sum(LENGTHS)),
+                num_seqs=float(len(LENGTHS)),
+                norm_len=16.0,
+            )
+            for a, b in splits
+        )
+        _close(total, verl, tol=1e-12)
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_aggregate_empty_batch_is_zero(mode: AggregationName) -> None:
     loss = torch.full((2, 3), float("nan"), dtype=F64)

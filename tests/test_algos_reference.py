@@ -609,10 +609,12 @@ AGGREGATION_CASES: dict[str, dict[str, tuple[dict[str, Any], float]]] = {
         "global_count": ({"num_seqs": 5.0}, 10 / 5),
     },
     "seq-mean-token-sum-norm": {
-        # Dr. GRPO: sum / (num_seqs * constant length); without a constant, the width 3
-        "default": ({}, 10 / (3 * 3)),
-        "budget": ({"norm_len": 8.0}, 10 / (3 * 8)),
-        "global": ({"norm_len": 8.0, "num_seqs": 4.0}, 10 / (4 * 8)),
+        # Dr. GRPO as verl's agg_loss: the token sums of all responses over a constant
+        # length (loss_scale_factor), no division by the number of responses; without a
+        # constant, the padded width 3. num_seqs does not enter.
+        "default": ({}, 10 / 3),
+        "budget": ({"norm_len": 8.0}, 10 / 8),
+        "global": ({"norm_len": 8.0, "num_seqs": 4.0}, 10 / 8),
     },
 }
 

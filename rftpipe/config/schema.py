@@ -839,9 +839,10 @@ class TrainConfig:
     """Entropy bonus coefficient."""
 
     loss_agg: AggregationName = "token-mean"
-    """How per-token losses become one scalar. `seq-mean-token-sum-norm` (Dr. GRPO) divides
-    each response's token sum by rollout.max_new_tokens, a constant, then averages over
-    responses."""
+    """How per-token losses become one scalar. `seq-mean-token-sum-norm` (Dr. GRPO) adds up
+    the responses' token sums and divides by rollout.max_new_tokens, a constant, as verl's
+    agg_loss with loss_scale_factor=max_new_tokens: despite the name, not divided by the
+    number of responses (the loss is that many times larger than a mean's)."""
 
     sapo_tau_pos: float = 1.0
     """policy_loss=sapo: gate temperature for positive advantages (SAPO paper: 1.0)."""
