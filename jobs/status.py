@@ -23,7 +23,7 @@ def describe(run_dir: Path) -> dict:
     run = RunDir(run_dir)
     if not run.config_path.exists():
         raise SystemExit(f"rftpipe: error: run_dir: {run.root} has no config.yaml")
-    cfg = load_config(RunConfig, run.active_config_path())
+    cfg = load_config(RunConfig, run.active_config_path(), saved=True)
     store = StageStore(run)
     done = store.newest_complete_step(FINAL)
     last = store.newest_commit(chain_position)

@@ -73,8 +73,10 @@ def resolve_config(args: argparse.Namespace, run_dir: Path) -> RunConfig:
     saved = run_dir / "config.yaml"
     if not saved.exists():
         return load_config(RunConfig, args.config or DEFAULT_CONFIG, args.overrides)
-    old = load_config(RunConfig, saved)
-    new = load_config(RunConfig, args.config or saved, args.overrides)
+    # The run's own config may predate a field's change of type (`saved=True` migrates it);
+    # a config file given on the command line is the user's and gets no such leniency.
+    old = load_config(RunConfig, saved, saved=True)
+    new = load_config(RunConfig, args.config or saved, args.overrides, saved=not args.config)
     changed = diff_keys(to_dict(old), to_dict(new), exclude=RESUME_SAFE_KEYS)
     if changed and not args.allow_fingerprint_mismatch:
         raise UserError(

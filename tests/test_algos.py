@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import re
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import get_args
 
@@ -180,11 +183,12 @@ def ref_returns(outcome: list[float], b: Batch, gamma: float) -> list[list[float
 
 
 def ref_whiten(rows: list[list[float]], b: Batch) -> list[list[float]]:
+    """verl's masked_whiten: unbiased variance over all valid tokens, rsqrt(var + 1e-8)."""
     flat = [x for row in rows for x in row]
     m = ref_mean(flat)
-    std = math.sqrt(sum((x - m) ** 2 for x in flat) / len(flat))
+    var = sum((x - m) ** 2 for x in flat) / (len(flat) - 1)
     return [
-        [(row[t] - m) / (std + EPS) if t < len(row) else 0.0 for t in range(b.width)]
+        [(row[t] - m) / math.sqrt(var + 1e-8) if t < len(row) else 0.0 for t in range(b.width)]
         for row in rows
     ]
 
@@ -194,8 +198,10 @@ def ref_reinforce_pp(b: Batch, gamma: float) -> list[list[float]]:
 
 
 def ref_reinforce_pp_baseline(b: Batch, gamma: float) -> list[list[float]]:
-    centred = [b.rewards[i] - ref_mean(ref_group(b.rewards, b.ids, i)) for i in range(len(b.ids))]
-    return ref_whiten(ref_returns(centred, b, gamma), b)
+    """verl: the group-centred score r - sum(KL) on every token (gamma unused), whitened."""
+    s = ref_scores(b)
+    centred = [s[i] - ref_mean(ref_group(s, b.ids, i)) for i in range(len(b.ids))]
+    return ref_whiten([[c] * n for c, n in zip(centred, b.lengths, strict=True)], b)
 
 
 def ref_advantages(name: str, b: Batch, gamma: float) -> list[list[float]]:
@@ -258,9 +264,9 @@ def test_reinforce_pp_matches_reference(name: AdvantageName, with_kl: bool, gamm
     _close(adv, ref_advantages(name, b, gamma))
     assert torch.all(adv[~inputs.response_mask] == 0)
     valid = adv[inputs.response_mask]
-    # Whitened over all valid tokens: zero mean, unit population std.
+    # Whitened over all valid tokens: zero mean, unit (unbiased) std.
     assert abs(valid.mean().item()) < 1e-9
-    assert abs(valid.std(correction=0).item() - 1.0) < 1e-5
+    assert abs(valid.std().item() - 1.0) < 1e-5
 
 
 def test_group_of_one_has_zero_advantage() -> None:
@@ -294,21 +300,41 @@ def test_reinforce_pp_is_exact_across_ranks(name: AdvantageName, gamma: float) -
         [i for i, g in enumerate(b.ids) if g in distinct[1::2]],
     ]
     parts = [b.subset(rows).inputs() for rows in rank_rows]
-
-    local_stats: list[Tensor] = []
-
-    def capture(x: Tensor) -> Tensor:
-        assert x.shape == (3,)
-        local_stats.append(x.clone())
-        return x
-
-    local = [compute_advantages(name, p, gamma=gamma, reduce_sum=capture) for p in parts]
-    for rank, part in enumerate(parts):
-        other = local_stats[1 - rank]
-        adv = compute_advantages(name, part, gamma=gamma, reduce_sum=lambda x, o=other: x + o)
+    local = [compute_advantages(name, p, gamma=gamma) for p in parts]
+    ranked = in_lockstep(
+        [functools.partial(compute_advantages, name, p, gamma=gamma) for p in parts]
+    )
+    for rank, adv in enumerate(ranked):
         torch.testing.assert_close(adv, full[rank_rows[rank]], rtol=1e-10, atol=1e-10)
         # Without the cross-rank sums the whitening differs, so the check above is meaningful.
         assert not torch.allclose(local[rank], full[rank_rows[rank]], atol=1e-4)
+
+
+def in_lockstep(calls: list[Callable[..., Tensor]]) -> list[Tensor]:
+    """``calls[r](reduce_sum=...)`` for every "rank" r, each in its own thread, with a
+    ``reduce_sum`` that sums the ranks' tensors as an all-reduce would (a collective: every
+    rank waits for the others), however many times the estimator calls it."""
+    barrier = threading.Barrier(len(calls), timeout=30)
+    slots: list[Tensor | None] = [None] * len(calls)
+    out: list[Tensor | None] = [None] * len(calls)
+
+    def run(rank: int) -> None:
+        def reduce_sum(x: Tensor) -> Tensor:
+            slots[rank] = x.clone()
+            barrier.wait()
+            total = torch.stack([s for s in slots if s is not None]).sum(dim=0)
+            barrier.wait()  # nobody overwrites a slot before every rank has read them all
+            return total
+
+        out[rank] = calls[rank](reduce_sum=reduce_sum)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(o is not None for o in out), "a rank failed (see the thread's exception)"
+    return [o for o in out if o is not None]
 
 
 def test_compute_advantages_validates() -> None:
@@ -623,6 +649,27 @@ def test_aggregate_micro_batches_sum_to_whole(mode: AggregationName) -> None:
     # Local denominators would NOT add up: the global counts are what make this exact.
     naive = sum(aggregate(loss[a:b], mask[a:b], mode) for a, b in splits)
     assert not torch.allclose(naive, whole)
+
+
+def test_seq_mean_token_sum_norm_micro_batches_sum_to_verl_on_the_whole() -> None:
+    """Micro-batches (or ranks) given the global counts, as the train stage passes them, add
+    up to verl's agg_loss on the whole mini-batch: the sum of every valid token's loss over
+    the constant length, whatever the split."""
+    loss, mask = ragged_loss(seed=4)
+    verl = sum(sum(row[:n]) for row, n in zip(loss.tolist(), LENGTHS, strict=True)) / 16
+    for splits in ([(0, 6)], [(0, 2), (2, 3), (3, 6)], [(i, i + 1) for i in range(6)]):
+        total = sum(
+            aggregate(
+                loss[a:b],
+                mask[a:b],
+                "seq-mean-token-sum-norm",
+                num_tokens=float(sum(LENGTHS)),
+                num_seqs=float(len(LENGTHS)),
+                norm_len=16.0,
+            )
+            for a, b in splits
+        )
+        _close(total, verl, tol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])

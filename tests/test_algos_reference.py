@@ -83,6 +83,8 @@ class AdvCase:
     is_baseline: list[bool] | None = None
     values: list[list[float]] | None = None
     lam: float = 1.0
+    kl: list[list[float]] | None = None
+    """Per-token KL penalty in the reward (`kl.mode=reward`), coefficient included."""
 
 
 # Shared batch: group 0 rewards (1, 0, 0.5) with lengths (2, 1, 3); group 1 has equal rewards.
@@ -104,11 +106,19 @@ OTB_B0_SQ = (1 * 0.5 + 0 * 0.3) / (0.8 + EPS)
 # Equal rewards: B = (1 W + 1 W) / (2 W + eps) with W = 0.25 for pi = 0.5.
 OTB_EQ = 1.0 - 0.5 / (0.5 + EPS)
 
-# REINFORCE++ (token returns, then whitened with the population std over all tokens):
-# rewards (1, 0), lengths (2, 1): token returns {1, 1, 0}, mean 2/3, std sqrt(2)/3.
-RPP_STD = math.sqrt(2) / 3
-# gamma 0.5: returns (0.5, 1) and (0,), mean 0.5, std sqrt(1/6).
-RPP_STD_G = math.sqrt(1 / 6)
+# REINFORCE++ (token returns, then whitened over all tokens as verl's masked_whiten: unbiased
+# variance, (x - mean) / sqrt(var + 1e-8)):
+# rewards (1, 0), lengths (2, 1): token returns {1, 1, 0}, mean 2/3,
+# var ((1/3)^2 + (1/3)^2 + (2/3)^2) / (3 - 1) = 1/3.
+RPP_STD = math.sqrt(1 / 3 + 1e-8)
+# gamma 0.5: returns (0.5, 1) and (0,), mean 0.5, var (0 + 0.25 + 0.25) / 2 = 1/4.
+RPP_STD_G = math.sqrt(1 / 4 + 1e-8)
+# REINFORCE++-baseline with the KL penalty in the reward (verl): per response the score
+# r - sum_t kl_t = (1 - 0.4, 0 - 0.2) = (0.6, -0.2), group mean 0.2, centred (0.4, -0.4) on
+# every token (no reward-to-go, gamma unused): {0.4, 0.4, -0.4}, mean 2/15,
+# deviations (4/15, 4/15, -8/15), var (16 + 16 + 64) / 225 / 2 = 96/450.
+RPPB_KL = [[0.1, 0.3], [0.2]]
+RPPB_STD_KL = math.sqrt(96 / 450 + 1e-8)
 
 # GAE, gamma = lam = 0.5: sample 0 (reward 1, values 0.2, 0.4), sample 1 (reward 0, value 0.1).
 # t=1: delta = 1 - 0.4 = 0.6 = A; t=0: delta = 0.5 * 0.4 - 0.2 = 0, A = 0.25 * 0.6 = 0.15;
@@ -139,24 +149,32 @@ ADVANTAGE_CASES: dict[str, dict[str, AdvCase]] = {
             [1.0, 0.0],
             [0, 1],
             [2, 1],
-            [[(1 / 3) / (RPP_STD + EPS)] * 2, [(-2 / 3) / (RPP_STD + EPS)]],
+            [[(1 / 3) / RPP_STD] * 2, [(-2 / 3) / RPP_STD]],
         ),
         "discounted": AdvCase(
             [1.0, 0.0],
             [0, 1],
             [2, 1],
-            [[0.0, 0.5 / (RPP_STD_G + EPS)], [-0.5 / (RPP_STD_G + EPS)]],
+            [[0.0, 0.5 / RPP_STD_G], [-0.5 / RPP_STD_G]],
             gamma=0.5,
         ),
         "equal_rewards": AdvCase([1.0, 1.0], [0, 0], [1, 1], [[0.0], [0.0]]),
     },
     "reinforce_pp_baseline": {
-        # centred (0.5, -0.5): returns {0.5, 0.5, -0.5}, mean 1/6, std sqrt(2)/3
+        # centred (0.5, -0.5) on every token: {0.5, 0.5, -0.5}, mean 1/6, var 1/3
         "whitened": AdvCase(
             [1.0, 0.0],
             [0, 0],
             [2, 1],
-            [[(1 / 3) / (RPP_STD + EPS)] * 2, [(-2 / 3) / (RPP_STD + EPS)]],
+            [[(1 / 3) / RPP_STD] * 2, [(-2 / 3) / RPP_STD]],
+        ),
+        "kl_in_reward": AdvCase(
+            [1.0, 0.0],
+            [0, 0],
+            [2, 1],
+            [[(4 / 15) / RPPB_STD_KL] * 2, [(-8 / 15) / RPPB_STD_KL]],
+            gamma=0.5,
+            kl=RPPB_KL,
         ),
         "equal_rewards": AdvCase([1.0, 1.0], [0, 0], [1, 1], [[0.0], [0.0]]),
     },
@@ -256,6 +274,7 @@ def test_advantage_reference(name: str, case: str) -> None:
         is_baseline=None if c.is_baseline is None else torch.tensor(c.is_baseline),
         values=None if c.values is None else _pad(c.values, c.lengths),
         lam=c.lam,
+        token_kl_penalty=None if c.kl is None else _pad(c.kl, c.lengths),
     )
     adv = compute_advantages(name, inputs, eps=EPS, gamma=c.gamma)  # type: ignore[arg-type]
     _assert_ragged(adv, mask, c.expected)
@@ -281,9 +300,9 @@ def test_advantage_of_an_empty_batch(name: str) -> None:
     )
     adv = compute_advantages(name, inputs, reduce_sum=reduce_sum)  # type: ignore[arg-type]
     assert adv.shape == (0, 1)
-    if name in ("gpg", "reinforce_pp", "reinforce_pp_baseline"):
+    if name == "gpg":
         assert len(calls) == 1
-    if name == "gae":
+    if name in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
         assert len(calls) == 2  # masked whitening: the mean, then the variance
 
 
@@ -591,10 +610,12 @@ AGGREGATION_CASES: dict[str, dict[str, tuple[dict[str, Any], float]]] = {
         "global_count": ({"num_seqs": 5.0}, 10 / 5),
     },
     "seq-mean-token-sum-norm": {
-        # Dr. GRPO: sum / (num_seqs * constant length); without a constant, the width 3
-        "default": ({}, 10 / (3 * 3)),
-        "budget": ({"norm_len": 8.0}, 10 / (3 * 8)),
-        "global": ({"norm_len": 8.0, "num_seqs": 4.0}, 10 / (4 * 8)),
+        # Dr. GRPO as verl's agg_loss: the token sums of all responses over a constant
+        # length (loss_scale_factor), no division by the number of responses; without a
+        # constant, the padded width 3. num_seqs does not enter.
+        "default": ({}, 10 / 3),
+        "budget": ({"norm_len": 8.0}, 10 / 8),
+        "global": ({"norm_len": 8.0, "num_seqs": 4.0}, 10 / 8),
     },
 }
 

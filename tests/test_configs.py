@@ -71,6 +71,44 @@ def test_bad_correction_settings_are_refused(override: str) -> None:
         load_config(RunConfig, None, ["train.old_logprobs=actor", override])
 
 
+def test_boolean_model_reference_is_refused_with_its_new_meaning(tmp_path: Path) -> None:
+    """`model.reference` was a bool that nothing read; it now names a reference model. A
+    bool from the command line or a user YAML gets one line saying so."""
+    yaml_file = tmp_path / "user.yaml"
+    yaml_file.write_text("model:\n  reference: false\n")
+    for load in (
+        lambda: load_config(RunConfig, None, ["model.reference=true"]),
+        lambda: load_config(RunConfig, yaml_file),
+    ):
+        with pytest.raises(ConfigError) as info:
+            load()
+        msg = str(info.value)
+        assert "\n" not in msg and "model.reference" in msg
+        assert "reference model" in msg and "null" in msg
+
+
+def test_boolean_model_reference_of_an_old_run_directory_loads(tmp_path: Path) -> None:
+    """A run directory's config.yaml written before the change holds `reference: true`
+    (the default then): it loads as the policy's initial weights (None), which is what
+    such a run used, whatever the bool said."""
+    for old in ("true", "false"):
+        saved = tmp_path / f"config-{old}.yaml"
+        saved.write_text(f"model:\n  path: builtin:tiny\n  reference: {old}\n")
+        assert load_config(RunConfig, saved, saved=True).model.reference is None
+
+
+def test_model_reference_without_a_kl_term_is_refused() -> None:
+    """Nothing reads the reference with kl.mode=none: refused rather than silently unused."""
+    with pytest.raises(ConfigError) as info:
+        load_config(RunConfig, None, ["model.reference=builtin:tiny"])
+    msg = str(info.value)
+    assert "\n" not in msg and "model.reference" in msg and "kl.mode" in msg
+    cfg = load_config(
+        RunConfig, None, ["model.reference=builtin:tiny", "kl.mode=loss", "kl.coef=0.1"]
+    )
+    assert cfg.model.reference == "builtin:tiny"
+
+
 def test_every_field_has_a_docstring() -> None:
     missing = []
     for dotted, _hint, _default in iter_fields(RunConfig):

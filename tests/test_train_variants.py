@@ -138,12 +138,13 @@ def test_entropy_mask_trains_only_the_top_tokens(table: pa.Table) -> None:
 
 
 def test_dr_grpo_norm_divides_by_the_response_budget(table: pa.Table) -> None:
-    """`seq-mean-token-sum-norm`: each response's token sum over rollout.max_new_tokens, then
-    the mean over responses. Doubling the budget halves the loss; the mean over the 8
-    responses of their sums equals `seq-mean-token-sum` divided by the budget."""
+    """`seq-mean-token-sum-norm` (verl's agg_loss): the responses' token sums added up over
+    rollout.max_new_tokens, not divided by the number of responses. Doubling the budget
+    halves the loss; with a budget of 16, the sum over the 8 responses is
+    `seq-mean-token-sum` (their mean) x 8 / 16."""
     cfg = TrainConfig(lr=1e-3, micro_batch_size=8, loss_agg="seq-mean-token-sum-norm")
     at_8, _ = _train(cfg, table, budget=8)
     at_16, _ = _train(cfg, table, budget=16)
     summed, _ = _train(dataclasses.replace(cfg, loss_agg="seq-mean-token-sum"), table)
     assert math.isclose(at_8["train/pg_loss"], 2 * at_16["train/pg_loss"], rel_tol=1e-6)
-    assert math.isclose(at_8["train/pg_loss"], summed["train/pg_loss"] / 8, rel_tol=1e-6)
+    assert math.isclose(at_16["train/pg_loss"], summed["train/pg_loss"] * 8 / 16, rel_tol=1e-6)

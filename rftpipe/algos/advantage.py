@@ -7,8 +7,9 @@ Every estimator maps an :class:`AdvantageInputs` batch to per-token advantages o
 
 Group statistics (GRPO, Dr. GRPO, RLOO, OPO, pass@k, the REINFORCE++ and optimal token
 baselines) are always computed within one rank, because the data loader never splits a
-prompt's group across ranks. Only batch-wide quantities (the token whitening of REINFORCE++,
-GPG's share of informative samples) need cross-rank sums, which go through ``reduce_sum``.
+prompt's group across ranks. Only batch-wide quantities (the token whitening of REINFORCE++
+and GAE, GPG's share of informative samples) need cross-rank sums, which go through
+``reduce_sum``.
 
 Whether an estimator needs groups of more than one sample is a trait in
 :data:`rftpipe.algos.names.ESTIMATOR_TRAITS` (torch-free, read by the config check).
@@ -223,23 +224,6 @@ def _discounted_returns(token_rewards: Tensor, gamma: float) -> Tensor:
     return returns
 
 
-def _whiten_tokens(values: Tensor, mask: Tensor, *, eps: float, reduce_sum: Reducer) -> Tensor:
-    """Standardise ``values`` ``(B, T)`` over the valid tokens of the global batch.
-
-    Sums rather than means are all-reduced so the result is exact for any split of tokens
-    across ranks. Every rank must call this, even with no valid tokens, because
-    ``reduce_sum`` is a collective.
-    """
-    masked = torch.where(mask, values, 0.0)
-    count = mask.sum().to(torch.float64)
-    stats = reduce_sum(torch.stack([masked.sum(), masked.square().sum(), count]))
-    total, total_sq, n = stats.unbind()
-    n = n.clamp(min=1)
-    mean = total / n
-    std = (total_sq / n - mean.square()).clamp(min=0).sqrt()
-    return torch.where(mask, (values - mean) / (std + eps), 0.0)
-
-
 def _last_token(mask: Tensor) -> Tensor:
     """``(B, T)`` bool, True only at each row's last valid token (nowhere for empty rows)."""
     if mask.shape[1] == 0:
@@ -250,37 +234,42 @@ def _last_token(mask: Tensor) -> Tensor:
     return positions == last
 
 
-def _reinforce_pp_from_outcome(
-    outcome: Tensor, inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
-) -> Tensor:
-    """REINFORCE++ core: token rewards -> discounted returns -> global whitening. ``(B, T)``.
-
-    Args:
-        outcome: ``(B,)`` float64 outcome reward, placed on each row's last valid token.
-    """
-    mask = inputs.response_mask
-    token_rewards = -_masked_kl(inputs) + torch.where(_last_token(mask), outcome[:, None], 0.0)
-    returns = _discounted_returns(token_rewards, gamma)
-    return _whiten_tokens(returns, mask, eps=eps, reduce_sum=reduce_sum)
-
-
 def reinforce_pp_advantages(
     inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
 ) -> Tensor:
-    """REINFORCE++: KL-shaped token returns, whitened over the global batch. ``(B, T)``."""
+    """REINFORCE++: KL-shaped token returns, whitened over the global batch. ``(B, T)``.
+
+    Hu 2025, "REINFORCE++" (arXiv:2501.03262), as verl's ``reinforce_plus_plus``: the
+    outcome reward on each row's last valid token minus the per-token KL penalty, discounted
+    returns ``G_t = r_t + gamma G_{t+1}``, then :func:`masked_whiten` over the valid tokens
+    of all ranks (unbiased variance, ``(G - mean) * rsqrt(var + 1e-8)``), so advantages
+    equal verl's for the same settings. ``eps`` is unused (the 1e-8 is verl's).
+    """
+    mask = inputs.response_mask
     outcome = inputs.rewards.to(torch.float64)
-    return _reinforce_pp_from_outcome(outcome, inputs, eps=eps, gamma=gamma, reduce_sum=reduce_sum)
+    token_rewards = -_masked_kl(inputs) + torch.where(_last_token(mask), outcome[:, None], 0.0)
+    returns = _discounted_returns(token_rewards, gamma)
+    return masked_whiten(returns, mask, reduce_sum)
 
 
 def reinforce_pp_baseline_advantages(
     inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
 ) -> Tensor:
-    """REINFORCE++ with the group-mean outcome reward subtracted first. ``(B, T)``."""
-    rewards = inputs.rewards.to(torch.float64)
-    _, mean, _ = _group_stats(rewards, inputs.group_index)
-    return _reinforce_pp_from_outcome(
-        rewards - mean, inputs, eps=eps, gamma=gamma, reduce_sum=reduce_sum
-    )
+    """REINFORCE++-baseline: group-centred sequence score on every token, whitened over the
+    global batch. ``(B, T)``.
+
+    As verl's ``reinforce_plus_plus_baseline``: the score is the outcome reward minus the
+    response's summed KL penalty (KL-in-reward), minus its group's mean score; every valid
+    token gets that one value (no reward-to-go, so ``gamma`` is unused), then
+    :func:`masked_whiten` as REINFORCE++. (OpenRLHF instead centres the raw reward and keeps
+    the per-token KL reward-to-go; we follow verl so settings port over.) ``eps`` is unused.
+    Unlike verl, which keeps a lone sample's raw score, a group of one has a zero centred
+    score, as in our GRPO; the config refuses ``rollout.n=1`` for this estimator anyway.
+    """
+    scores = _sequence_scores(inputs)
+    _, mean, _ = _group_stats(scores, inputs.group_index)
+    centred = _broadcast(scores - mean, inputs.response_mask)
+    return masked_whiten(centred, inputs.response_mask, reduce_sum)
 
 
 def opo_advantages(
@@ -490,9 +479,11 @@ def compute_advantages(
     Args:
         name: key of :data:`ADVANTAGE_ESTIMATORS`.
         inputs: this rank's batch; ``response_mask`` is ``(B, T)``.
-        eps: added to standard deviations before dividing.
-        gamma: discount for the REINFORCE++ token returns (ignored by sequence-level ones).
-        reduce_sum: cross-rank sum used only by the REINFORCE++ global whitening.
+        eps: added to group standard deviations before dividing (the batch whitening of
+            REINFORCE++ and GAE uses verl's ``rsqrt(var + 1e-8)`` instead).
+        gamma: discount for the token returns of REINFORCE++ and GAE (ignored by
+            sequence-level estimators, REINFORCE++-baseline included).
+        reduce_sum: cross-rank sum, used by the batch-wide statistics only.
 
     Returns:
         ``(B, T)`` float64 advantages, exactly 0 where ``response_mask`` is False.

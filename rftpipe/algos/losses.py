@@ -624,9 +624,12 @@ def _seq_mean_token_sum_norm(
     # dividing each response by a constant instead of its own length removes the bias that
     # favours long wrong answers. The constant is the response budget (train stage:
     # rollout.max_new_tokens); without one, the padded width, as verl falls back to.
+    # As verl's agg_loss (sum / loss_scale_factor), the sums are not divided by the number of
+    # responses as well: that would make the loss B times smaller than verl's, a silent
+    # learning-rate change for settings ported from it. No count is needed, so the shares of
+    # all micro-batches and ranks add up to the whole mini-batch's value by themselves.
     width = float(mask.shape[-1]) if norm_len is None else norm_len
-    denom = _num_rows(mask) if num_seqs is None else num_seqs
-    return _row_sums(loss, mask).sum() / (_nonzero(denom) * _nonzero(width))
+    return _row_sums(loss, mask).sum() / _nonzero(width)
 
 
 AGGREGATIONS: dict[AggregationName, Aggregator] = {
@@ -651,19 +654,23 @@ def aggregate(
     - ``token-mean``: ``sum(loss * mask) / num_tokens``
     - ``seq-mean-token-mean``: ``sum_i(sum_t(loss * mask)_i / len_i) / num_seqs``
     - ``seq-mean-token-sum``: ``sum(loss * mask) / num_seqs``
-    - ``seq-mean-token-sum-norm``: ``sum(loss * mask) / (num_seqs * norm_len)`` (Dr. GRPO)
+    - ``seq-mean-token-sum-norm``: ``sum(loss * mask) / norm_len`` (Dr. GRPO; verl's
+      ``agg_loss`` with ``loss_scale_factor = norm_len``: not divided by the number of
+      sequences, despite the name)
 
     The result is a *share* of a global mean: pass the GLOBAL ``num_tokens`` / ``num_seqs``
     (over all micro-batches of the mini-batch and all ranks) and the summed gradients of all
-    micro-batches and ranks equal those of the whole mini-batch in one piece.
+    micro-batches and ranks equal those of the whole mini-batch in one piece, i.e. verl's
+    ``agg_loss`` on the whole mini-batch.
 
     Args:
         loss: ``(B, T)`` per-token loss; values at padding are ignored (even NaN).
         mask: ``(B, T)`` bool, True on valid tokens.
         mode: key of :data:`AGGREGATIONS`.
         num_tokens: denominator for ``token-mean``; defaults to ``mask.sum()``.
-        num_seqs: denominator for the ``seq-mean-*`` modes; defaults to the number of rows
-            ``B``, empty rows included (count global sequences the same way).
+        num_seqs: denominator for ``seq-mean-token-mean`` and ``seq-mean-token-sum``;
+            defaults to the number of rows ``B``, empty rows included (count global
+            sequences the same way).
         norm_len: the constant length of ``seq-mean-token-sum-norm``; defaults to the padded
             width ``T`` (pass the response budget so the scale does not move per batch).
 

@@ -89,7 +89,13 @@ class _OverrideValue:
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+def load_config(
+    cls: type[T],
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    saved: bool = False,
+) -> T:
     """Load a config tree of type ``cls`` from a YAML file and dotted overrides.
 
     Args:
@@ -98,6 +104,9 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
         overrides: ``dotted.key=value`` strings applied on top of the file in order;
             values are parsed as YAML so ``1e-5``, ``true``, ``[1, 2]`` and ``null``
             work.
+        saved: the file is a config this program wrote itself earlier (a run
+            directory's), perhaps by an older version: its *retired* values (see
+            :func:`from_dict`) are dropped instead of refused.
 
     Returns:
         The constructed (and ``__post_init__``-validated) config instance.
@@ -108,15 +117,23 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
             failures; the message is one line and names the dotted field.
     """
     data: dict[Any, Any] = {} if path is None else _read_yaml(Path(path))
-    return from_dict(cls, data, overrides)
+    return from_dict(cls, data, overrides, saved=saved)
 
 
-def from_dict(cls: type[T], data: Mapping[str, Any], overrides: Sequence[str] = ()) -> T:
+def from_dict(
+    cls: type[T], data: Mapping[str, Any], overrides: Sequence[str] = (), *, saved: bool = False
+) -> T:
     """Build a config tree of type ``cls`` from an in-memory mapping.
 
     Same validation as :func:`load_config`; useful to rebuild a config from a saved
     :func:`to_dict` result (e.g. a run's ``config.json`` on resume).
     ``data`` is not modified.
+
+    A field whose type changed declares the types of its old values in its metadata,
+    ``{"retired": {type: explanation}}``. Such a value is refused with the explanation
+    (a plain type error would not say what the field means now), except in ``data``
+    with ``saved=True``: a config written by an older version is migrated by dropping
+    the value, so the field takes its default. Overrides are always refused.
     """
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise TypeError(f"expected a dataclass type, got {cls!r}")
@@ -126,10 +143,34 @@ def from_dict(cls: type[T], data: Mapping[str, Any], overrides: Sequence[str] = 
         raise TypeError("overrides must be a sequence of 'key=value' strings, not a str")
     if not isinstance(data, Mapping):
         raise ConfigError(f"top level of the config must be a mapping, got {_describe(data)}")
-    tree = _copy_tree(data)
+    tree = _drop_retired(cls, data) if saved else _copy_tree(data)
     for item in overrides:
         _apply_override(tree, item)
     return _build(cls, tree, "")
+
+
+def _retired(f: dataclasses.Field, value: Any) -> str | None:
+    """The explanation ``f`` declares for ``value``'s type, if that type is retired."""
+    retired = f.metadata.get("retired")
+    if not retired:
+        return None
+    if isinstance(value, _OverrideValue):
+        value = value.value
+    return retired.get(type(value))
+
+
+def _drop_retired(cls: type, data: Mapping[str, Any]) -> dict[Any, Any]:
+    """A copy of the raw ``data`` without the retired values of ``cls``'s tree."""
+    out = _copy_tree(data)
+    hints = _type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in out:
+            continue
+        if _retired(f, out[f.name]) is not None:
+            del out[f.name]
+        elif (sub := _sub_config(hints[f.name])) is not None and isinstance(out[f.name], Mapping):
+            out[f.name] = _drop_retired(sub, out[f.name])
+    return out
 
 
 def _read_yaml(path: Path) -> dict[Any, Any]:
@@ -273,6 +314,8 @@ def _build(cls: type[T], data: Any, path: str) -> T:
     for f in init_fields:
         dotted = _join(path, f.name)
         if f.name in data:
+            if (why := _retired(f, data[f.name])) is not None:
+                raise ConfigError(f"config field '{dotted}' {why}")
             kwargs[f.name] = _coerce(data[f.name], hints[f.name], dotted)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"missing required config field '{dotted}'")

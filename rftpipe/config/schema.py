@@ -67,8 +67,26 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype for training and rollout."""
 
-    reference: bool = True
-    """Keep a frozen reference copy of the initial policy (only loaded when a KL term is on)."""
+    reference: str | None = field(
+        default=None,
+        # Until issue 22 a bool that nothing read (a KL term always built a reference from
+        # the initial policy); run directories of that time still load (the bool is dropped).
+        metadata={
+            "retired": {
+                bool: "no longer takes true/false: it names a different reference model for "
+                "the KL term (a local HF directory or a builtin: name); leave it null for the "
+                "policy's initial weights, or set kl.mode=none for no reference at all"
+            }
+        },
+    )
+    """The KL term's reference model when it is not the policy's initial weights (null): a
+    local HF directory or a `builtin:` name, as `path`, loaded the same way (`dtype`,
+    `train.backend`); its tokenizer must have the policy's vocabulary. Needs a KL term
+    (`kl.mode` loss or reward)."""
+
+    def __post_init__(self) -> None:
+        if self.reference == "":
+            raise ValueError("reference must name a model, or be null for the initial policy")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -627,10 +645,12 @@ class AdvantageConfig:
     """Advantage estimator (registry key)."""
 
     eps: float = 1e-6
-    """Added to standard deviations before dividing."""
+    """Added to group standard deviations before dividing (the batch whitening of
+    REINFORCE++ and GAE uses verl's rsqrt(var + 1e-8) instead)."""
 
     gamma: float = 1.0
-    """Discount for token-level returns (REINFORCE++, GAE)."""
+    """Discount for token-level returns (reinforce_pp, gae); reinforce_pp_baseline is
+    sequence-level, as in verl, and ignores it."""
 
     lam: float = 1.0
     """GAE's lambda (estimator gae): 1 gives Monte-Carlo returns minus the critic's value,
@@ -840,9 +860,10 @@ class TrainConfig:
     """Entropy bonus coefficient."""
 
     loss_agg: AggregationName = "token-mean"
-    """How per-token losses become one scalar. `seq-mean-token-sum-norm` (Dr. GRPO) divides
-    each response's token sum by rollout.max_new_tokens, a constant, then averages over
-    responses."""
+    """How per-token losses become one scalar. `seq-mean-token-sum-norm` (Dr. GRPO) adds up
+    the responses' token sums and divides by rollout.max_new_tokens, a constant, as verl's
+    agg_loss with loss_scale_factor=max_new_tokens: despite the name, not divided by the
+    number of responses (the loss is that many times larger than a mean's)."""
 
     sapo_tau_pos: float = 1.0
     """policy_loss=sapo: gate temperature for positive advantages (SAPO paper: 1.0)."""
@@ -1241,6 +1262,14 @@ class RunConfig:
                 f"{samples} samples of a step (data.prompts_per_step x rollout.n)"
             )
         self._check_dynamic_sampling(columns)
+        if self.model.reference is not None and self.kl.mode == "none":
+            # Refused rather than warned: a reference nothing reads is the silent no-op
+            # that model.reference used to be.
+            raise ValueError(
+                f"model.reference={self.model.reference} but kl.mode=none: no KL term reads "
+                "the reference; set kl.mode=loss or reward (with kl.coef), or drop "
+                "model.reference"
+            )
         if self.advantage.estimator == "gae" and self.critic is None:
             raise ValueError(
                 "advantage.estimator=gae needs a critic: configure `critic` "

@@ -34,15 +34,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("RFTPIPE_CACHE", Path.home() / ".cache" / "rftpipe")) / "models"
 
 
-def resolve_model_path(spec: str) -> Path:
-    """Turn a `model.path` value into a local HF directory, preparing builtins on first use."""
+def resolve_model_path(spec: str, field: str = "model.path") -> Path:
+    """Turn a `model.path` value into a local HF directory, preparing builtins on first use.
+
+    `field` is the config field `spec` came from, which an error names."""
     if spec == f"builtin:{SMOLLM2}":
         return prepare_smollm2()
     if spec == "builtin:tiny":
         return prepare_tiny()
     path = Path(spec).expanduser()
     if not (path / "config.json").exists():
-        raise UserError(f"model.path: '{spec}' is not a local HF model directory (no config.json)")
+        raise UserError(f"{field}: '{spec}' is not a local HF model directory (no config.json)")
     return path
 
 
@@ -177,8 +179,20 @@ def prepare_tiny_reward_model() -> Path:
     return _publish_dir(tmp, final)
 
 
-def model_fingerprint(path: Path) -> str:
-    """Hash of config, tokenizer and the weight files' sizes and edges (fast on GBs)."""
+def model_fingerprint(path: Path, reference: Path | None = None) -> str:
+    """Hash of config, tokenizer and the weight files' sizes and edges (fast on GBs).
+
+    With a separate reference model (`model.reference`) its hash is folded in, so that a
+    resume with other reference weights is refused like one with other policy weights.
+    Without one the hash is the policy's alone, as runs recorded it before that field.
+    """
+    own = _dir_fingerprint(path)
+    if reference is None:
+        return own
+    return hashlib.sha256(f"{own} reference {_dir_fingerprint(reference)}".encode()).hexdigest()
+
+
+def _dir_fingerprint(path: Path) -> str:
     h = hashlib.sha256()
     for name in sorted(os.listdir(path)):
         f = path / name
@@ -206,6 +220,23 @@ def load_tokenizer(path: Path):
     if not tok.chat_template:
         raise UserError(f"model.path: tokenizer in '{path}' has no chat template")
     return tok
+
+
+def check_reference_vocab(tokenizer, ref_dir: Path) -> None:
+    """Refuse a reference model whose tokenizer maps token ids differently from the
+    policy's `tokenizer`: the KL term compares the two models' logprobs of the same ids,
+    which means nothing if an id is another token (or none) for the reference."""
+    from transformers import AutoTokenizer
+
+    ours = tokenizer.get_vocab()
+    theirs = AutoTokenizer.from_pretrained(ref_dir).get_vocab()
+    if theirs != ours:
+        differ = len(set(ours.items()) ^ set(theirs.items()))
+        raise UserError(
+            f"model.reference: the tokenizer in '{ref_dir}' has another vocabulary than "
+            f"model.path's ({len(theirs)} vs {len(ours)} tokens, {differ} (token, id) pairs "
+            "differ); the KL term needs both models to share token ids"
+        )
 
 
 def load_causal_lm(path: Path, dtype: str):

@@ -129,6 +129,11 @@ def build(
         log.info("launch.retain_host_memory: not glibc, the allocator is left as it is")
     model_dir = models.resolve_model_path(cfg.model.path)
     tokenizer = models.load_tokenizer(model_dir)
+    # The config refuses model.reference without a KL term, so a set one is always used.
+    ref_dir = None
+    if cfg.model.reference is not None:
+        ref_dir = models.resolve_model_path(cfg.model.reference, "model.reference")
+        models.check_reference_vocab(tokenizer, ref_dir)
     prompts, held_out = split_held_out(
         cfg.data, cfg.eval, load_prompts(cfg.data, tokenizer), tokenizer
     )
@@ -143,19 +148,14 @@ def build(
     rewards = resolve_all(cfg.reward, prompts.scorer, cfg.rollout.max_new_tokens, dist.device)
     if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
         preflight(cfg, model_dir)
-    check_fingerprints(
-        run,
-        models.model_fingerprint(model_dir),
-        data_fingerprint(prompts, ptx),
-        allow_mismatch,
-        dist,
-    )
+    model_fp = models.model_fingerprint(model_dir, ref_dir)
+    check_fingerprints(run, model_fp, data_fingerprint(prompts, ptx), allow_mismatch, dist)
     if dist.is_main and not run.run_json.exists():
         atomic_write_json(
             run.run_json,
             {
                 "schema_version": RUN_LAYOUT_VERSION,
-                "model_fingerprint": models.model_fingerprint(model_dir),
+                "model_fingerprint": model_fp,
                 "data_fingerprint": data_fingerprint(prompts, ptx),
                 "num_prompts": len(prompts),
             },
@@ -163,7 +163,7 @@ def build(
     engine, rollout = build_actor(cfg, model_dir, dist, tokenizer)
     reference = (
         TRAIN_ENGINES[cfg.train.backend](
-            load_for_engine(cfg, model_dir, dist), cfg.train, dist, role="reference"
+            load_for_engine(cfg, ref_dir or model_dir, dist), cfg.train, dist, role="reference"
         )
         if cfg.kl.mode != "none"
         else None

@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(
                 f"run_dir: {run.root} has no config.yaml (create runs with jobs.submit)"
             )
-        cfg = load_config(RunConfig, run.active_config_path())
+        # The run's own config, perhaps written by an older rftpipe (a requeued job never
+        # passes through jobs.submit): retired values migrate.
+        cfg = load_config(RunConfig, run.active_config_path(), saved=True)
         from rftpipe.dist import init_from_env
 
         dist = init_from_env(require_group=cfg.train.backend != "single")

@@ -53,7 +53,8 @@ class Runtime:
     train_engine: TrainEngine
     """The actor."""
     reference: TrainEngine | None
-    """The frozen initial policy, on the actor's backend; None without a KL term."""
+    """The KL term's frozen reference (`model.reference`, else the initial policy), on the
+    actor's backend; None without a KL term."""
     rollout_engine: RolloutEngine
     kl_ctrl: Any
     model_dir: Path
