@@ -148,3 +148,44 @@ def test_dr_grpo_norm_divides_by_the_response_budget(table: pa.Table) -> None:
     summed, _ = _train(dataclasses.replace(cfg, loss_agg="seq-mean-token-sum"), table)
     assert math.isclose(at_8["train/pg_loss"], 2 * at_16["train/pg_loss"], rel_tol=1e-6)
     assert math.isclose(at_16["train/pg_loss"], summed["train/pg_loss"] * 8 / 16, rel_tol=1e-6)
+
+
+def test_critic_seq_mean_token_sum_norm_divides_by_the_response_budget(table: pa.Table) -> None:
+    """The critic's Dr. GRPO loss uses the same constant length as the actor's
+    (`rollout.max_new_tokens`), not each micro-batch's padded width, so the value loss is the
+    same whatever the micro-batching (it was 7/1 = 7x larger for a 1-token micro-batch)."""
+    from rftpipe.config.schema import CriticConfig
+    from rftpipe.engines.train.critic import (
+        Critic,
+        critic_train_config,
+        head_seed,
+        load_value_model,
+    )
+    from rftpipe.stages import critic_train
+
+    rows = table.to_pylist()
+    n = len(rows)
+    values = [[0.1 * (i % 3)] * r["response_length"] for i, r in enumerate(rows)]
+    returns = [[1.0] * r["response_length"] for r in rows]
+    t = table.append_column("values", pa.array(values, pa.list_(pa.float32())))
+    t = t.append_column("returns", pa.array(returns, pa.list_(pa.float32())))
+    inp = batching.TrainInputs(
+        step=1,
+        run_seed=0,
+        table=t,
+        global_samples=[(r["prompt_id"], r["sample_idx"]) for r in rows],
+        kl_coef=0.0,
+        temperature=1.0,
+        response_budget=8,
+    )
+    losses = []
+    for micro in (1, n):
+        train_cfg = critic_train_config(
+            TrainConfig(loss_agg="seq-mean-token-sum-norm", micro_batch_size=micro),
+            CriticConfig(),
+        )
+        model = load_value_model(prepare_tiny(), "float32", head_seed(0))
+        engine = SingleDeviceEngine(model, train_cfg, Dist())
+        critic = Critic(engine=engine, cfg=CriticConfig(), train_cfg=train_cfg, dist=Dist())
+        losses.append(critic_train.run(critic, Dist(), inp)["critic/vf_loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)

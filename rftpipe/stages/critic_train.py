@@ -34,7 +34,7 @@ def run(critic: Critic, dist: Dist, inp: TrainInputs) -> dict[str, float]:
     with critic.engine.train_mode():
         for mb in mini_batches(cfg, dist, inp, rows):
             for chunk in mb.micro:
-                _micro_step(critic, dist, chunk, mb.counts, sums)
+                _micro_step(critic, dist, chunk, mb.counts, inp.response_budget, sums)
             grad_norm += critic.engine.optimizer_step()
             updates += 1
             critic.engine.lr_scheduler_step()
@@ -59,6 +59,7 @@ def _micro_step(
     dist: Dist,
     chunk: list[dict],
     count: torch.Tensor,
+    response_budget: int,
     sums: dict[str, float],
 ) -> None:
     weight = 1.0 if chunk else 0.0
@@ -71,7 +72,12 @@ def _micro_step(
     old, returns, mask = old.to(vpred.device), returns.to(vpred.device), mask.to(vpred.device)
     out = clipped_value_loss(vpred, old, returns, cliprange=critic.cfg.cliprange_value)
     agg = AGGREGATIONS[critic.train_cfg.loss_agg]
-    loss = agg(out.loss, mask, num_tokens=float(count[0]), num_seqs=float(count[1]))
+    # The actor's constant length for seq-mean-token-sum-norm (not the micro-batch's padded
+    # width, which would scale each micro-batch's loss by how it happened to be cut).
+    norm_len = float(response_budget) if response_budget else None
+    loss = agg(
+        out.loss, mask, num_tokens=float(count[0]), num_seqs=float(count[1]), norm_len=norm_len
+    )
     # A non-finite micro-batch on any rank is skipped by all of them together.
     if dist.any(not bool(torch.isfinite(loss))):
         sums["skipped"] += 1
