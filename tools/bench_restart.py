@@ -327,8 +327,9 @@ def build_run(runs: Path, n: int, overrides: list[str], reuse: bool) -> dict[str
 
 def complete(run_dir: Path, n: int) -> bool:
     """N committed steps, nothing beyond, and a committed checkpoint at step N."""
+    from rftpipe.checkpoint.folder import committed_checkpoints
     from rftpipe.stages import FINAL
-    from rftpipe.storage.store import RunDir, StageStore, committed_checkpoints
+    from rftpipe.storage.store import RunDir, StageStore
 
     run = RunDir(run_dir)
     ckpts = committed_checkpoints(run.checkpoints)

@@ -25,8 +25,7 @@ import errno
 import json
 import os
 import shutil
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,8 +41,6 @@ RUN_LAYOUT_VERSION = 2
 """Version 2: every step directory is spelled ``step=N`` (1 mixed three spellings)."""
 TMP_PREFIX = ".tmp-"
 MANIFEST = "MANIFEST.json"
-CHECKPOINT_COMMIT_FILE = "COMMITTED.json"
-"""A checkpoint directory's commit marker: every file with its size and checksum."""
 
 
 class CorruptionError(Exception):
@@ -175,16 +172,6 @@ def _check_record(path: Path, size: int, digest: str | None, info: dict[str, Any
         raise CorruptionError(path, "checksum disagrees with the manifest")
 
 
-def checkpoint_corruption(folder: Path) -> Iterator[CorruptionError]:
-    """Every file of a committed checkpoint that disagrees with its COMMITTED.json, each
-    checked in full (a restart instead verifies what it loads as it loads it)."""
-    for name, info in read_json(folder / CHECKPOINT_COMMIT_FILE)["files"].items():
-        try:
-            verify_file(folder / name, info)
-        except CorruptionError as exc:
-            yield exc
-
-
 def step_name(step: int) -> str:
     """The one spelling of a step directory."""
     return f"step={step}"
@@ -201,42 +188,6 @@ def list_steps(folder: Path) -> list[int]:
     if not folder.exists():
         return []
     return sorted(s for s in (parse_step(n) for n in os.listdir(folder)) if s is not None)
-
-
-def committed_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of the committed checkpoints under `root`, oldest first."""
-    out = [(s, root / step_name(s)) for s in list_steps(root)]
-    return [(s, p) for s, p in out if (p / CHECKPOINT_COMMIT_FILE).exists()]
-
-
-def prefetch_newest_checkpoint(root: Path) -> threading.Thread | None:
-    """Read the newest committed checkpoint into the page cache on a daemon thread, and
-    return that thread (None when there is no checkpoint).
-
-    Why: a restart after a preemption usually lands on a node whose page cache holds none
-    of the checkpoint, and until the model is built (imports, tokenizer, data: seconds of
-    CPU) the disk is idle. Started first thing, the read runs during that start-up, and the
-    load that verifies and deserializes the checkpoint then reads from memory.
-    """
-    done = committed_checkpoints(root)
-    if not done:
-        return None
-
-    def read(folder: Path) -> None:
-        # A plain sequential read: posix_fadvise(WILLNEED) was measured to be a no-op on
-        # this class of VM. The read releases the GIL, so start-up goes on meanwhile.
-        buf = bytearray(8 << 20)
-        for f in sorted(folder.iterdir()):
-            try:
-                with open(f, "rb", buffering=0) as fh:
-                    while fh.readinto(buf):
-                        pass
-            except OSError:
-                continue  # vanished (retention) or unreadable: the load will say so
-
-    t = threading.Thread(target=read, args=(done[-1][1],), name="rftpipe-prefetch", daemon=True)
-    t.start()
-    return t
 
 
 class RunDir:
