@@ -12,7 +12,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from rftpipe.storage.store import CorruptionError, list_steps, read_json, step_name, verify_file
+from rftpipe.storage.atomic import CorruptionError, read_json, verify_file
+from rftpipe.storage.layout import list_steps, step_name
 
 CHECKPOINT_COMMIT_FILE = "COMMITTED.json"
 """A checkpoint directory's commit marker: every file with its size and checksum."""

@@ -35,7 +35,7 @@ from rftpipe.checkpoint.folder import checkpoint_corruption, committed_checkpoin
 from rftpipe.dist import Dist
 from rftpipe.faults import events, fault
 from rftpipe.storage import direct_io
-from rftpipe.storage.store import (
+from rftpipe.storage.atomic import (
     TMP_PREFIX,
     CorruptionError,
     atomic_write_json,
@@ -43,9 +43,9 @@ from rftpipe.storage.store import (
     fsync_dir,
     read_json,
     read_verified,
-    step_name,
     verify_file,
 )
+from rftpipe.storage.layout import step_name
 
 log = logging.getLogger(__name__)
 

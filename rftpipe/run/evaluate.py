@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from rftpipe.run.metrics import eval_metrics
-from rftpipe.storage.store import StageStore, atomic_write_json, list_steps
+from rftpipe.storage.atomic import atomic_write_json
+from rftpipe.storage.layout import list_steps
+from rftpipe.storage.stage_store import StageStore
 
 
 def write_summary(store: StageStore, path: Path) -> None:

@@ -21,7 +21,8 @@ import pyarrow as pa
 from rftpipe.errors import UserError
 from rftpipe.faults import events, slow
 from rftpipe.run.runtime import Runtime
-from rftpipe.storage.store import TRAJECTORY_SCHEMA_VERSION, CorruptionError
+from rftpipe.storage.atomic import CorruptionError
+from rftpipe.storage.layout import TRAJECTORY_SCHEMA_VERSION
 
 Rows = Callable[[], pa.Table]
 """The newest rows of the step so far (read back and verified on first call if committed)."""

@@ -34,7 +34,8 @@ from rftpipe.run.metrics import (
 )
 from rftpipe.run.preemption import NoStop, StopFlag
 from rftpipe.stages import FINAL
-from rftpipe.storage.store import RunDir, atomic_write_json, read_json
+from rftpipe.storage.atomic import atomic_write_json, read_json
+from rftpipe.storage.layout import RunDir
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,10 @@ import pyarrow.parquet as pq
 
 from rftpipe.rewards.resolve import data_source_of
 from rftpipe.stages import ORDER, generation
+from rftpipe.storage.atomic import atomic_write_bytes
 from rftpipe.storage.baseline_rows import COLUMN, baseline_flags, without_baseline
-from rftpipe.storage.store import RunDir, StageStore, atomic_write_bytes
+from rftpipe.storage.layout import RunDir
+from rftpipe.storage.stage_store import StageStore
 
 log = logging.getLogger(__name__)
 

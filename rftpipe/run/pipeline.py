@@ -36,8 +36,8 @@ from rftpipe.stages import (
     sync,
     train,
 )
+from rftpipe.storage.atomic import CorruptionError
 from rftpipe.storage.baseline_rows import without_baseline
-from rftpipe.storage.store import CorruptionError
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,9 @@ from rftpipe.run.driver import stateful_parts
 from rftpipe.run.pipeline import PIPELINE, sync_weights
 from rftpipe.run.runtime import Runtime, rebuild_actor
 from rftpipe.stages import FINAL, chain_position
-from rftpipe.storage.store import CorruptionError, RunDir, StageStore, fsync_dir, list_steps
+from rftpipe.storage.atomic import CorruptionError, fsync_dir
+from rftpipe.storage.layout import RunDir, list_steps
+from rftpipe.storage.stage_store import StageStore
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from rftpipe.config.loader import load_config
 from rftpipe.config.schema import RunConfig
 from rftpipe.errors import UserError
 from rftpipe.faults import EventLog, events, set_event_log
-from rftpipe.storage.store import RunDir
+from rftpipe.storage.layout import RunDir
 
 log = logging.getLogger("rftpipe")
 

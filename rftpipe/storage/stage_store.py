@@ -1,265 +1,32 @@
-"""The run directory: its path layout, atomic files, and stage commits that know no stage names.
+"""Stage commits that know no stage names: write, commit, publish, verify and read stages.
 
-Layout (one spelling of a step everywhere, ``step=N``, unpadded, so pyarrow, pandas, polars
-and DuckDB all read the hive key as an integer; ``K`` = rank)::
-
-    RUN/config.yaml                        resolved config (resume-safe keys may change)
-    RUN/config.next.yaml                   a resume's config until its checks pass
-    RUN/run.json                           fingerprints of config, model and data
-    RUN/stages/step=N/STAGE/part-rK.parquet a stage's rows from rank K
-    RUN/stages/step=N/STAGE/part-rK.json   that shard's row count and checksum
-    RUN/stages/step=N/STAGE/MANIFEST.json  the commit marker: all shards, checksums, extras
-    RUN/trajectories/step=N/part-rK.parquet the published dataset (a publishing stage's shards)
-    RUN/checkpoints/step=N/                see rftpipe.checkpoint.writer
-    RUN/events.jsonl, RUN/metrics.jsonl    diagnostics and per-step metrics
-
-Every file is written under a temporary name, fsynced and renamed; a stage exists only
-once its MANIFEST.json exists, and nothing reads a shard that no manifest lists.
-`RunDir` is the layout alone; `StageStore` writes, commits, publishes, verifies and reads
-stages by whatever names the pipeline gives them.
+A stage exists only once its MANIFEST.json exists, and nothing reads a shard that no
+manifest lists. `StageStore` writes, commits, publishes, verifies and reads stages by
+whatever names the pipeline gives them; the paths are `rftpipe.storage.layout.RunDir`'s.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import xxhash
 
 from rftpipe.faults import events, fault
-
-TRAJECTORY_SCHEMA_VERSION = "1"
-RUN_LAYOUT_VERSION = 2
-"""Version 2: every step directory is spelled ``step=N`` (1 mixed three spellings)."""
-TMP_PREFIX = ".tmp-"
-MANIFEST = "MANIFEST.json"
-
-
-class CorruptionError(Exception):
-    """A committed file disagrees with its manifest (missing, truncated or bad checksum)."""
-
-    def __init__(self, path: Path, why: str) -> None:
-        super().__init__(f"{path}: {why}")
-        self.path = path
-        self.why = why
-
-    def __reduce__(self) -> tuple[type, tuple[Path, str]]:
-        # DCP gathers every rank's failure to all ranks (pickled), so this must round-trip.
-        return (CorruptionError, (self.path, self.why))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def checksum_file(path: Path) -> str:
-    """xxh3-128 of the file: an integrity check (not a security one) at ~15 GB/s, so
-    verifying a multi-GB checkpoint costs a fraction of a second instead of seconds."""
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def atomic_write_bytes(path: Path, data: bytes, *, fault_mid: str | None = None) -> None:
-    """Write `data` to `path` so that readers see either nothing or all of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        if fault_mid:
-            # Half the bytes reach the disk before an armed fault kills us.
-            f.write(data[: len(data) // 2])
-            f.flush()
-            os.fsync(f.fileno())
-            fault(fault_mid)
-            f.write(data[len(data) // 2 :])
-        else:
-            f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path, obj: Any, *, fault_mid: str | None = None) -> None:
-    data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
-    atomic_write_bytes(path, data, fault_mid=fault_mid)
-
-
-def read_json(path: Path) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ShardInfo:
-    """What a manifest records of one shard."""
-
-    file: str
-    rows: int
-    bytes: int
-    xxh3_128: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "rows": self.rows,
-            "bytes": self.bytes,
-            "xxh3_128": self.xxh3_128,
-        }
-
-
-def write_parquet_atomic(path: Path, table: pa.Table, metadata: dict[str, str]) -> ShardInfo:
-    """Write one Parquet shard atomically and return its checksum record."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    meta = dict(table.schema.metadata or {})
-    meta.update({k.encode(): v.encode() for k, v in metadata.items()})
-    pq.write_table(table.replace_schema_metadata(meta), tmp, compression="zstd")
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    info = ShardInfo(
-        file=path.name, rows=table.num_rows, bytes=tmp.stat().st_size, xxh3_128=checksum_file(tmp)
-    )
-    fault("shard_before_rename")
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    fault("shard_after_rename")
-    return info
-
-
-def verify_shard(dir_: Path, info: dict[str, Any]) -> None:
-    """Raise CorruptionError unless the shard matches its manifest entry."""
-    verify_file(dir_ / info["file"], info)
-
-
-def verify_file(path: Path, info: dict[str, Any]) -> None:
-    """Raise CorruptionError unless `path` has the size and xxh3-128 that `info` records."""
-    if not path.exists():
-        raise CorruptionError(path, "listed in its manifest but missing")
-    # The size first: a truncated file is refused without reading it.
-    _check_record(path, path.stat().st_size, None, info)
-    _check_record(path, info["bytes"], checksum_file(path), info)
-
-
-def read_verified(path: Path, info: dict[str, Any]) -> bytes:
-    """A small file's bytes, checked against its record before anyone deserializes them."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise CorruptionError(path, "listed in its manifest but missing") from None
-    _check_record(path, len(data), xxhash.xxh3_128_hexdigest(data), info)
-    return data
-
-
-def _check_record(path: Path, size: int, digest: str | None, info: dict[str, Any]) -> None:
-    if size != info["bytes"]:
-        raise CorruptionError(path, f"size {size} != {info['bytes']} in the manifest (truncated?)")
-    if digest is not None and digest != info["xxh3_128"]:
-        raise CorruptionError(path, "checksum disagrees with the manifest")
-
-
-def step_name(step: int) -> str:
-    """The one spelling of a step directory."""
-    return f"step={step}"
-
-
-def parse_step(name: str) -> int | None:
-    """The step of a ``step=N`` name; None for anything else (temp files, strays)."""
-    key, sep, value = name.partition("=")
-    return int(value) if key == "step" and sep and value.isdigit() else None
-
-
-def list_steps(folder: Path) -> list[int]:
-    """Steps with a ``step=N`` entry in `folder`, ascending (names only: no per-step stat)."""
-    if not folder.exists():
-        return []
-    return sorted(s for s in (parse_step(n) for n in os.listdir(folder)) if s is not None)
-
-
-class RunDir:
-    """The path layout of one run directory; reads and writes nothing itself."""
-
-    def __init__(self, root: Path | str) -> None:
-        self.root = Path(root).resolve()
-
-    @property
-    def config_path(self) -> Path:
-        return self.root / "config.yaml"
-
-    @property
-    def pending_config_path(self) -> Path:
-        """Config of a resume that has not yet passed its checks (see `promote_pending_config`)."""
-        return self.root / "config.next.yaml"
-
-    def active_config_path(self) -> Path:
-        return self.pending_config_path if self.pending_config_path.exists() else self.config_path
-
-    def promote_pending_config(self) -> None:
-        if self.pending_config_path.exists():
-            os.replace(self.pending_config_path, self.config_path)
-            fsync_dir(self.root)
-
-    @property
-    def run_json(self) -> Path:
-        return self.root / "run.json"
-
-    @property
-    def events_path(self) -> Path:
-        return self.root / "events.jsonl"
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def stages(self) -> Path:
-        return self.root / "stages"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def trajectories(self) -> Path:
-        return self.root / "trajectories"
-
-    @property
-    def staging(self) -> Path:
-        """Where a step's dataset is assembled before it appears by one rename."""
-        return self.root / ".staging"
-
-    @property
-    def quarantine(self) -> Path:
-        return self.root / "quarantine"
-
-    def step_dir(self, step: int) -> Path:
-        return self.stages / step_name(step)
-
-    def stage_dir(self, step: int, stage: str) -> Path:
-        return self.step_dir(step) / stage
-
-    def manifest_path(self, step: int, stage: str) -> Path:
-        return self.stage_dir(step, stage) / MANIFEST
-
-    def shard_path(self, step: int, stage: str, rank: int) -> Path:
-        return self.stage_dir(step, stage) / f"part-r{rank}.parquet"
-
-    def trajectory_dir(self, step: int) -> Path:
-        return self.trajectories / step_name(step)
+from rftpipe.storage.atomic import (
+    TMP_PREFIX,
+    atomic_write_json,
+    fsync_dir,
+    read_json,
+    verify_shard,
+    write_parquet_atomic,
+)
+from rftpipe.storage.layout import MANIFEST, RunDir, list_steps, step_name
 
 
 class StageStore:
