@@ -33,7 +33,8 @@ import torch.distributed as tdist
 from rftpipe.checkpoint.folder import CHECKPOINT_COMMIT_FILE as COMMIT_FILE
 from rftpipe.checkpoint.folder import checkpoint_corruption, committed_checkpoints
 from rftpipe.dist import Dist
-from rftpipe.faults import events, fault
+from rftpipe.faults import fault
+from rftpipe.observe.events import events
 from rftpipe.storage import direct_io
 from rftpipe.storage.atomic import (
     TMP_PREFIX,

@@ -19,7 +19,8 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from rftpipe.errors import UserError
-from rftpipe.faults import events, slow
+from rftpipe.faults import slow
+from rftpipe.observe.events import events
 from rftpipe.run.runtime import Runtime
 from rftpipe.storage.atomic import CorruptionError
 from rftpipe.storage.layout import TRAJECTORY_SCHEMA_VERSION

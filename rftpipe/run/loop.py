@@ -20,7 +20,8 @@ from rftpipe.dist import Dist
 from rftpipe.engines import models
 from rftpipe.engines.train.ema import ParameterEMA
 from rftpipe.errors import UserError
-from rftpipe.faults import events, slow
+from rftpipe.faults import slow
+from rftpipe.observe.events import events
 from rftpipe.run import evaluate, resume, runtime
 from rftpipe.run.driver import evaluate_initial, maybe_checkpoint, run_step
 from rftpipe.run.metrics import (

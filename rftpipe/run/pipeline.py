@@ -18,8 +18,9 @@ from rftpipe.algos.names import ESTIMATOR_TRAITS
 from rftpipe.config.schema import old_logprobs_source
 from rftpipe.data.prompts import content_key, rank_slice
 from rftpipe.errors import UserError
-from rftpipe.faults import events, fault
+from rftpipe.faults import fault
 from rftpipe.observe import perf
+from rftpipe.observe.events import events
 from rftpipe.run.executor import Rows, Stage, StageOutput, StepPlan
 from rftpipe.run.runtime import Runtime
 from rftpipe.stages import (

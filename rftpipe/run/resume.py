@@ -21,7 +21,7 @@ import time
 
 from rftpipe.checkpoint import writer
 from rftpipe.errors import UserError
-from rftpipe.faults import events
+from rftpipe.observe.events import events
 from rftpipe.run.driver import stateful_parts
 from rftpipe.run.pipeline import PIPELINE, sync_weights
 from rftpipe.run.runtime import Runtime, rebuild_actor

@@ -16,7 +16,7 @@ from rftpipe.checkpoint.folder import prefetch_newest_checkpoint
 from rftpipe.config.loader import load_config
 from rftpipe.config.schema import RunConfig
 from rftpipe.errors import UserError
-from rftpipe.faults import EventLog, events, set_event_log
+from rftpipe.observe.events import EventLog, events, set_event_log
 from rftpipe.storage.layout import RunDir
 
 log = logging.getLogger("rftpipe")

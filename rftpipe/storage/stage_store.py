@@ -17,7 +17,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rftpipe.faults import events, fault
+from rftpipe.faults import fault
+from rftpipe.observe.events import events
 from rftpipe.storage.atomic import (
     TMP_PREFIX,
     atomic_write_json,
