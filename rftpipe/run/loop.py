@@ -9,6 +9,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +23,17 @@ from rftpipe.engines.train.ema import ParameterEMA
 from rftpipe.errors import UserError
 from rftpipe.faults import slow
 from rftpipe.observe.events import events
-from rftpipe.run import evaluate, resume, runtime
-from rftpipe.run.driver import evaluate_initial, maybe_checkpoint, run_step
-from rftpipe.run.metrics import (
+from rftpipe.observe.trackers import (
     JsonlTracker,
     NullTracker,
     TensorBoardTracker,
     Trackers,
     WandbTracker,
-    step_metrics,
     wandb_mode,
 )
+from rftpipe.run import evaluate, resume, runtime
+from rftpipe.run.driver import evaluate_initial, maybe_checkpoint, run_step
+from rftpipe.run.metrics import step_metrics
 from rftpipe.run.preemption import NoStop, StopFlag
 from rftpipe.stages import FINAL
 from rftpipe.storage.atomic import atomic_write_json, read_json
@@ -67,7 +68,7 @@ def train_run(
     trackers = make_trackers(rt, last_done)
     evaluate_initial(rt, ckpt_step)
     first = 0 if rt.store.is_committed(0, "eval") else 1
-    trackers.log_committed(rt.store, range(first, last_done + 1))
+    trackers.log_committed(range(first, last_done + 1), partial(step_metrics, rt.store))
     bar = progress(cfg, dist, last_done)
     t_replay = t_prev = time.perf_counter()
     ran = 0
