@@ -31,9 +31,9 @@ from rftpipe.observe.trackers import (
     WandbTracker,
     wandb_mode,
 )
-from rftpipe.run import evaluate, resume, runtime
+from rftpipe.run import resume, runtime
 from rftpipe.run.driver import evaluate_initial, maybe_checkpoint, run_step
-from rftpipe.run.metrics import step_metrics
+from rftpipe.run.metrics import step_metrics, write_summary
 from rftpipe.run.preemption import NoStop, StopFlag
 from rftpipe.stages import FINAL
 from rftpipe.storage.atomic import atomic_write_json, read_json
@@ -183,7 +183,7 @@ def finish(rt: runtime.Runtime) -> None:
     """
     slow("finish")
     if rt.dist.is_main:
-        evaluate.write_summary(rt.store, rt.run.root / "eval.json")
+        write_summary(rt.store, rt.run.root / "eval.json")
     # The trainer's full weights, whatever the rollout engine holds (a serving engine's
     # copy is not a transformers module): the module itself on one device, gathered from
     # the shards otherwise.

@@ -1,4 +1,5 @@
-"""Per-step metrics derived only from committed files (`rftpipe.observe.trackers` logs them).
+"""Per-step metrics derived only from committed files (`rftpipe.observe.trackers` logs them),
+and RUN/eval.json, every committed evaluation's metrics by step.
 
 Because a step's metrics are a pure function of its committed manifests and shards, a
 restarted run logs exactly the steps that committed, once each, whatever instant it died.
@@ -11,6 +12,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,7 +21,9 @@ import pyarrow.parquet as pq
 
 from rftpipe.rewards.resolve import data_source_of
 from rftpipe.stages import ORDER, generation
+from rftpipe.storage.atomic import atomic_write_json
 from rftpipe.storage.baseline_rows import COLUMN, baseline_flags, without_baseline
+from rftpipe.storage.layout import list_steps
 from rftpipe.storage.stage_store import StageStore
 
 log = logging.getLogger(__name__)
@@ -73,6 +77,23 @@ def eval_metrics(store: StageStore, step: int) -> dict[str, Any]:
         "eval/overlap_with_train": manifest["overlap_with_train"],
         "perf/eval_s": manifest.get("seconds", 0.0),
     }
+
+
+def write_summary(store: StageStore, path: Path) -> None:
+    """{"steps": {step: eval/* metrics}, "before": step 0's, "after": the newest's}; the
+    committed eval stages are the record, this file only gathers them (rewritten whole)."""
+    steps = {
+        s: {k: v for k, v in eval_metrics(store, s).items() if k.startswith("eval/")}
+        for s in list_steps(store.run.stages)
+        if store.is_committed(s, "eval")
+    }
+    if not steps:
+        return
+    summary = {"steps": {str(s): m for s, m in steps.items()}}
+    if 0 in steps:
+        summary["before"] = steps[0]
+    summary["after"] = steps[max(steps)]
+    atomic_write_json(path, summary)
 
 
 def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
