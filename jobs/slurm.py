@@ -200,7 +200,8 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 def wait(job_id: str, run_dir: Path, poll_s: float = 5.0) -> str:
     """Block until the job has ended for good (requeues included); stream committed steps."""
     from rftpipe.stages import FINAL
-    from rftpipe.storage.store import RunDir, StageStore
+    from rftpipe.storage.layout import RunDir
+    from rftpipe.storage.stage_store import StageStore
 
     store = StageStore(RunDir(run_dir))
     seen = 0

@@ -16,7 +16,8 @@ from jobs import slurm
 from rftpipe.config.loader import load_config
 from rftpipe.config.schema import RunConfig
 from rftpipe.stages import FINAL, chain_position
-from rftpipe.storage.store import RunDir, StageStore
+from rftpipe.storage.layout import RunDir
+from rftpipe.storage.stage_store import StageStore
 
 
 def describe(run_dir: Path) -> dict:

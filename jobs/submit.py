@@ -21,7 +21,9 @@ from rftpipe.config.loader import diff_keys, dump_yaml, load_config, to_dict
 from rftpipe.config.schema import RESUME_SAFE_KEYS, RunConfig
 from rftpipe.errors import UserError
 from rftpipe.stages import FINAL
-from rftpipe.storage.store import RunDir, StageStore, atomic_write_bytes
+from rftpipe.storage.atomic import atomic_write_bytes
+from rftpipe.storage.layout import RunDir
+from rftpipe.storage.stage_store import StageStore
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "grpo_smollm2_addition.yaml"
 

@@ -1,20 +1,20 @@
-"""Named fault points and the run's event log.
+"""Named fault points and slowed stages: test aids armed by the environment.
 
 ``RFTPIPE_FAULT=point[,point...]`` makes the process SIGKILL itself the first time it
 reaches one of the named points (``RFTPIPE_FAULT_SKIP=k`` lets k hits pass first). The
-hit is appended to ``events.jsonl`` *before* the kill so tests can prove every fault point
-was exercised. ``RFTPIPE_SLOW=stage=seconds[,...]`` stretches a stage's compute, so a test
-can aim a preemption at a known stage. Outside tests each check is one dict lookup.
+hit is appended to ``events.jsonl`` (`rftpipe.observe.events`) *before* the kill so tests
+can prove every fault point was exercised. ``RFTPIPE_SLOW=stage=seconds[,...]`` stretches
+a stage's compute, so a test can aim a preemption at a known stage. Outside tests each
+check is one dict lookup.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-from pathlib import Path
-from typing import Any
+
+from rftpipe.observe.events import events
 
 FAULT_POINTS: tuple[str, ...] = (
     "shard_before_rename",
@@ -33,37 +33,6 @@ FAULT_POINTS: tuple[str, ...] = (
 _hits: dict[str, int] = {}
 
 
-class EventLog:
-    """Append-only JSONL diagnostics (not part of the committed state)."""
-
-    def __init__(self, path: Path | None, rank: int = 0) -> None:
-        self.path = path
-        self.rank = rank
-
-    def write(self, event: str, **fields: Any) -> None:
-        if self.path is None:
-            return
-        rec = {"t": round(time.time(), 3), "pid": os.getpid(), "rank": self.rank, "event": event}
-        rec.update(fields)
-        # O_APPEND writes of one short line are atomic enough for concurrent ranks.
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-
-_events = EventLog(None)
-
-
-def set_event_log(log: EventLog) -> None:
-    global _events
-    _events = log
-
-
-def events() -> EventLog:
-    return _events
-
-
 def fault(point: str) -> None:
     """Kill this process with SIGKILL if `point` is armed by the environment."""
     armed = os.environ.get("RFTPIPE_FAULT")
@@ -72,7 +41,7 @@ def fault(point: str) -> None:
     _hits[point] = _hits.get(point, 0) + 1
     if _hits[point] <= int(os.environ.get("RFTPIPE_FAULT_SKIP", "0")):
         return
-    _events.write("fault", point=point)
+    events().write("fault", point=point)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rftpipe.storage.atomic import checksum_file
 from rftpipe.storage.direct_io import CHUNK, DirectFile, VerifyingReader, storage_writer
-from rftpipe.storage.store import checksum_file
 
 
 @pytest.mark.parametrize("direct", [True, False])

@@ -14,7 +14,7 @@ from rftpipe.config.schema import RunConfig
 from rftpipe.dist import Dist
 from rftpipe.run import driver, executor
 from rftpipe.run.runtime import build
-from rftpipe.storage.store import RunDir
+from rftpipe.storage.layout import RunDir
 
 
 class RecordingEngine:

@@ -23,7 +23,8 @@ from rftpipe.data.sampler import SamplerState, global_window
 from rftpipe.engines.models import prepare_tiny
 from rftpipe.stages import chain_position, generation
 from rftpipe.stages.batching import TrainInputs, minibatch_plan
-from rftpipe.storage.store import RunDir, StageStore
+from rftpipe.storage.layout import RunDir
+from rftpipe.storage.stage_store import StageStore
 
 TESTS = Path(__file__).resolve().parent
 ENV = {"PYTHONPATH": f"{TESTS}:{ROOT}"}

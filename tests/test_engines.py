@@ -271,7 +271,7 @@ def test_checkpoint_load_verifies_the_blocks_it_reads(tmp_path, damage: str) -> 
     """A damaged DCP file is refused by the load itself (no separate checksum pass)."""
     from rftpipe.checkpoint.writer import Writer, list_committed, load
     from rftpipe.dist import Dist
-    from rftpipe.storage.store import CorruptionError
+    from rftpipe.storage.atomic import CorruptionError
 
     a = _engine()
     _update(a)
@@ -315,7 +315,7 @@ def test_restart_loads_optimizer_state_later_and_verifies_it(tmp_path) -> None:
     the writer's next `wait()`; damage in a block only the late part reads is raised there."""
     from rftpipe.checkpoint.writer import Writer, list_committed, load
     from rftpipe.dist import Dist
-    from rftpipe.storage.store import CorruptionError
+    from rftpipe.storage.atomic import CorruptionError
 
     n = 3 << 20  # 12 MB a tensor: the optimizer's bytes lie in blocks of their own
     writer = Writer(Dist())

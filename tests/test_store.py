@@ -8,7 +8,9 @@ import pyarrow as pa
 import pytest
 
 from rftpipe.stages import chain_position
-from rftpipe.storage.store import CorruptionError, RunDir, StageStore, atomic_write_json, read_json
+from rftpipe.storage.atomic import CorruptionError, atomic_write_json, read_json
+from rftpipe.storage.layout import RunDir
+from rftpipe.storage.stage_store import StageStore
 
 
 def _table(n: int = 3) -> pa.Table:

@@ -34,7 +34,7 @@ ASKS = {
     0: ([[5, 6, 7, 8, 9, 10], [40, 41, 42], [70, 71]], [1, 2, 3]),
     1: ([[11, 12, 13, 14], [90, 91, 92, 93, 94, 95, 96]], [4, 5]),
 }
-#: Greedy evaluation: every rank asks the same prompts (`rftpipe.run.evaluate`) ...
+#: Greedy evaluation: every rank asks the same prompts ...
 SAME = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [70, 71], [100, 101, 102, 103]]
 #: ... and, for the engine's sake, also different ones.
 OWN = {0: [[20, 21, 22]], 1: [[30, 31], [60, 61, 62, 63, 64]]}

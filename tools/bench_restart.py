@@ -327,8 +327,10 @@ def build_run(runs: Path, n: int, overrides: list[str], reuse: bool) -> dict[str
 
 def complete(run_dir: Path, n: int) -> bool:
     """N committed steps, nothing beyond, and a committed checkpoint at step N."""
+    from rftpipe.checkpoint.folder import committed_checkpoints
     from rftpipe.stages import FINAL
-    from rftpipe.storage.store import RunDir, StageStore, committed_checkpoints
+    from rftpipe.storage.layout import RunDir
+    from rftpipe.storage.stage_store import StageStore
 
     run = RunDir(run_dir)
     ckpts = committed_checkpoints(run.checkpoints)

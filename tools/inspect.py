@@ -48,17 +48,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from rftpipe.checkpoint.folder import checkpoint_corruption, committed_checkpoints
 from rftpipe.stages import ORDER as STAGES
 from rftpipe.stages import generation
+from rftpipe.storage.atomic import CorruptionError
 from rftpipe.storage.baseline_rows import COLUMN, without_baseline
-from rftpipe.storage.store import (
-    CorruptionError,
-    RunDir,
-    StageStore,
-    checkpoint_corruption,
-    committed_checkpoints,
-    list_steps,
-)
+from rftpipe.storage.layout import RunDir, list_steps
+from rftpipe.storage.stage_store import StageStore
 
 PROG = "inspect"
 

@@ -30,25 +30,23 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as tdist
 
+from rftpipe.checkpoint.folder import CHECKPOINT_COMMIT_FILE as COMMIT_FILE
+from rftpipe.checkpoint.folder import checkpoint_corruption, committed_checkpoints
 from rftpipe.dist import Dist
-from rftpipe.faults import events, fault
+from rftpipe.faults import fault
+from rftpipe.observe.events import events
 from rftpipe.storage import direct_io
-from rftpipe.storage.store import (
-    CHECKPOINT_COMMIT_FILE as COMMIT_FILE,
-)
-from rftpipe.storage.store import (
+from rftpipe.storage.atomic import (
     TMP_PREFIX,
     CorruptionError,
     atomic_write_json,
-    checkpoint_corruption,
     checksum_file,
-    committed_checkpoints,
     fsync_dir,
     read_json,
     read_verified,
-    step_name,
     verify_file,
 )
+from rftpipe.storage.layout import step_name
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Any
 import rftpipe
 from rftpipe.config.schema import RewardFunctionConfig, RewardSignature
 from rftpipe.errors import UserError
-from rftpipe.faults import events
+from rftpipe.observe.events import events
 from rftpipe.rewards.signatures import batches, split_batch
 from rftpipe.rewards.types import Outcome, RewardSample
 from rftpipe.rewards.worker import HEADER, frame

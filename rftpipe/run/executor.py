@@ -16,9 +16,11 @@ import time
 import pyarrow as pa
 
 from rftpipe.errors import UserError
-from rftpipe.faults import events, slow
+from rftpipe.faults import slow
+from rftpipe.observe.events import events
 from rftpipe.stages.base import Rows, Runtime, Stage, StepPlan, StepState
-from rftpipe.storage.store import TRAJECTORY_SCHEMA_VERSION, CorruptionError
+from rftpipe.storage.atomic import CorruptionError
+from rftpipe.storage.layout import TRAJECTORY_SCHEMA_VERSION
 
 
 def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None:

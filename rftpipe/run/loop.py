@@ -4,37 +4,31 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import shutil
 import sys
 import time
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from functools import partial
 from typing import Any
-
-import torch
 
 from rftpipe.config.loader import to_dict
 from rftpipe.config.schema import RunConfig
 from rftpipe.dist import Dist
-from rftpipe.engines import models
-from rftpipe.engines.train.ema import ParameterEMA
 from rftpipe.errors import UserError
-from rftpipe.faults import events, slow
-from rftpipe.run import evaluate, resume, runtime
-from rftpipe.run.driver import evaluate_initial, maybe_checkpoint, run_step
-from rftpipe.run.metrics import (
+from rftpipe.faults import slow
+from rftpipe.observe.events import events
+from rftpipe.observe.trackers import (
     JsonlTracker,
     NullTracker,
     TensorBoardTracker,
     Trackers,
     WandbTracker,
-    step_metrics,
     wandb_mode,
 )
+from rftpipe.run import export, resume, runtime
+from rftpipe.run.driver import evaluate_initial, maybe_checkpoint, run_step
+from rftpipe.run.metrics import step_metrics, write_summary
 from rftpipe.run.preemption import NoStop, StopFlag
 from rftpipe.stages import FINAL
-from rftpipe.storage.store import RunDir, atomic_write_json, read_json
+from rftpipe.storage.layout import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +67,7 @@ def train_run(
     trackers = make_trackers(rt, last_done)
     evaluate_initial(rt, ckpt_step)
     first = 0 if rt.store.is_committed(0, "eval") else 1
-    trackers.log_committed(rt.store, range(first, last_done + 1))
+    trackers.log_committed(range(first, last_done + 1), partial(step_metrics, rt.store))
     bar = progress(cfg, dist, last_done)
     t_replay = t_prev = time.perf_counter()
     try:
@@ -189,69 +183,6 @@ def finish(rt: runtime.Runtime) -> None:
     """
     slow("finish")
     if rt.dist.is_main:
-        evaluate.write_summary(rt.store, rt.run.root / "eval.json")
-    # The trainer's full weights, whatever the rollout engine holds (a serving engine's
-    # copy is not a transformers module): the module itself on one device, gathered from
-    # the shards otherwise.
-    _export_once(rt, rt.run.root / "export", rt.train_engine.rollout_weights)
-    if (ema := rt.train_engine.ema) is not None:
-        _export_once(rt, rt.run.root / "export_ema", lambda: _ema_weights(rt, ema))
+        write_summary(rt.store, rt.run.root / "eval.json")
+    export.export_policies(rt)
     rt.dist.barrier()
-
-
-def _export_once(
-    rt: runtime.Runtime,
-    final: Path,
-    weights: Callable[[], torch.nn.Module | Mapping[str, torch.Tensor]],
-) -> None:
-    """`export_final(final, weights())`, unless `final` already holds the last step's."""
-    marker = final / EXPORT_MARKER
-    # Re-exported when a run is extended past the step its export was taken at. Rank 0
-    # decides for all: gathering sharded weights is collective.
-    stale = rt.dist.is_main and not (
-        marker.exists() and read_json(marker)["step"] == rt.cfg.total_steps
-    )
-    if rt.dist.any(stale):
-        state = weights()
-        if rt.dist.is_main:
-            export_final(rt, final, state)
-
-
-def _ema_weights(
-    rt: runtime.Runtime, ema: ParameterEMA
-) -> torch.nn.Module | Mapping[str, torch.Tensor]:
-    """The averages, gathered on every rank (collective under fsdp2); on rank 0, the one
-    that exports, as a fresh policy module holding them (by parameter name, so a tied head
-    takes its embedding's average, as it does in training)."""
-    params = ema.full_params()
-    if not rt.dist.is_main:
-        return params
-    model = models.load_causal_lm(rt.model_dir, rt.cfg.model.dtype)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(params[name])
-    return model
-
-
-EXPORT_MARKER = "rftpipe_export.json"
-
-
-def export_final(
-    rt: runtime.Runtime, final: Path, weights: torch.nn.Module | Mapping[str, torch.Tensor]
-) -> None:
-    """HF-format export of a policy (RUN/export, RUN/export_ema), published by a dir rename."""
-    tmp = rt.run.root / f".tmp-{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    if not isinstance(weights, torch.nn.Module):
-        state = weights
-        weights = models.load_causal_lm(rt.model_dir, rt.cfg.model.dtype)
-        weights.load_state_dict(state)
-    weights.save_pretrained(tmp)
-    rt.tokenizer.save_pretrained(tmp)
-    atomic_write_json(tmp / EXPORT_MARKER, {"step": rt.cfg.total_steps})
-    old = rt.run.root / f".tmp-old-{final.name}"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)

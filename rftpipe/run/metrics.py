@@ -1,4 +1,5 @@
-"""Per-step metrics derived only from committed files, and the trackers that receive them.
+"""Per-step metrics derived only from committed files (`rftpipe.observe.trackers` logs them),
+and RUN/eval.json, every committed evaluation's metrics by step.
 
 Because a step's metrics are a pure function of its committed manifests and shards, a
 restarted run logs exactly the steps that committed, once each, whatever instant it died.
@@ -9,12 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import secrets
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -22,8 +21,10 @@ import pyarrow.parquet as pq
 
 from rftpipe.rewards.types import data_source_of
 from rftpipe.stages import ORDER, generation
+from rftpipe.storage.atomic import atomic_write_json
 from rftpipe.storage.baseline_rows import COLUMN, baseline_flags, without_baseline
-from rftpipe.storage.store import RunDir, StageStore, atomic_write_bytes
+from rftpipe.storage.layout import list_steps
+from rftpipe.storage.stage_store import StageStore
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,23 @@ def eval_metrics(store: StageStore, step: int) -> dict[str, Any]:
         "eval/overlap_with_train": manifest["overlap_with_train"],
         "perf/eval_s": manifest.get("seconds", 0.0),
     }
+
+
+def write_summary(store: StageStore, path: Path) -> None:
+    """{"steps": {step: eval/* metrics}, "before": step 0's, "after": the newest's}; the
+    committed eval stages are the record, this file only gathers them (rewritten whole)."""
+    steps = {
+        s: {k: v for k, v in eval_metrics(store, s).items() if k.startswith("eval/")}
+        for s in list_steps(store.run.stages)
+        if store.is_committed(s, "eval")
+    }
+    if not steps:
+        return
+    summary = {"steps": {str(s): m for s, m in steps.items()}}
+    if 0 in steps:
+        summary["before"] = steps[0]
+    summary["after"] = steps[max(steps)]
+    atomic_write_json(path, summary)
 
 
 def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
@@ -143,167 +161,3 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
         out[f"perf/{stage}_s"] = generation.stage_seconds(store, step, stage)
     out.update(generation.step_summary(store, step))
     return {**out, **evaluated}
-
-
-class Tracker(Protocol):
-    """A metrics sink. `log` is called once per committed step, in step order; a tracker
-    skips steps it already holds, so restarts can offer it every committed step."""
-
-    def has(self, step: int) -> bool: ...
-
-    def log(self, metrics: dict[str, Any], step: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class NullTracker:
-    def has(self, step: int) -> bool:
-        return True
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        """Tracking switched off."""
-
-    def close(self) -> None:
-        """Nothing to close."""
-
-
-class JsonlTracker:
-    """RUN/metrics.jsonl, one line per committed step; cut back to committed steps on resume.
-
-    It is the last tracker written for a step, so a step that has its line was delivered to
-    every tracker and a step that lacks it is offered to all of them again on restart.
-    """
-
-    def __init__(self, path: Path, last_committed: int) -> None:
-        self.path = path
-        self.records: dict[int, dict[str, Any]] = {}
-        if path.exists():
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line from a kill mid-append
-                if rec.get("step", 0) <= last_committed and rec["step"] not in self.records:
-                    kept.append(line)
-                    self.records[rec["step"]] = rec
-            atomic_write_bytes(path, "".join(k + "\n" for k in kept).encode())
-
-    def has(self, step: int) -> bool:
-        return step in self.records
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        if step in self.records:
-            return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(metrics, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self.records[step] = metrics
-
-    def close(self) -> None:
-        """Every line is already on disk."""
-
-
-class WandbTracker:
-    """wandb with one run id per run directory, resumed across requeues.
-
-    A SIGKILLed process loses whatever wandb-core had not yet written, so the steps wandb
-    already holds are read back rather than assumed: the history in the run files under
-    RUN/wandb (offline and online runs both keep one per process start), plus, online,
-    everything below the server's resumed step. Only the other committed steps are logged.
-    """
-
-    def __init__(self, run: RunDir, mode: str, project: str, config: dict[str, Any]) -> None:
-        import wandb
-
-        from rftpipe.observe.wandb_log import logged_steps
-
-        id_file = run.root / "wandb_id"
-        if not id_file.exists():
-            atomic_write_bytes(id_file, secrets.token_hex(4).encode())
-        run_id = id_file.read_text().strip()
-        self.have = set(logged_steps(run.root / "wandb", run_id))
-        self.wandb = wandb
-        self.run = wandb.init(
-            project=project,
-            id=run_id,
-            resume="allow",
-            mode=mode,
-            dir=str(run.root),
-            config=config,
-        )
-        # The server refuses steps below the one it resumed at.
-        self.have.update(range(self.run.starting_step))
-
-    def has(self, step: int) -> bool:
-        return step in self.have
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        if step in self.have:
-            return
-        self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
-        self.have.add(step)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-class TensorBoardTracker:
-    """RUN/tensorboard, reopened after a restart with `purge_step` at the first step it will
-    log again, so events a killed process wrote for that step or later are dropped."""
-
-    def __init__(self, run: RunDir, have: set[int], first_missing: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.have = set(have)
-        self.writer = SummaryWriter(str(run.root / "tensorboard"), purge_step=first_missing)
-
-    def has(self, step: int) -> bool:
-        return step in self.have
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        if step in self.have:
-            return
-        for k, v in metrics.items():
-            if k != "step" and isinstance(v, int | float):
-                self.writer.add_scalar(k, v, global_step=step)
-        self.writer.flush()
-        self.have.add(step)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class Trackers:
-    """The run's trackers, JSONL last (see JsonlTracker)."""
-
-    def __init__(self, trackers: list[Any], jsonl: JsonlTracker | None = None) -> None:
-        self.trackers = trackers
-        self.jsonl = jsonl
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        for t in self.trackers:
-            t.log(metrics, step)
-
-    def log_committed(self, store: StageStore, steps: range) -> None:
-        """Offer committed steps again; each tracker logs only what it lacks, so steps a kill
-        kept from (or cost) a tracker end up logged exactly once. The JSONL line, when there
-        is one, is what the other trackers missed; otherwise the step's files are."""
-        for step in steps:
-            if all(t.has(step) for t in self.trackers):
-                continue
-            rec = self.jsonl.records.get(step) if self.jsonl else None
-            self.log(rec if rec is not None else step_metrics(store, step), step)
-
-    def close(self) -> None:
-        for t in self.trackers:
-            t.close()
-
-
-def wandb_mode(setting: str) -> str | None:
-    if setting == "off":
-        return None
-    if setting == "auto":
-        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    return setting

@@ -21,14 +21,16 @@ import time
 
 from rftpipe.checkpoint import writer
 from rftpipe.errors import UserError
-from rftpipe.faults import events
+from rftpipe.observe.events import events
 from rftpipe.run.driver import stateful_parts
 from rftpipe.run.runtime import rebuild_actor
 from rftpipe.stages import FINAL, chain_position
 from rftpipe.stages.base import Runtime
 from rftpipe.stages.chain import PIPELINE
 from rftpipe.stages.sync import sync_weights
-from rftpipe.storage.store import CorruptionError, RunDir, StageStore, fsync_dir, list_steps
+from rftpipe.storage.atomic import CorruptionError, fsync_dir
+from rftpipe.storage.layout import RunDir, list_steps
+from rftpipe.storage.stage_store import StageStore
 
 log = logging.getLogger(__name__)
 

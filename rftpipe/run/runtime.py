@@ -29,13 +29,9 @@ from rftpipe.errors import UserError
 from rftpipe.rewards import check_coverage, resolve_all
 from rftpipe.run.preemption import NoStop, StopFlag
 from rftpipe.stages.base import Runtime
-from rftpipe.storage.store import (
-    RUN_LAYOUT_VERSION,
-    RunDir,
-    StageStore,
-    atomic_write_json,
-    read_json,
-)
+from rftpipe.storage.atomic import atomic_write_json, read_json
+from rftpipe.storage.layout import RUN_LAYOUT_VERSION, RunDir
+from rftpipe.storage.stage_store import StageStore
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,12 @@ import os
 import sys
 import time
 
+from rftpipe.checkpoint.folder import prefetch_newest_checkpoint
 from rftpipe.config.loader import load_config
 from rftpipe.config.schema import RunConfig
 from rftpipe.errors import UserError
-from rftpipe.faults import EventLog, events, set_event_log
-from rftpipe.storage.store import RunDir, prefetch_newest_checkpoint
+from rftpipe.observe.events import EventLog, events, set_event_log
+from rftpipe.storage.layout import RunDir
 
 log = logging.getLogger("rftpipe")
 

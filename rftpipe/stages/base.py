@@ -25,7 +25,8 @@ from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.engines.train.base import TrainEngine
 from rftpipe.engines.train.critic import Critic
 from rftpipe.rewards.types import RewardComponent
-from rftpipe.storage.store import RunDir, StageStore
+from rftpipe.storage.layout import RunDir
+from rftpipe.storage.stage_store import StageStore
 
 
 class StopCheck(Protocol):

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from rftpipe.stages import GENERATION, round_stage
 from rftpipe.storage.baseline_rows import baseline_flags, without_baseline
-from rftpipe.storage.store import StageStore
+from rftpipe.storage.stage_store import StageStore
 
 VARIED = "varied"
 """Score-manifest field: prompt ids (global order) of the round's groups whose metric varies."""

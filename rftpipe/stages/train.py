@@ -38,13 +38,14 @@ from rftpipe.data.sampler import rank_slice
 from rftpipe.dist import Dist
 from rftpipe.engines.train.base import TrainEngine, split_micro_batches
 from rftpipe.errors import UserError
-from rftpipe.faults import events, fault
+from rftpipe.faults import fault
 from rftpipe.observe import perf
+from rftpipe.observe.events import events
 from rftpipe.stages import StageName, critic_train
 from rftpipe.stages.base import Rows, Runtime, StageOutput, StepPlan
 from rftpipe.stages.batching import TrainInputs, mini_batches, pad_ragged
+from rftpipe.storage.atomic import CorruptionError
 from rftpipe.storage.baseline_rows import without_baseline
-from rftpipe.storage.store import CorruptionError
 
 log = logging.getLogger(__name__)
 

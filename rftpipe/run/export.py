@@ -1,0 +1,84 @@
+"""The HF-format export of the final policy (RUN/export) and of the actor's parameter
+average (RUN/export_ema), each done once and published by a directory rename."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+from rftpipe.engines import models
+from rftpipe.engines.train.ema import ParameterEMA
+from rftpipe.run import runtime
+from rftpipe.storage.atomic import atomic_write_json, read_json
+
+EXPORT_MARKER = "rftpipe_export.json"
+
+
+def export_policies(rt: runtime.Runtime) -> None:
+    """Export the final policy, and its parameter average with `train.ema_decay`, unless
+    already exported at the last step (collective: every rank calls it)."""
+    # The trainer's full weights, whatever the rollout engine holds (a serving engine's
+    # copy is not a transformers module): the module itself on one device, gathered from
+    # the shards otherwise.
+    _export_once(rt, rt.run.root / "export", rt.train_engine.rollout_weights)
+    if (ema := rt.train_engine.ema) is not None:
+        _export_once(rt, rt.run.root / "export_ema", lambda: _ema_weights(rt, ema))
+
+
+def _export_once(
+    rt: runtime.Runtime,
+    final: Path,
+    weights: Callable[[], torch.nn.Module | Mapping[str, torch.Tensor]],
+) -> None:
+    """`export_final(final, weights())`, unless `final` already holds the last step's."""
+    marker = final / EXPORT_MARKER
+    # Re-exported when a run is extended past the step its export was taken at. Rank 0
+    # decides for all: gathering sharded weights is collective.
+    stale = rt.dist.is_main and not (
+        marker.exists() and read_json(marker)["step"] == rt.cfg.total_steps
+    )
+    if rt.dist.any(stale):
+        state = weights()
+        if rt.dist.is_main:
+            export_final(rt, final, state)
+
+
+def _ema_weights(
+    rt: runtime.Runtime, ema: ParameterEMA
+) -> torch.nn.Module | Mapping[str, torch.Tensor]:
+    """The averages, gathered on every rank (collective under fsdp2); on rank 0, the one
+    that exports, as a fresh policy module holding them (by parameter name, so a tied head
+    takes its embedding's average, as it does in training)."""
+    params = ema.full_params()
+    if not rt.dist.is_main:
+        return params
+    model = models.load_causal_lm(rt.model_dir, rt.cfg.model.dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    return model
+
+
+def export_final(
+    rt: runtime.Runtime, final: Path, weights: torch.nn.Module | Mapping[str, torch.Tensor]
+) -> None:
+    """HF-format export of a policy (RUN/export, RUN/export_ema), published by a dir rename."""
+    tmp = rt.run.root / f".tmp-{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if not isinstance(weights, torch.nn.Module):
+        state = weights
+        weights = models.load_causal_lm(rt.model_dir, rt.cfg.model.dtype)
+        weights.load_state_dict(state)
+    weights.save_pretrained(tmp)
+    rt.tokenizer.save_pretrained(tmp)
+    atomic_write_json(tmp / EXPORT_MARKER, {"step": rt.cfg.total_steps})
+    old = rt.run.root / f".tmp-old-{final.name}"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,122 @@
+"""The run directory's path layout: `RunDir`, the one spelling of a step, the versions.
+
+Layout (one spelling of a step everywhere, ``step=N``, unpadded, so pyarrow, pandas, polars
+and DuckDB all read the hive key as an integer; ``K`` = rank)::
+
+    RUN/config.yaml                        resolved config (resume-safe keys may change)
+    RUN/config.next.yaml                   a resume's config until its checks pass
+    RUN/run.json                           fingerprints of config, model and data
+    RUN/stages/step=N/STAGE/part-rK.parquet a stage's rows from rank K
+    RUN/stages/step=N/STAGE/part-rK.json   that shard's row count and checksum
+    RUN/stages/step=N/STAGE/MANIFEST.json  the commit marker: all shards, checksums, extras
+    RUN/trajectories/step=N/part-rK.parquet the published dataset (a publishing stage's shards)
+    RUN/checkpoints/step=N/                see rftpipe.checkpoint.writer
+    RUN/events.jsonl, RUN/metrics.jsonl    diagnostics and per-step metrics
+
+Every file is written under a temporary name, fsynced and renamed (`rftpipe.storage.atomic`);
+a stage exists only once its MANIFEST.json exists, and nothing reads a shard that no manifest
+lists (`rftpipe.storage.stage_store`). `RunDir` is the layout alone.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rftpipe.storage.atomic import fsync_dir
+
+TRAJECTORY_SCHEMA_VERSION = "1"
+"""`rftpipe.schema_version` in the Parquet metadata of every stage shard."""
+RUN_LAYOUT_VERSION = 2
+"""Version 2: every step directory is spelled ``step=N`` (1 mixed three spellings)."""
+MANIFEST = "MANIFEST.json"
+
+
+def step_name(step: int) -> str:
+    """The one spelling of a step directory."""
+    return f"step={step}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a ``step=N`` name; None for anything else (temp files, strays)."""
+    key, sep, value = name.partition("=")
+    return int(value) if key == "step" and sep and value.isdigit() else None
+
+
+def list_steps(folder: Path) -> list[int]:
+    """Steps with a ``step=N`` entry in `folder`, ascending (names only: no per-step stat)."""
+    if not folder.exists():
+        return []
+    return sorted(s for s in (parse_step(n) for n in os.listdir(folder)) if s is not None)
+
+
+class RunDir:
+    """The path layout of one run directory; reads and writes nothing itself."""
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root).resolve()
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def pending_config_path(self) -> Path:
+        """Config of a resume that has not yet passed its checks (see `promote_pending_config`)."""
+        return self.root / "config.next.yaml"
+
+    def active_config_path(self) -> Path:
+        return self.pending_config_path if self.pending_config_path.exists() else self.config_path
+
+    def promote_pending_config(self) -> None:
+        if self.pending_config_path.exists():
+            os.replace(self.pending_config_path, self.config_path)
+            fsync_dir(self.root)
+
+    @property
+    def run_json(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def events_path(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def stages(self) -> Path:
+        return self.root / "stages"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def trajectories(self) -> Path:
+        return self.root / "trajectories"
+
+    @property
+    def staging(self) -> Path:
+        """Where a step's dataset is assembled before it appears by one rename."""
+        return self.root / ".staging"
+
+    @property
+    def quarantine(self) -> Path:
+        return self.root / "quarantine"
+
+    def step_dir(self, step: int) -> Path:
+        return self.stages / step_name(step)
+
+    def stage_dir(self, step: int, stage: str) -> Path:
+        return self.step_dir(step) / stage
+
+    def manifest_path(self, step: int, stage: str) -> Path:
+        return self.stage_dir(step, stage) / MANIFEST
+
+    def shard_path(self, step: int, stage: str, rank: int) -> Path:
+        return self.stage_dir(step, stage) / f"part-r{rank}.parquet"
+
+    def trajectory_dir(self, step: int) -> Path:
+        return self.trajectories / step_name(step)
