@@ -178,7 +178,9 @@ def render(root: type = RunConfig) -> str:
         "",
         "Resuming a run (`--run-dir` of an existing run) refuses a config whose other keys "
         "differ from the ones the run started with (exit code 2, unless "
-        "`--allow-fingerprint-mismatch`). A prefix covers its whole subtree.",
+        "`--allow-fingerprint-mismatch`). A prefix covers its whole subtree. Some keys have "
+        "further conditions, checked at submit (e.g. `total_steps` may change only under a "
+        "constant LR schedule).",
         "",
     ]
     lines += [f"- `{key}`" for key in RESUME_SAFE_KEYS]
