@@ -1,4 +1,5 @@
-"""The docs stay true to the code: the config reference is current, every link resolves."""
+"""The docs stay true to the code: the config reference is current, every link resolves,
+every `python -m` command they give names a module of this repository."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 _CODE_SPAN = re.compile(r"`[^`\n]*`")
+# `python -m rftpipe.x.y`, `-m tools.x`, `-m jobs.x` (also after torchrun or .venv/bin/).
+_MODULE = re.compile(r"-m\s+((?:rftpipe|jobs|tools)(?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 
 
 def test_config_reference_is_current() -> None:
@@ -45,3 +48,16 @@ def test_relative_links_resolve(page: Path) -> None:
 def test_link_finder_sees_links() -> None:
     """The link test above is not vacuous: the README links into docs/."""
     assert any(t.startswith("docs/") for t in _relative_links(ROOT / "README.md"))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_commands_name_existing_modules(page: Path) -> None:
+    """A module that moves (a package split) must take the docs' commands with it."""
+    modules = set(_MODULE.findall(page.read_text(encoding="utf-8")))
+    missing = [
+        m
+        for m in sorted(modules)
+        if not (ROOT / f"{m.replace('.', '/')}.py").is_file()
+        and not (ROOT / m.replace(".", "/") / "__main__.py").is_file()
+    ]
+    assert not missing, f"{page.relative_to(ROOT)} runs modules that do not exist: {missing}"

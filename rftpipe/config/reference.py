@@ -180,7 +180,7 @@ def render(root: type = RunConfig) -> str:
         "differ from the ones the run started with (exit code 2, unless "
         "`--allow-fingerprint-mismatch`). A prefix covers its whole subtree. Some keys have "
         "further conditions, checked at submit (e.g. `total_steps` may change only under a "
-        "constant LR schedule).",
+        "constant LR schedules).",
         "",
     ]
     lines += [f"- `{key}`" for key in RESUME_SAFE_KEYS]
