@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,12 +26,18 @@ from rftpipe.algos.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
-    LossParams,
     aggregate,
     entropy_top_mask,
     kl_estimate,
+    policy_loss,
 )
-from rftpipe.algos.names import ESTIMATOR_TRAITS, POLICY_LOSS_TRAITS
+from rftpipe.algos.variants import (
+    AdvantageSettings,
+    GPGAdvantageSettings,
+    GRPOSettings,
+    PolicyLossSettings,
+    ReMaxSettings,
+)
 from rftpipe.config.schema import RewardConfig
 from rftpipe.rewards import resolve_all
 from rftpipe.rewards.types import RewardSample
@@ -54,6 +60,14 @@ def _pad(rows: Sequence[Sequence[float]], lengths: Sequence[int]) -> Tensor:
 def _bcast(values: Sequence[float], lengths: Sequence[int]) -> list[list[float]]:
     """A sequence-level advantage on each of the response's tokens."""
     return [[v] * n for v, n in zip(values, lengths, strict=True)]
+
+
+def _with(cls: type[Any], shared: dict[str, Any], own: dict[str, Any] | None = None) -> Any:
+    """``cls`` built from the ``shared`` settings it has, and its ``own`` (all of which it
+    must have): the tables below give every variant of a family the same shared settings,
+    as the flat config did, and each reads only its own."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{**{k: v for k, v in shared.items() if k in names}, **(own or {})})
 
 
 def _assert_ragged(actual: Tensor, mask: Tensor, expected: Sequence[Sequence[float]]) -> None:
@@ -273,10 +287,12 @@ def test_advantage_reference(name: str, case: str) -> None:
         sum_pi_squared=None if c.sum_pi_squared is None else _pad(c.sum_pi_squared, c.lengths),
         is_baseline=None if c.is_baseline is None else torch.tensor(c.is_baseline),
         values=None if c.values is None else _pad(c.values, c.lengths),
-        lam=c.lam,
         token_kl_penalty=None if c.kl is None else _pad(c.kl, c.lengths),
     )
-    adv = compute_advantages(name, inputs, eps=EPS, gamma=c.gamma)  # type: ignore[arg-type]
+    settings: AdvantageSettings = _with(
+        ADVANTAGE_ESTIMATORS[name].settings, {"eps": EPS, "gamma": c.gamma, "lam": c.lam}
+    )
+    adv = compute_advantages(settings, inputs)
     _assert_ragged(adv, mask, c.expected)
 
 
@@ -298,7 +314,7 @@ def test_advantage_of_an_empty_batch(name: str) -> None:
         is_baseline=torch.zeros(0, dtype=torch.bool),
         values=torch.zeros(0, 1, dtype=F64),
     )
-    adv = compute_advantages(name, inputs, reduce_sum=reduce_sum)  # type: ignore[arg-type]
+    adv = compute_advantages(ADVANTAGE_ESTIMATORS[name].settings(), inputs, reduce_sum=reduce_sum)
     assert adv.shape == (0, 1)
     if name == "gpg":
         assert len(calls) == 1
@@ -321,9 +337,9 @@ def test_gpg_alpha_counts_samples_of_all_ranks() -> None:
     ]
     # (samples, informative samples) of each rank: (2, 2) and (2, 0)
     local = [torch.tensor([2.0, 2.0], dtype=F64), torch.tensor([2.0, 0.0], dtype=F64)]
-    adv = compute_advantages("gpg", parts[0], reduce_sum=lambda x: x + local[1])
+    adv = compute_advantages(GPGAdvantageSettings(), parts[0], reduce_sum=lambda x: x + local[1])
     _assert_ragged(adv, parts[0].response_mask, [[2 * 0.5], [2 * -0.5]])
-    alone = compute_advantages("gpg", parts[0])
+    alone = compute_advantages(GPGAdvantageSettings(), parts[0])
     _assert_ragged(alone, parts[0].response_mask, [[0.5], [-0.5]])
 
 
@@ -337,16 +353,20 @@ def test_estimators_refuse_baseline_rows_they_do_not_use() -> None:
         is_baseline=torch.tensor([False, True]),
     )
     with pytest.raises(ValueError, match="baseline rows"):
-        compute_advantages("grpo", inputs)
+        compute_advantages(GRPOSettings(), inputs)
     with pytest.raises(ValueError, match="exactly one baseline row"):
         compute_advantages(
-            "remax", dataclasses.replace(inputs, is_baseline=torch.tensor([False, False]))
+            ReMaxSettings(), dataclasses.replace(inputs, is_baseline=torch.tensor([False, False]))
         )
 
 
 # ---------------------------------------------------------------------------------------------
 # Policy losses
 # ---------------------------------------------------------------------------------------------
+
+
+# The clip range of every case whose variant has one (0.28: clip-higher shows).
+CLIP = {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0}
 
 
 @dataclass(frozen=True)
@@ -357,10 +377,8 @@ class LossCase:
     log_ratio: list[list[float]]
     adv: list[list[float]]
     expected: list[list[float]]
-    params: LossParams = field(default_factory=LossParams)
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = 3.0
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The variant's own settings besides `CLIP` (defaults: its settings class's)."""
     grad: list[list[float]] | None = None
     """d(sum of the per-token loss)/d logprobs, where it is derived below."""
 
@@ -395,7 +413,7 @@ LOSS_CASES: dict[str, dict[str, LossCase]] = {
             grad=[[0.0, 0.0, 0.0, 0.0], []],  # clipped, clipped, dual-clipped, clamped
         ),
         "no_dual_clip": LossCase(
-            [[-1.5]], [[50.0]], [[-1.0]], [[E20]], dual_clip=None, grad=[[0.0]]
+            [[-1.5]], [[50.0]], [[-1.0]], [[E20]], settings={"dual_clip": None}, grad=[[0.0]]
         ),
     },
     "gspo": {
@@ -481,7 +499,7 @@ LOSS_CASES: dict[str, dict[str, LossCase]] = {
             [[0.0] * 4],
             COV_ADV,
             [[-3.0, 0.0, 0.0, 0.0]],
-            params=LossParams(clip_cov_ub=2.5),
+            settings={"ub": 2.5},
             grad=[[-3.0, 0.0, 0.0, 0.0]],
         ),
         "empty_response": LossCase([[]], [[]], [[]], [[]]),
@@ -527,6 +545,11 @@ def _loss_cases() -> list[tuple[str, str]]:
     return [(name, case) for name, cases in LOSS_CASES.items() for case in cases]
 
 
+def _loss_settings(name: str, own: dict[str, Any] | None = None) -> PolicyLossSettings:
+    settings: PolicyLossSettings = _with(POLICY_LOSSES[name].settings, CLIP, own)
+    return settings
+
+
 def _loss_inputs(c: LossCase) -> tuple[Tensor, Tensor, Tensor, Tensor, list[int]]:
     lengths = _lengths(c.old)
     old = _pad(c.old, lengths)
@@ -538,16 +561,7 @@ def _loss_inputs(c: LossCase) -> tuple[Tensor, Tensor, Tensor, Tensor, list[int]
 def test_policy_loss_reference(name: str, case: str) -> None:
     c = LOSS_CASES[name][case]
     logprobs, old, adv, mask, _ = _loss_inputs(c)
-    out = POLICY_LOSSES[name](  # type: ignore[index]
-        logprobs,
-        old,
-        adv,
-        mask,
-        clip_low=c.clip_low,
-        clip_high=c.clip_high,
-        dual_clip=c.dual_clip,
-        params=c.params,
-    )
+    out = policy_loss(logprobs, old, adv, mask, _loss_settings(name, c.settings))
     _assert_ragged(out.loss.detach(), mask, c.expected)
     assert torch.isfinite(out.loss).all() and torch.isfinite(out.ratio).all()
     out.loss.sum().backward()
@@ -564,9 +578,7 @@ def test_policy_loss_on_padding_only(name: str) -> None:
     old = torch.tensor([[-1000.0, 0.0]], dtype=F64)
     adv = torch.tensor([[5.0, -5.0]], dtype=F64)
     mask = torch.zeros(1, 2, dtype=torch.bool)
-    out = POLICY_LOSSES[name](  # type: ignore[index]
-        logprobs, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0
-    )
+    out = policy_loss(logprobs, old, adv, mask, _loss_settings(name))
     assert out.loss.tolist() == [[0.0, 0.0]]
     assert not out.clipped.any() and not out.dual_clipped.any()
     out.loss.sum().backward()
@@ -579,9 +591,7 @@ def test_gspo_token_gradient_stops_at_the_sequence_ratio() -> None:
     Without the stop-gradient token 1 would get -A s / |y| from the mean inside s_i."""
     c = LOSS_CASES["gspo"]["sequence_ratio"]
     logprobs, old, adv, mask, _ = _loss_inputs(c)
-    out = POLICY_LOSSES["gspo"](
-        logprobs, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=None
-    )
+    out = policy_loss(logprobs, old, adv, mask, _loss_settings("gspo"))
     out.loss[0, 0].backward()
     assert logprobs.grad is not None
     assert math.isclose(logprobs.grad[0, 0].item(), -math.exp(0.2), rel_tol=1e-12)
@@ -665,7 +675,7 @@ def test_kl_estimator_reference(kind: str) -> None:
     values, grads = KL_CASES[kind]
     lp = torch.tensor([[p[0] for p in KL_PAIRS]], dtype=F64, requires_grad=True)
     ref = torch.tensor([[p[1] for p in KL_PAIRS]], dtype=F64)
-    out = kl_estimate(lp, ref, kind)  # type: ignore[arg-type]
+    out = kl_estimate(lp, ref, KL_ESTIMATORS[kind].settings())
     for got, want in zip(out[0].tolist(), values, strict=True):
         assert math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-12)
     out.sum().backward()
@@ -735,12 +745,10 @@ def test_kl_controller_reference(name: str) -> None:
 # Every registered name has reference numbers
 # ---------------------------------------------------------------------------------------------
 
-REFERENCE_TABLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+REFERENCE_TABLES: dict[str, tuple[Iterable[str], dict[str, Any]]] = {
     # registry kind: (registry, fixture table)
     "advantage estimators": (ADVANTAGE_ESTIMATORS, ADVANTAGE_CASES),
-    "estimator traits": (ESTIMATOR_TRAITS, ADVANTAGE_CASES),
     "policy losses": (POLICY_LOSSES, LOSS_CASES),
-    "policy loss traits": (POLICY_LOSS_TRAITS, LOSS_CASES),
     "aggregations": (AGGREGATIONS, AGGREGATION_CASES),
     "KL estimators": (KL_ESTIMATORS, KL_CASES),
     "rollout corrections": (ROLLOUT_CORRECTIONS, CORRECTION_CASES),

@@ -98,7 +98,15 @@ FRESH_CASES = {
     "batch_does_not_divide": (("train.mini_batches=3",), ("train.mini_batches", "16")),
     "negative_lr": (("train.lr=-1",), ("train", "lr")),
     "min_above_max_tokens": (("rollout.min_new_tokens=99",), ("rollout", "min_new_tokens")),
-    "dual_clip_below_one": (("train.dual_clip=0.5",), ("train", "dual_clip")),
+    "dual_clip_below_one": (("train.policy_loss.dual_clip=0.5",), ("train", "dual_clip")),
+    "unknown_policy_loss_setting": (
+        ("train.policy_loss=sapo", "train.policy_loss.tau_po=1.2"),
+        ("train.policy_loss.tau_po", "train.policy_loss.tau_pos"),
+    ),
+    "moved_variant_setting": (
+        ("train.sapo_tau_pos=1.2",),
+        ("train.sapo_tau_pos", "train.policy_loss.tau_pos", "train.policy_loss.type=sapo"),
+    ),
     "override_without_equals": (("train.lr",), ("train.lr",)),
     "kl_on_without_coef": (("kl.mode=loss",), ("kl", "coef")),
     "reward_weights_length": (("reward.weights=[1.0,2.0]",), ("reward", "weights")),

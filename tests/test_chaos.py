@@ -86,7 +86,7 @@ def _kill_at_random_instant(
 #: state are in every checkpoint, and its train steps are replayed with the actor's.
 CRITIC = (
     "advantage.estimator=gae",
-    "advantage.lam=0.95",
+    "advantage.estimator.lam=0.95",
     "critic.lr=1e-3",
     "critic.warmup_steps=1",
 )

@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 
 from rftpipe.algos.advantage import AdvantageInputs, compute_advantages, gae_returns
 from rftpipe.algos.value import clipped_value_loss
+from rftpipe.algos.variants import GAESettings
 from rftpipe.engines.models import prepare_tiny
 from rftpipe.engines.train.critic import head_seed, load_value_model
 
-CRITIC = ("advantage.estimator=gae", "advantage.lam=0.95", "critic.lr=1e-3")
+CRITIC = ("advantage.estimator=gae", "advantage.estimator.lam=0.95", "critic.lr=1e-3")
 
 
 def _gae_inputs() -> AdvantageInputs:
@@ -36,7 +37,6 @@ def _gae_inputs() -> AdvantageInputs:
         values=torch.tensor(
             [[0.5, 0.2, -0.1], [0.3, 9.0, 9.0], [9.0, 9.0, 9.0]], dtype=torch.float64
         ),
-        lam=0.8,
     )
 
 
@@ -55,12 +55,13 @@ def test_gae_matches_hand_computed_values() -> None:
     want_returns = torch.tensor(
         [[a0 + 0.5, a1 + 0.2, a2 - 0.1], [b0 + 0.3, 0, 0], [0, 0, 0]], dtype=torch.float64
     )
-    assert torch.allclose(gae_returns(inputs, gamma=gamma), want_returns, atol=1e-12)
+    settings = GAESettings(gamma=gamma, lam=0.8)
+    assert torch.allclose(gae_returns(inputs, settings), want_returns, atol=1e-12)
     # Whitened over the four valid tokens: unbiased variance, as verl's masked_whiten.
     mean, var = statistics.fmean(raw), statistics.variance(raw)
     w = [(x - mean) / math.sqrt(var + 1e-8) for x in raw]
     want = torch.tensor([[w[0], w[1], w[2]], [w[3], 0, 0], [0, 0, 0]], dtype=torch.float64)
-    got = compute_advantages("gae", inputs, gamma=gamma)
+    got = compute_advantages(settings, inputs)
     assert torch.allclose(got, want, atol=1e-12), got
     assert torch.equal(got[2], torch.zeros(3, dtype=torch.float64))  # the empty response
 
@@ -71,9 +72,9 @@ def test_gae_with_gamma_lambda_one_is_reward_minus_value() -> None:
     values = torch.tensor([[0.25, 0.75, 0.0]], dtype=torch.float64)
     inputs = AdvantageInputs(
         rewards=torch.tensor([1.0]), group_index=torch.tensor([0]), response_mask=mask,
-        values=values, lam=1.0,
+        values=values,
     )  # fmt: skip
-    returns = gae_returns(inputs, gamma=1.0)
+    returns = gae_returns(inputs, GAESettings(gamma=1.0, lam=1.0))
     assert torch.equal(returns - values * mask, torch.tensor([[0.75, 0.25, 0.0]]).double())
 
 
@@ -84,7 +85,7 @@ def test_gae_without_values_is_refused() -> None:
         response_mask=torch.ones((1, 2), dtype=torch.bool),
     )
     with pytest.raises(ValueError, match="critic"):
-        compute_advantages("gae", inputs)
+        compute_advantages(GAESettings(), inputs)
 
 
 def test_clipped_value_loss_numbers_and_gradient() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rftpipe.algos.losses import POLICY_LOSSES, entropy_top_mask
-from rftpipe.algos.names import POLICY_LOSS_TRAITS
+from rftpipe.algos.variants import ClipCovSettings, KLCovSettings
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
@@ -86,17 +86,19 @@ def _moved(weights: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
 def test_every_policy_loss_trains(name: str, table: pa.Table) -> None:
-    agg = "seq-mean-token-mean" if POLICY_LOSS_TRAITS[name].sequence_level else "token-mean"
+    entry = POLICY_LOSSES[name]
+    agg = "seq-mean-token-mean" if entry.traits.sequence_level else "token-mean"
     # Covariance shares large enough that the tiny batch has a token to cut / penalise.
+    special = {
+        "clip_cov": ClipCovSettings(ratio=0.2, lb=-10.0),
+        "kl_cov": KLCovSettings(ratio=0.2),
+    }
     cfg = TrainConfig(
         lr=1e-3,
         mini_batches=2,
         micro_batch_size=4,
-        policy_loss=name,  # type: ignore[arg-type]
+        policy_loss=special.get(name, entry.settings()),
         loss_agg=agg,  # type: ignore[arg-type]
-        clip_cov_ratio=0.2,
-        clip_cov_lb=-10.0,
-        kl_cov_ratio=0.2,
     )
     metrics, weights = _train(cfg, table)
     assert metrics["train/skipped_micro_batches"] == 0

@@ -862,7 +862,8 @@ def bench_floor(a: argparse.Namespace) -> dict[str, Any]:
     `update_weights` from the trained module after each step."""
     import torch
 
-    from rftpipe.algos.losses import AGGREGATIONS, POLICY_LOSSES
+    from rftpipe.algos.losses import AGGREGATIONS, ppo_clip_loss
+    from rftpipe.algos.variants import PPOClipSettings
     from rftpipe.dist import Dist
     from rftpipe.engines.models import load_causal_lm
     from rftpipe.engines.rollout.base import HFGenerateEngine
@@ -895,9 +896,7 @@ def bench_floor(a: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         with engine.train_mode():
             lp, _ = engine.forward(p_ids, r_ids, cfg.rollout.temperature, with_entropy=True)
-            out = POLICY_LOSSES["ppo_clip"](
-                lp, old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=None
-            )
+            out = ppo_clip_loss(lp, old, adv, mask, PPOClipSettings(dual_clip=None))
             loss = AGGREGATIONS["token-mean"](
                 out.loss, mask, num_tokens=float(mask.sum()), num_seqs=float(len(r_ids))
             )

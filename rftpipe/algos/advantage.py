@@ -1,9 +1,12 @@
 """Advantage estimators for outcome-reward RL fine-tuning (GRPO family, RLOO, REINFORCE++, OPO,
 GPG, pass@k, the optimal token baseline).
 
-Every estimator maps an :class:`AdvantageInputs` batch to per-token advantages of shape
-``(B, T)`` in float64 that are exactly zero on padding. Estimators are looked up by name in
-:data:`ADVANTAGE_ESTIMATORS`; :func:`compute_advantages` is the single entry point.
+Every estimator maps an :class:`AdvantageInputs` batch and its settings to per-token
+advantages of shape ``(B, T)`` in float64 that are exactly zero on padding. Estimators are
+entries of :data:`ADVANTAGE_ESTIMATORS`, declared with their settings classes and traits in
+the torch-free :mod:`rftpipe.algos.variants`; this module attaches their functions
+(``@ADVANTAGE_ESTIMATORS.implements(name)``). :func:`compute_advantages` is the single
+entry point: the settings instance selects the estimator and is passed to it unchanged.
 
 Group statistics (GRPO, Dr. GRPO, RLOO, OPO, pass@k, the REINFORCE++ and optimal token
 baselines) are always computed within one rank, because the data loader never splits a
@@ -11,8 +14,8 @@ prompt's group across ranks. Only batch-wide quantities (the token whitening of 
 and GAE, GPG's share of informative samples) need cross-rank sums, which go through
 ``reduce_sum``.
 
-Whether an estimator needs groups of more than one sample is a trait in
-:data:`rftpipe.algos.names.ESTIMATOR_TRAITS` (torch-free, read by the config check).
+Whether an estimator needs groups of more than one sample (or baseline rows, or a critic) is
+a trait of its entry (torch-free, read by the config check).
 """
 
 from __future__ import annotations
@@ -24,16 +27,30 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-# The names live in the torch-free `names` module so the config schema can import them.
-from rftpipe.algos.names import ESTIMATOR_TRAITS, AdvantageName
 from rftpipe.algos.value import GAEOutput, gae, masked_whiten
+
+# The entries live in the torch-free `variants` module so the config schema can import them.
+from rftpipe.algos.variants import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageSettings,
+    DrGRPOSettings,
+    GAESettings,
+    GPGAdvantageSettings,
+    GRPOPassKSettings,
+    GRPOSettings,
+    OPOSettings,
+    OptimalTokenBaselineSettings,
+    ReinforcePPBaselineSettings,
+    ReinforcePPSettings,
+    ReMaxSettings,
+    RLOOSettings,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
-    "ESTIMATOR_TRAITS",
     "AdvantageEstimator",
     "AdvantageInputs",
-    "AdvantageName",
+    "AdvantageSettings",
     "Reducer",
     "compute_advantages",
     "gae_returns",
@@ -82,15 +99,13 @@ class AdvantageInputs:
     values: Tensor | None = None
     """``(B, T)`` the critic's ``V(s_t)`` per response token, for estimators with a learned
     baseline (``gae``); None without a critic."""
-    lam: float = 1.0
-    """GAE's lambda (``gae`` only): the bias/variance trade-off of its returns."""
 
 
 class AdvantageEstimator(Protocol):
-    """Signature shared by all entries of :data:`ADVANTAGE_ESTIMATORS`."""
+    """Signature shared by the functions of :data:`ADVANTAGE_ESTIMATORS`."""
 
     def __call__(
-        self, inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+        self, inputs: AdvantageInputs, settings: AdvantageSettings, *, reduce_sum: Reducer
     ) -> Tensor: ...
 
 
@@ -178,20 +193,22 @@ def _broadcast(per_sample: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, per_sample[:, None], 0.0)
 
 
+@ADVANTAGE_ESTIMATORS.implements("grpo")
 def grpo_advantages(
-    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+    inputs: AdvantageInputs, settings: GRPOSettings, *, reduce_sum: Reducer
 ) -> Tensor:
     """GRPO: group-standardised sequence score, broadcast to all tokens. ``(B, T)``."""
     scores = _sequence_scores(inputs)
     count, mean, std = _group_stats(scores, inputs.group_index)
-    adv = (scores - mean) / (std + eps)
+    adv = (scores - mean) / (std + settings.eps)
     # A lone sample has no baseline to compare against, so it carries no signal.
     adv = torch.where(count > 1, adv, 0.0)
     return _broadcast(adv, inputs.response_mask)
 
 
+@ADVANTAGE_ESTIMATORS.implements("dr_grpo")
 def dr_grpo_advantages(
-    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+    inputs: AdvantageInputs, settings: DrGRPOSettings, *, reduce_sum: Reducer
 ) -> Tensor:
     """Dr. GRPO: group-centred sequence score without std scaling. ``(B, T)``."""
     scores = _sequence_scores(inputs)
@@ -199,8 +216,9 @@ def dr_grpo_advantages(
     return _broadcast(scores - mean, inputs.response_mask)
 
 
+@ADVANTAGE_ESTIMATORS.implements("rloo")
 def rloo_advantages(
-    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+    inputs: AdvantageInputs, settings: RLOOSettings, *, reduce_sum: Reducer
 ) -> Tensor:
     """RLOO: score minus the mean of the other samples of the group. ``(B, T)``."""
     scores = _sequence_scores(inputs)
@@ -234,8 +252,9 @@ def _last_token(mask: Tensor) -> Tensor:
     return positions == last
 
 
+@ADVANTAGE_ESTIMATORS.implements("reinforce_pp")
 def reinforce_pp_advantages(
-    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+    inputs: AdvantageInputs, settings: ReinforcePPSettings, *, reduce_sum: Reducer
 ) -> Tensor:
     """REINFORCE++: KL-shaped token returns, whitened over the global batch. ``(B, T)``.
 
@@ -243,26 +262,27 @@ def reinforce_pp_advantages(
     outcome reward on each row's last valid token minus the per-token KL penalty, discounted
     returns ``G_t = r_t + gamma G_{t+1}``, then :func:`masked_whiten` over the valid tokens
     of all ranks (unbiased variance, ``(G - mean) * rsqrt(var + 1e-8)``), so advantages
-    equal verl's for the same settings. ``eps`` is unused (the 1e-8 is verl's).
+    equal verl's for the same settings (``gamma``; the 1e-8 is verl's).
     """
     mask = inputs.response_mask
     outcome = inputs.rewards.to(torch.float64)
     token_rewards = -_masked_kl(inputs) + torch.where(_last_token(mask), outcome[:, None], 0.0)
-    returns = _discounted_returns(token_rewards, gamma)
+    returns = _discounted_returns(token_rewards, settings.gamma)
     return masked_whiten(returns, mask, reduce_sum)
 
 
+@ADVANTAGE_ESTIMATORS.implements("reinforce_pp_baseline")
 def reinforce_pp_baseline_advantages(
-    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+    inputs: AdvantageInputs, settings: ReinforcePPBaselineSettings, *, reduce_sum: Reducer
 ) -> Tensor:
     """REINFORCE++-baseline: group-centred sequence score on every token, whitened over the
     global batch. ``(B, T)``.
 
     As verl's ``reinforce_plus_plus_baseline``: the score is the outcome reward minus the
     response's summed KL penalty (KL-in-reward), minus its group's mean score; every valid
-    token gets that one value (no reward-to-go, so ``gamma`` is unused), then
+    token gets that one value (no reward-to-go, so no discount), then
     :func:`masked_whiten` as REINFORCE++. (OpenRLHF instead centres the raw reward and keeps
-    the per-token KL reward-to-go; we follow verl so settings port over.) ``eps`` is unused.
+    the per-token KL reward-to-go; we follow verl so settings port over.)
     Unlike verl, which keeps a lone sample's raw score, a group of one has a zero centred
     score, as in our GRPO; the config refuses ``rollout.n=1`` for this estimator anyway.
     """
@@ -272,8 +292,9 @@ def reinforce_pp_baseline_advantages(
     return masked_whiten(centred, inputs.response_mask, reduce_sum)
 
 
+@ADVANTAGE_ESTIMATORS.implements("opo")
 def opo_advantages(
-    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+    inputs: AdvantageInputs, settings: OPOSettings, *, reduce_sum: Reducer
 ) -> Tensor:
     """OPO: score minus the length-weighted group mean. ``(B, T)``.
 
@@ -292,8 +313,9 @@ def opo_advantages(
     return _broadcast(adv, inputs.response_mask)
 
 
+@ADVANTAGE_ESTIMATORS.implements("gpg")
 def gpg_advantages(
-    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+    inputs: AdvantageInputs, settings: GPGAdvantageSettings, *, reduce_sum: Reducer
 ) -> Tensor:
     """GPG: group-centred score scaled by ``alpha = B / (B - M)``. ``(B, T)``.
 
@@ -319,8 +341,9 @@ def gpg_advantages(
     return _broadcast(alpha * centred, inputs.response_mask)
 
 
+@ADVANTAGE_ESTIMATORS.implements("grpo_passk")
 def grpo_passk_advantages(
-    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+    inputs: AdvantageInputs, settings: GRPOPassKSettings, *, reduce_sum: Reducer
 ) -> Tensor:
     """Pass@k: only the best sample of a group is credited, with ``(r_max - r_2nd) / std``.
 
@@ -342,7 +365,7 @@ def grpo_passk_advantages(
     runner_up = _group_max(torch.where(winner, -torch.inf, scores), member)
     # A group of one has no runner-up (-inf); its margin would be inf, and inf * 0 is NaN.
     margin = torch.where(torch.isfinite(runner_up), best - runner_up, 0.0) @ onehot  # (B,)
-    adv = torch.where(winner & (count > 1), margin / (std + eps), 0.0)
+    adv = torch.where(winner & (count > 1), margin / (std + settings.eps), 0.0)
     return _broadcast(adv, inputs.response_mask)
 
 
@@ -355,8 +378,9 @@ def _token_returns(inputs: AdvantageInputs) -> Tensor:
     return torch.where(mask, _discounted_returns(token_rewards, 1.0), 0.0)
 
 
+@ADVANTAGE_ESTIMATORS.implements("optimal_token_baseline")
 def optimal_token_baseline_advantages(
-    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+    inputs: AdvantageInputs, settings: OptimalTokenBaselineSettings, *, reduce_sum: Reducer
 ) -> Tensor:
     """Optimal token baseline: a per-position baseline weighted by each path's score energy.
 
@@ -388,12 +412,13 @@ def optimal_token_baseline_advantages(
     num = onehot @ (returns * energy * m)  # (G, T)
     den = onehot @ (energy * m)
     running = onehot @ m  # samples of the group still running at t
-    baseline = torch.where(running > 1, num / (den + eps), 0.0)
+    baseline = torch.where(running > 1, num / (den + settings.eps), 0.0)
     return torch.where(mask, returns - onehot.T @ baseline, 0.0)
 
 
+@ADVANTAGE_ESTIMATORS.implements("remax")
 def remax_advantages(
-    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+    inputs: AdvantageInputs, settings: ReMaxSettings, *, reduce_sum: Reducer
 ) -> Tensor:
     """ReMax: reward-to-go minus the reward of the prompt's greedy response. ``(B, T)``.
 
@@ -419,7 +444,7 @@ def remax_advantages(
     return torch.where(keep, adv, 0.0)
 
 
-def _gae(inputs: AdvantageInputs, gamma: float) -> GAEOutput:
+def _gae(inputs: AdvantageInputs, settings: GAESettings) -> GAEOutput:
     if inputs.values is None:
         raise ValueError("the gae estimator needs the critic's values (AdvantageInputs.values)")
     mask = inputs.response_mask
@@ -428,11 +453,12 @@ def _gae(inputs: AdvantageInputs, gamma: float) -> GAEOutput:
     # The outcome on the last token and the KL penalty on every token, as REINFORCE++.
     outcome = inputs.rewards.to(torch.float64)[:, None]
     token_rewards = -_masked_kl(inputs) + torch.where(_last_token(mask), outcome, 0.0)
-    return gae(token_rewards, inputs.values, mask, gamma=gamma, lam=inputs.lam)
+    return gae(token_rewards, inputs.values, mask, gamma=settings.gamma, lam=settings.lam)
 
 
+@ADVANTAGE_ESTIMATORS.implements("gae")
 def gae_advantages(
-    inputs: AdvantageInputs, *, eps: float, gamma: float, reduce_sum: Reducer
+    inputs: AdvantageInputs, settings: GAESettings, *, reduce_sum: Reducer
 ) -> Tensor:
     """GAE (Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized
     Advantage Estimation") from the critic's per-token values and the outcome reward on the
@@ -441,69 +467,43 @@ def gae_advantages(
 
     With a 0/1 outcome and gamma = lam = 1 this is ``R - V_t`` before whitening.
     """
-    adv = _gae(inputs, gamma).advantages
+    adv = _gae(inputs, settings).advantages
     return masked_whiten(adv, inputs.response_mask, reduce_sum)
 
 
-def gae_returns(inputs: AdvantageInputs, *, gamma: float) -> Tensor:
+def gae_returns(inputs: AdvantageInputs, settings: AdvantageSettings) -> Tensor:
     """``(B, T)`` float64 targets of the critic: GAE advantages (before whitening) plus
-    values, 0 on padding; the same quantities as `gae_advantages` uses."""
-    return _gae(inputs, gamma).returns
-
-
-ADVANTAGE_ESTIMATORS: dict[AdvantageName, AdvantageEstimator] = {
-    "grpo": grpo_advantages,
-    "dr_grpo": dr_grpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
-    "opo": opo_advantages,
-    "gpg": gpg_advantages,
-    "grpo_passk": grpo_passk_advantages,
-    "optimal_token_baseline": optimal_token_baseline_advantages,
-    "remax": remax_advantages,
-    "gae": gae_advantages,
-}
+    values, 0 on padding; the same quantities as `gae_advantages` uses with ``settings``
+    (the run's estimator, whose trait ``needs_critic`` the config checked)."""
+    if not isinstance(settings, GAESettings):
+        raise ValueError(
+            f"the critic's returns need the gae estimator's settings, got {type(settings).__name__}"
+        )
+    return _gae(inputs, settings).returns
 
 
 def compute_advantages(
-    name: AdvantageName,
+    settings: AdvantageSettings,
     inputs: AdvantageInputs,
     *,
-    eps: float = 1e-6,
-    gamma: float = 1.0,
     reduce_sum: Reducer = identity,
 ) -> Tensor:
-    """Compute per-token advantages with the estimator registered under ``name``.
+    """Compute per-token advantages with the estimator ``settings`` selects (its class).
 
     Args:
-        name: key of :data:`ADVANTAGE_ESTIMATORS`.
+        settings: the estimator's settings (e.g. ``GRPOSettings(eps=1e-6)``), passed to it
+            unchanged; their checks ran when they were built.
         inputs: this rank's batch; ``response_mask`` is ``(B, T)``.
-        eps: added to group standard deviations before dividing (the batch whitening of
-            REINFORCE++ and GAE uses verl's ``rsqrt(var + 1e-8)`` instead).
-        gamma: discount for the token returns of REINFORCE++ and GAE (ignored by
-            sequence-level estimators, REINFORCE++-baseline included).
         reduce_sum: cross-rank sum, used by the batch-wide statistics only.
 
     Returns:
         ``(B, T)`` float64 advantages, exactly 0 where ``response_mask`` is False.
     """
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; known: {list(ADVANTAGE_ESTIMATORS)}"
-        )
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
-    if eps < 0.0:
-        raise ValueError(f"eps must be non-negative, got {eps}")
+    entry = ADVANTAGE_ESTIMATORS.of(settings)
+    estimator = ADVANTAGE_ESTIMATORS.function(settings)
     _validate(inputs)
     flags = inputs.is_baseline
-    if (
-        flags is not None
-        and bool(flags.any())
-        and not ESTIMATOR_TRAITS[name].needs_baseline_rollout
-    ):
+    if flags is not None and bool(flags.any()) and not entry.traits.needs_baseline_rollout:
         # Baseline rows would otherwise join their group's statistics as ordinary samples.
-        raise ValueError(f"advantage estimator {name!r} takes no baseline rows")
-    estimator = ADVANTAGE_ESTIMATORS[name]
-    return estimator(inputs, eps=eps, gamma=gamma, reduce_sum=reduce_sum)
+        raise ValueError(f"advantage estimator {entry.name!r} takes no baseline rows")
+    return estimator(inputs, settings, reduce_sum=reduce_sum)

@@ -20,8 +20,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-# The names live in the torch-free `names` module so the config schema can import them.
-from rftpipe.algos.names import RolloutCorrectionName
+# The names live in the torch-free `variants` module so the config schema can import them.
+from rftpipe.algos.variants import RolloutCorrectionName
 
 __all__ = [
     "ROLLOUT_CORRECTIONS",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-# The names live in the torch-free `names` module so the config schema can import them.
-from rftpipe.algos.names import KLControllerName
+# The names live in the torch-free `variants` module so the config schema can import them.
+from rftpipe.algos.variants import KLControllerName
 
 __all__ = [
     "KL_CONTROLLERS",

@@ -1,27 +1,45 @@
 """Token-level policy-gradient losses, KL estimators, loss aggregation and logit utilities.
 
-Variants are looked up by name in :data:`KL_ESTIMATORS`, :data:`POLICY_LOSSES` and
+Policy losses and KL estimators are entries of the registries :data:`POLICY_LOSSES` and
+:data:`KL_ESTIMATORS`, declared with their settings classes and traits in the torch-free
+:mod:`rftpipe.algos.variants`; this module attaches their functions
+(``@POLICY_LOSSES.implements(name)``). Aggregations are looked up by name in
 :data:`AGGREGATIONS`. All per-token functions take and return ``(B, T)`` tensors; padding is
 described by a ``(B, T)`` bool mask that is True on valid response tokens.
 
 Conventions shared by every variant: a log ratio is clamped to ``+-LOG_RATIO_CLAMP`` before
-``exp`` (a clamped token has no gradient); padding never reaches ``exp`` or the gradient;
-variant-specific settings travel in :class:`LossParams`; which aggregation a loss needs is a
-trait in :data:`rftpipe.algos.names.POLICY_LOSS_TRAITS` (checked at config load).
+``exp`` (a clamped token has no gradient); padding never reaches ``exp`` or the gradient; a
+variant's settings arrive as the instance of its settings class that the config holds (its
+checks ran when it was built); which aggregation a loss needs is a trait of its entry
+(checked at config load).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-# The names live in the torch-free `names` module so the config schema can import them.
-from rftpipe.algos.names import AggregationName, KLEstimatorName, PolicyLossName
+# The entries live in the torch-free `variants` module so the config schema can import them.
+from rftpipe.algos.variants import (
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    AggregationName,
+    CISPOSettings,
+    ClipCovSettings,
+    ClipRangeSettings,
+    GeoMeanSettings,
+    GPGLossSettings,
+    GSPOSettings,
+    KLCovSettings,
+    KLEstimatorSettings,
+    PolicyLossSettings,
+    PPOClipSettings,
+    SAPOSettings,
+)
 
 __all__ = [
     "AGGREGATIONS",
@@ -29,17 +47,15 @@ __all__ = [
     "POLICY_LOSSES",
     "AggregationName",
     "Aggregator",
-    "KLEstimatorName",
+    "KLEstimator",
     "PolicyLoss",
-    "PolicyLossName",
     "PolicyLossOutputs",
-    "DEFAULT_LOSS_PARAMS",
-    "LossParams",
     "aggregate",
     "entropy_from_logits",
     "entropy_top_mask",
     "gather_logprobs",
     "kl_estimate",
+    "policy_loss",
     "ppo_clip_loss",
 ]
 
@@ -62,27 +78,37 @@ LOG_RATIO_CLAMP = 20.0
 K3_CAP = 10.0
 
 
-def _kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+class KLEstimator(Protocol):
+    """Signature shared by the functions of :data:`KL_ESTIMATORS`."""
+
+    def __call__(
+        self, logprobs: Tensor, ref_logprobs: Tensor, settings: KLEstimatorSettings
+    ) -> Tensor: ...
+
+
+@KL_ESTIMATORS.implements("k1")
+def _kl_k1(logprobs: Tensor, ref_logprobs: Tensor, settings: KLEstimatorSettings) -> Tensor:
     return logprobs - ref_logprobs
 
 
-def _kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+@KL_ESTIMATORS.implements("k2")
+def _kl_k2(logprobs: Tensor, ref_logprobs: Tensor, settings: KLEstimatorSettings) -> Tensor:
     return 0.5 * (logprobs - ref_logprobs).square()
 
 
-def _kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+@KL_ESTIMATORS.implements("k3")
+def _kl_k3(logprobs: Tensor, ref_logprobs: Tensor, settings: KLEstimatorSettings) -> Tensor:
     log_ratio = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     # expm1(x) - x equals exp(x) - 1 - x but keeps precision when the policies are close.
     return (torch.expm1(log_ratio) - log_ratio).clamp(max=K3_CAP)
 
 
-def _kl_abs(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+@KL_ESTIMATORS.implements("abs")
+def _kl_abs(logprobs: Tensor, ref_logprobs: Tensor, settings: KLEstimatorSettings) -> Tensor:
     return (logprobs - ref_logprobs).abs()
 
 
-def _straight_through(
-    value: Callable[[Tensor, Tensor], Tensor],
-) -> Callable[[Tensor, Tensor], Tensor]:
+def _straight_through(value: KLEstimator) -> KLEstimator:
     """The value of ``value``'s estimate with the gradient of k2.
 
     verl's ``kl_penalty="k3+"`` (and ``k1+``, ``abs+``): k1 and k3 are unbiased estimates of
@@ -92,41 +118,33 @@ def _straight_through(
     ``k2 - sg(k2) + sg(value)`` reports the one and backpropagates the other.
     """
 
-    def estimate(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-        grad_part = _kl_k2(logprobs, ref_logprobs)
-        return grad_part - grad_part.detach() + value(logprobs, ref_logprobs).detach()
+    def estimate(logprobs: Tensor, ref_logprobs: Tensor, settings: KLEstimatorSettings) -> Tensor:
+        grad_part = _kl_k2(logprobs, ref_logprobs, settings)
+        return grad_part - grad_part.detach() + value(logprobs, ref_logprobs, settings).detach()
 
     return estimate
 
 
-KL_ESTIMATORS: dict[KLEstimatorName, Callable[[Tensor, Tensor], Tensor]] = {
-    "k1": _kl_k1,
-    "k2": _kl_k2,
-    "k3": _kl_k3,
-    "abs": _kl_abs,
-    "k1_st": _straight_through(_kl_k1),
-    "k3_st": _straight_through(_kl_k3),
-    "abs_st": _straight_through(_kl_abs),
-}
+KL_ESTIMATORS.implements("k1_st")(_straight_through(_kl_k1))
+KL_ESTIMATORS.implements("k3_st")(_straight_through(_kl_k3))
+KL_ESTIMATORS.implements("abs_st")(_straight_through(_kl_abs))
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: KLEstimatorName) -> Tensor:
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, settings: KLEstimatorSettings) -> Tensor:
     """Per-token estimate of KL(policy || reference) for tokens sampled from the policy.
 
     Args:
         logprobs: ``(B, T)`` log-probabilities of the sampled tokens under the policy.
         ref_logprobs: ``(B, T)`` log-probabilities of the same tokens under the reference.
-        kind: ``"k1"`` (unbiased, can be negative), ``"k2"`` (low variance, biased),
-            ``"k3"`` (unbiased and non-negative; log ratio clamped to +-20, value capped at
-            10), ``"abs"`` (``|log pi - log ref|``), or ``"<name>_st"``: that estimate's
-            value with k2's gradient (straight-through).
+        settings: the estimator's settings (its class selects it): k1 (unbiased, can be
+            negative), k2 (low variance, biased), k3 (unbiased and non-negative; log ratio
+            clamped to +-20, value capped at 10), abs (``|log pi - log ref|``), or
+            ``<name>_st``: that estimate's value with k2's gradient (straight-through).
 
     Returns:
         ``(B, T)`` per-token estimates; masking is left to the caller.
     """
-    if kind not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {kind!r}; known: {list(KL_ESTIMATORS)}")
-    return KL_ESTIMATORS[kind](logprobs, ref_logprobs)
+    return KL_ESTIMATORS.function(settings)(logprobs, ref_logprobs, settings)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,35 +171,8 @@ class PolicyLossOutputs:
     ratio: Tensor
 
 
-@dataclass(frozen=True, kw_only=True)
-class LossParams:
-    """Settings of individual policy-loss variants (each read only by its own variant).
-
-    The shared PPO clip (``clip_low``, ``clip_high``, ``dual_clip``) is passed separately;
-    these mirror the ``train.*`` fields of the same names.
-    """
-
-    sapo_tau_pos: float = 1.0
-    """SAPO gate temperature for tokens with positive advantage."""
-    sapo_tau_neg: float = 1.05
-    """SAPO gate temperature for tokens with negative (or zero) advantage."""
-    clip_cov_ratio: float = 2e-4
-    """Clip-Cov: share of the valid tokens whose gradient is cut."""
-    clip_cov_lb: float = 1.0
-    """Clip-Cov: lowest covariance a token may have to be cut."""
-    clip_cov_ub: float = 5.0
-    """Clip-Cov: highest covariance a token may have to be cut."""
-    kl_cov_ratio: float = 2e-4
-    """KL-Cov: share of the valid tokens (highest covariance first) given the KL penalty."""
-    kl_cov_coef: float = 1.0
-    """KL-Cov: coefficient of the ``|log pi - log pi_old|`` penalty on those tokens."""
-
-
-DEFAULT_LOSS_PARAMS = LossParams()
-
-
 class PolicyLoss(Protocol):
-    """Signature shared by all entries of :data:`POLICY_LOSSES`."""
+    """Signature shared by the functions of :data:`POLICY_LOSSES`."""
 
     def __call__(
         self,
@@ -189,21 +180,19 @@ class PolicyLoss(Protocol):
         old_logprobs: Tensor,
         advantages: Tensor,
         mask: Tensor,
-        *,
-        clip_low: float,
-        clip_high: float,
-        dual_clip: float | None,
-        params: LossParams = DEFAULT_LOSS_PARAMS,
+        settings: PolicyLossSettings,
     ) -> PolicyLossOutputs: ...
 
 
-def _check_clip_args(clip_low: float, clip_high: float, dual_clip: float | None) -> None:
-    if not 0.0 <= clip_low < 1.0:
-        raise ValueError(f"clip_low must lie in [0, 1), got {clip_low}")
-    if clip_high < 0.0:
-        raise ValueError(f"clip_high must be non-negative, got {clip_high}")
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    settings: PolicyLossSettings,
+) -> PolicyLossOutputs:
+    """The per-token loss of the policy loss ``settings`` selects (its class), with them."""
+    return POLICY_LOSSES.function(settings)(logprobs, old_logprobs, advantages, mask, settings)
 
 
 def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -219,16 +208,18 @@ def _no_flags(mask: Tensor) -> Tensor:
     return torch.zeros_like(mask)
 
 
+def _clamp(ratio: Tensor, clip: ClipRangeSettings) -> Tensor:
+    """``ratio`` clipped to ``[1 - clip_low, 1 + clip_high]``."""
+    return ratio.clamp(1.0 - clip.clip_low, 1.0 + clip.clip_high)
+
+
+@POLICY_LOSSES.implements("ppo_clip")
 def ppo_clip_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    params: LossParams = DEFAULT_LOSS_PARAMS,
+    settings: PPOClipSettings,
 ) -> PolicyLossOutputs:
     """PPO clipped surrogate with an asymmetric clip range and optional dual clip.
 
@@ -243,24 +234,21 @@ def ppo_clip_loss(
         old_logprobs: ``(B, T)`` behaviour-policy log-probabilities.
         advantages: ``(B, T)`` per-token advantages.
         mask: ``(B, T)`` bool, True on valid tokens.
-        clip_low: lower clip offset, ratio floor ``1 - clip_low``.
-        clip_high: upper clip offset, ratio ceiling ``1 + clip_high``.
-        dual_clip: constant ``c > 1`` or None to disable.
-        params: unused (uniform signature).
+        settings: ``clip_low`` (ratio floor ``1 - clip_low``), ``clip_high`` (ratio ceiling
+            ``1 + clip_high``) and ``dual_clip`` (``c > 1``, or None to disable).
 
     Returns:
         :class:`PolicyLossOutputs` with ``(B, T)`` fields. Mixed input dtypes follow torch
         type promotion (e.g. float64 advantages give a float64 loss).
     """
-    _check_clip_args(clip_low, clip_high, dual_clip)
     ratio = torch.exp(_log_ratio(logprobs, old_logprobs, mask))
     pg_unclipped = -advantages * ratio
-    pg_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg_clipped = -advantages * _clamp(ratio, settings)
     loss = torch.maximum(pg_unclipped, pg_clipped)
     clipped = (pg_clipped > pg_unclipped) & mask
     dual_clipped = _no_flags(mask)
-    if dual_clip is not None:
-        bound = -advantages * dual_clip
+    if settings.dual_clip is not None:
+        bound = -advantages * settings.dual_clip
         dual_clipped = (advantages < 0) & (loss > bound) & mask
         loss = torch.where(dual_clipped, bound, loss)
     loss = torch.where(mask, loss, 0.0)
@@ -272,16 +260,13 @@ def _lengths(mask: Tensor) -> Tensor:
     return mask.sum(dim=-1, keepdim=True).clamp(min=1)
 
 
+@POLICY_LOSSES.implements("gspo")
 def gspo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    params: LossParams = DEFAULT_LOSS_PARAMS,
+    settings: GSPOSettings,
 ) -> PolicyLossOutputs:
     """GSPO: PPO's clip on the sequence's geometric-mean ratio.
 
@@ -293,7 +278,6 @@ def gspo_loss(
     are far narrower than PPO's (3e-4 / 4e-4). No dual clip; ``seq-mean-token-mean``
     aggregation is the paper's. The log ratio is clamped to +-20 (verl: at 10).
     """
-    _check_clip_args(clip_low, clip_high, None)
     token_log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
     seq = token_log_ratio.sum(dim=-1, keepdim=True) / _lengths(mask)
     live = torch.where(mask, logprobs, 0.0)
@@ -302,23 +286,20 @@ def gspo_loss(
     log_ratio = (live - live.detach() + seq.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg_unclipped = -advantages * ratio
-    pg_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg_clipped = -advantages * _clamp(ratio, settings)
     loss = torch.where(mask, torch.maximum(pg_unclipped, pg_clipped), 0.0)
     clipped = (pg_clipped > pg_unclipped) & mask
     ratio = torch.where(mask, ratio, 1.0)
     return PolicyLossOutputs(loss=loss, clipped=clipped, dual_clipped=_no_flags(mask), ratio=ratio)
 
 
+@POLICY_LOSSES.implements("cispo")
 def cispo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    params: LossParams = DEFAULT_LOSS_PARAMS,
+    settings: CISPOSettings,
 ) -> PolicyLossOutputs:
     """CISPO: REINFORCE weighted by a clipped, stop-gradient importance weight.
 
@@ -329,39 +310,33 @@ def cispo_loss(
     near 1; verl, like us, applies both.) The loss value is not a surrogate of the
     objective (it carries ``log pi``); only its gradient ``-w A grad log pi`` matters.
     """
-    _check_clip_args(clip_low, clip_high, None)
     ratio = torch.exp(_log_ratio(logprobs, old_logprobs, mask))
-    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()
+    weight = _clamp(ratio, settings).detach()
     loss = torch.where(mask, -weight * advantages * logprobs, 0.0)
     clipped = (ratio != weight) & mask
     return PolicyLossOutputs(loss=loss, clipped=clipped, dual_clipped=_no_flags(mask), ratio=ratio)
 
 
+@POLICY_LOSSES.implements("sapo")
 def sapo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    params: LossParams = DEFAULT_LOSS_PARAMS,
+    settings: SAPOSettings,
 ) -> PolicyLossOutputs:
     """SAPO: a smooth, temperature-controlled gate on the ratio instead of a hard clip.
 
     Gao et al. (Qwen) 2025, "Soft Adaptive Policy Optimization" (arXiv:2511.20347):
     ``loss = -f(r) * A`` with ``f(r) = sigmoid(tau (r - 1)) * 4 / tau``, ``tau`` =
-    ``sapo_tau_pos`` for ``A > 0`` else ``sapo_tau_neg`` (a larger negative temperature
+    ``tau_pos`` for ``A > 0`` else ``tau_neg`` (a larger negative temperature
     damps negative updates faster, which the paper finds stabilising). ``f'(1) = 1``, so on
     policy the gradient is plain policy gradient; far from ``r = 1`` it decays smoothly to 0
-    instead of being cut. The clip range is unused.
+    instead of being cut.
     """
     ratio = torch.exp(_log_ratio(logprobs, old_logprobs, mask))
     # Scalars in where() would give the default dtype (float32); keep the advantages' own.
-    tau_pos, tau_neg = (
-        advantages.new_tensor(t) for t in (params.sapo_tau_pos, params.sapo_tau_neg)
-    )
+    tau_pos, tau_neg = (advantages.new_tensor(t) for t in (settings.tau_pos, settings.tau_neg))
     tau = torch.where(advantages > 0, tau_pos, tau_neg)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     loss = torch.where(mask, -gate * advantages, 0.0)
@@ -370,16 +345,13 @@ def sapo_loss(
     )
 
 
+@POLICY_LOSSES.implements("gpg")
 def gpg_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    params: LossParams = DEFAULT_LOSS_PARAMS,
+    settings: GPGLossSettings,
 ) -> PolicyLossOutputs:
     """GPG: the plain policy gradient ``-A * log pi``, no ratio and no clip.
 
@@ -424,38 +396,28 @@ def _top_tokens(
     return picked
 
 
+@POLICY_LOSSES.implements("clip_cov")
 def clip_cov_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    params: LossParams = DEFAULT_LOSS_PARAMS,
+    settings: ClipCovSettings,
 ) -> PolicyLossOutputs:
     """Clip-Cov: PPO, plus the gradient cut on a few high-covariance tokens.
 
     Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
     Models" (arXiv:2505.22617), Eq. 11: among valid tokens PPO did not already clip whose
-    covariance lies in ``(clip_cov_lb, clip_cov_ub)``, ``clip_cov_ratio`` of the valid
+    covariance lies in ``(lb, ub)``, a share ``ratio`` of the valid
     tokens get no gradient; this stops the covariance-driven entropy collapse. The paper
     picks them at random; we take the highest-covariance ones so the step is deterministic
     (resumes are bitwise). The PPO part is :func:`ppo_clip_loss`, dual clip included.
     """
-    out = ppo_clip_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        mask,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-    )
+    # ClipCovSettings derives from PPOClipSettings: its clip range and dual clip are PPO's.
+    out = ppo_clip_loss(logprobs, old_logprobs, advantages, mask, settings)
     cov = _covariance(logprobs, advantages, mask)
-    eligible = mask & ~out.clipped & (cov > params.clip_cov_lb) & (cov < params.clip_cov_ub)
-    cut = _top_tokens(cov, eligible, params.clip_cov_ratio, int(mask.sum()))
+    eligible = mask & ~out.clipped & (cov > settings.lb) & (cov < settings.ub)
+    cut = _top_tokens(cov, eligible, settings.ratio, int(mask.sum()))
     # Multiplying by a constant 0 keeps the token's value out of the loss and its gradient.
     loss = torch.where(cut, torch.zeros_like(out.loss), out.loss)
     return PolicyLossOutputs(
@@ -463,45 +425,39 @@ def clip_cov_loss(
     )
 
 
+@POLICY_LOSSES.implements("kl_cov")
 def kl_cov_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    params: LossParams = DEFAULT_LOSS_PARAMS,
+    settings: KLCovSettings,
 ) -> PolicyLossOutputs:
     """KL-Cov: the unclipped surrogate, plus a KL penalty on the highest-covariance tokens.
 
     Cui et al. 2025 (arXiv:2505.22617), Eq. 12: ``loss = -A r`` on every token, and
-    ``-A r + kl_cov_coef * |log pi - log pi_old|`` on the top ``kl_cov_ratio`` of valid tokens
+    ``-A r + coef * |log pi - log pi_old|`` on the top share ``ratio`` of valid tokens
     by covariance. No clip: the penalty is the trust region. ``clipped`` marks the
     penalised tokens.
     """
     log_ratio = _log_ratio(logprobs, old_logprobs, mask)
     ratio = torch.exp(log_ratio)
     cov = _covariance(logprobs, advantages, mask)
-    penalised = _top_tokens(cov, mask, params.kl_cov_ratio, int(mask.sum()))
-    loss = -advantages * ratio + torch.where(penalised, params.kl_cov_coef * log_ratio.abs(), 0.0)
+    penalised = _top_tokens(cov, mask, settings.ratio, int(mask.sum()))
+    loss = -advantages * ratio + torch.where(penalised, settings.coef * log_ratio.abs(), 0.0)
     loss = torch.where(mask, loss, 0.0)
     return PolicyLossOutputs(
         loss=loss, clipped=penalised, dual_clipped=_no_flags(mask), ratio=ratio
     )
 
 
+@POLICY_LOSSES.implements("geo_mean")
 def geo_mean_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    params: LossParams = DEFAULT_LOSS_PARAMS,
+    settings: GeoMeanSettings,
 ) -> PolicyLossOutputs:
     """GMPO: maximise the geometric mean of the token ratios times the sequence advantage.
 
@@ -513,10 +469,9 @@ def geo_mean_loss(
     config) gives the paper's mean over responses. Note the clip range is in log space
     (the paper uses 0.4, i.e. ratios in ``[e^-0.4, e^0.4]``).
     """
-    _check_clip_args(clip_low, clip_high, None)
     log_ratio = _log_ratio(logprobs, old_logprobs, mask)
     sign = torch.sign(advantages)
-    clamped = log_ratio.clamp(-clip_low, clip_high)
+    clamped = log_ratio.clamp(-settings.clip_low, settings.clip_high)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
     lengths = _lengths(mask)
     seq_ratio = torch.exp(torch.where(mask, pessimistic, 0.0).sum(dim=-1, keepdim=True) / lengths)
@@ -525,18 +480,6 @@ def geo_mean_loss(
     ratio = torch.where(mask, seq_ratio.expand_as(log_ratio), 1.0)
     clipped = (log_ratio != clamped) & (pessimistic == clamped) & mask
     return PolicyLossOutputs(loss=loss, clipped=clipped, dual_clipped=_no_flags(mask), ratio=ratio)
-
-
-POLICY_LOSSES: dict[PolicyLossName, PolicyLoss] = {
-    "ppo_clip": ppo_clip_loss,
-    "gspo": gspo_loss,
-    "cispo": cispo_loss,
-    "sapo": sapo_loss,
-    "gpg": gpg_loss,
-    "clip_cov": clip_cov_loss,
-    "kl_cov": kl_cov_loss,
-    "geo_mean": geo_mean_loss,
-}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,14 +7,20 @@ YAML file plus dotted ``key=value`` command-line overrides into an instance of s
 tree, validating types strictly and reporting every problem as a one-line
 :class:`ConfigError` that names the dotted field.
 
+A field typed with the base class of an algorithm registry
+(:mod:`rftpipe.algos.registry`) selects one of its variants: a name (``sapo``) or a
+mapping ``{type: sapo, tau_pos: 1.2}`` builds that variant's own settings class, and
+:func:`to_dict` writes it back as such a mapping (``type`` first). A mapping without
+``type`` keeps the type of the field's default.
+
 It also provides the helpers needed around a loaded config: a plain-dict view
 (:func:`to_dict`, :func:`dump_yaml`), a stable hash used to refuse resuming a run with
 a different config (:func:`fingerprint`, :func:`diff_keys`), and introspection for
 ``--help`` output and documentation tests (:func:`field_docs`, :func:`iter_fields`).
 
-Only the standard library and PyYAML are imported on purpose: this module runs on
-Slurm login nodes (validating a config before ``sbatch``) where importing torch would
-cost seconds or be impossible.
+Only the standard library, PyYAML and the torch-free registry module are imported on
+purpose: this module runs on Slurm login nodes (validating a config before ``sbatch``)
+where importing torch would cost seconds or be impossible.
 """
 
 from __future__ import annotations
@@ -37,10 +43,12 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from rftpipe.algos.registry import Registry, UnknownVariantError, registry_for, variant_of
 from rftpipe.errors import UserError
 
 __all__ = [
     "ConfigError",
+    "MovedKey",
     "diff_keys",
     "dump_yaml",
     "field_docs",
@@ -86,6 +94,23 @@ class _OverrideValue:
     """The value parsed with ``yaml.safe_load``."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class MovedKey:
+    """An old key of a config section whose value now lives in the settings of the section's
+    variant field that declares it (field metadata ``{"moved": {old key: MovedKey(...)}}``).
+
+    A user's YAML or override that still uses the old key is refused with the new key's
+    name; a saved config (``saved=True``) is migrated: the value moves into the variant's
+    settings when the selected variant has that setting, and is dropped otherwise (older
+    versions wrote every variant's settings, each read only by its own variant)."""
+
+    into: str
+    """The setting's name in the variant's settings class."""
+
+    variants: tuple[str, ...] = ()
+    """The variants the old key applied to (empty: every variant that has the setting)."""
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -105,8 +130,8 @@ def load_config(
             values are parsed as YAML so ``1e-5``, ``true``, ``[1, 2]`` and ``null``
             work.
         saved: the file is a config this program wrote itself earlier (a run
-            directory's), perhaps by an older version: its *retired* values (see
-            :func:`from_dict`) are dropped instead of refused.
+            directory's), perhaps by an older version: its *retired* values are dropped
+            and its *moved* keys migrated instead of refused (see :func:`from_dict`).
 
     Returns:
         The constructed (and ``__post_init__``-validated) config instance.
@@ -133,7 +158,9 @@ def from_dict(
     ``{"retired": {type: explanation}}``. Such a value is refused with the explanation
     (a plain type error would not say what the field means now), except in ``data``
     with ``saved=True``: a config written by an older version is migrated by dropping
-    the value, so the field takes its default. Overrides are always refused.
+    the value, so the field takes its default. Likewise a key that moved into a variant
+    field's settings (see :class:`MovedKey`) is refused with its new name, except in
+    ``data`` with ``saved=True``, which is migrated. Overrides are always refused.
     """
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise TypeError(f"expected a dataclass type, got {cls!r}")
@@ -143,9 +170,9 @@ def from_dict(
         raise TypeError("overrides must be a sequence of 'key=value' strings, not a str")
     if not isinstance(data, Mapping):
         raise ConfigError(f"top level of the config must be a mapping, got {_describe(data)}")
-    tree = _drop_retired(cls, data) if saved else _copy_tree(data)
+    tree = _migrate(cls, data) if saved else _copy_tree(data)
     for item in overrides:
-        _apply_override(tree, item)
+        _apply_override(tree, item, cls)
     return _build(cls, tree, "")
 
 
@@ -159,18 +186,88 @@ def _retired(f: dataclasses.Field, value: Any) -> str | None:
     return retired.get(type(value))
 
 
-def _drop_retired(cls: type, data: Mapping[str, Any]) -> dict[Any, Any]:
-    """A copy of the raw ``data`` without the retired values of ``cls``'s tree."""
+def _migrate(cls: type, data: Mapping[str, Any]) -> dict[Any, Any]:
+    """A copy of the raw ``data`` without the retired values of ``cls``'s tree, and with its
+    moved keys inside the variant fields that now hold them."""
     out = _copy_tree(data)
     hints = _type_hints(cls)
     for f in dataclasses.fields(cls):
+        if f.metadata.get("moved"):
+            _move_into_variant(out, f, hints[f.name])
         if f.name not in out:
             continue
         if _retired(f, out[f.name]) is not None:
             del out[f.name]
         elif (sub := _sub_config(hints[f.name])) is not None and isinstance(out[f.name], Mapping):
-            out[f.name] = _drop_retired(sub, out[f.name])
+            out[f.name] = _migrate(sub, out[f.name])
     return out
+
+
+def _move_into_variant(out: dict[Any, Any], f: dataclasses.Field, hint: Any) -> None:
+    """Move the old keys ``f`` declares (``MovedKey``) from ``out`` into ``out[f.name]``,
+    the raw variant selection, where its variant has the setting; drop them elsewhere."""
+    moved: dict[str, MovedKey] = f.metadata["moved"]
+    old = {key: out.pop(key) for key in list(moved) if key in out}
+    registry = registry_for(hint)
+    if not old or registry is None:
+        return
+    node = out.get(f.name)
+    if node is None:
+        node = {}
+    elif isinstance(node, str):
+        node = {"type": node}
+    elif isinstance(node, Mapping):
+        node = dict(node)
+    else:
+        return  # not a selection at all: _build says so
+    name = node.setdefault("type", _default_variant(f))
+    if name not in registry:
+        out[f.name] = node
+        return  # _build names the unknown variant
+    settings = {s.name for s in dataclasses.fields(registry[name].settings)}
+    for key, value in old.items():
+        rule = moved[key]
+        if rule.into in settings and (not rule.variants or name in rule.variants):
+            node.setdefault(rule.into, value)
+    out[f.name] = node
+
+
+def _default_variant(f: dataclasses.Field) -> str | None:
+    """The variant name of a variant field's default settings."""
+    default = _field_default(f)
+    return None if default is dataclasses.MISSING else variant_of(default)
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    """``f``'s default value (built by its factory), or ``dataclasses.MISSING``."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _moved_message(cls: type, key: str, path: str) -> str | None:
+    """Where the old key ``key`` of section ``cls`` went, if it moved into a variant field."""
+    hints = _type_hints(cls)
+    for f in dataclasses.fields(cls):
+        rule = f.metadata.get("moved", {}).get(key)
+        registry = registry_for(hints[f.name])
+        if rule is None or registry is None:
+            continue
+        dest = _join(path, f.name)
+        owners = [
+            name
+            for name in registry
+            if (not rule.variants or name in rule.variants)
+            and rule.into in {s.name for s in dataclasses.fields(registry[name].settings)}
+        ]
+        which = f"={owners[0]}" if len(owners) == 1 else f" one of {', '.join(owners)}"
+        return (
+            f"config key '{_join(path, key)}' was moved: use {dest}.{rule.into} "
+            f"(with {dest}.type{which})"
+        )
+    return None
 
 
 def _read_yaml(path: Path) -> dict[Any, Any]:
@@ -219,13 +316,14 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 # ------------------------------------------------------------------------- overrides
 
 
-def _apply_override(tree: dict[Any, Any], item: str) -> None:
-    """Set the dotted key of one ``key=value`` override inside the raw ``tree``.
+def _apply_override(tree: dict[Any, Any], item: str, cls: type) -> None:
+    """Set the dotted key of one ``key=value`` override inside the raw ``tree`` of ``cls``.
 
     Intermediate mappings are created as needed: whether the key is actually valid is
     checked later by :func:`_build`, which knows the schema and can suggest the
     closest key. This is also what lets overrides create new keys inside free-form
-    ``dict[str, Any]`` fields.
+    ``dict[str, Any]`` fields. A variant field given by name (``policy_loss: sapo``) becomes
+    ``{type: sapo}`` when an override sets one of its settings.
     """
     key, sep, text = item.partition("=")
     key = key.strip()
@@ -242,7 +340,10 @@ def _apply_override(tree: dict[Any, Any], item: str) -> None:
         ) from None
 
     node = tree
+    owner: type | None = cls  # the dataclass of `node`, while the path follows the schema
     for depth, part in enumerate(parts[:-1]):
+        hint = _type_hints(owner).get(part) if owner is not None else None
+        owner = _sub_config(hint)
         child = node.get(part)
         if isinstance(child, _OverrideValue):
             # An earlier override set this whole subtree; descend into its value.
@@ -251,6 +352,9 @@ def _apply_override(tree: dict[Any, Any], item: str) -> None:
             # ``section:`` with nothing under it loads as None; treat it as empty so
             # that ``section.key=value`` still works.
             child = {}
+        if isinstance(child, str) and registry_for(hint) is not None:
+            # A variant by name alone is that variant with default settings.
+            child = {"type": child}
         if not isinstance(child, dict):
             where = ".".join(parts[: depth + 1])
             raise ConfigError(f"override '{item}': '{where}' is {_describe(child)}, not a mapping")
@@ -293,8 +397,9 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _build(cls: type[T], data: Any, path: str) -> T:
-    """Construct dataclass ``cls`` from the raw mapping ``data`` found at ``path``."""
+def _build(cls: type[T], data: Any, path: str, variant: tuple[Registry, str] | None = None) -> T:
+    """Construct dataclass ``cls`` from the raw mapping ``data`` found at ``path``
+    (``variant``: ``cls`` is the settings class of this registry's variant)."""
     if isinstance(data, _OverrideValue):
         data = data.value
     if isinstance(data, cls):
@@ -307,7 +412,11 @@ def _build(cls: type[T], data: Any, path: str) -> T:
     names = [f.name for f in init_fields]
     for key in data:
         if key not in names:
-            raise ConfigError(_unknown_key_message(str(key), names, path))
+            if variant is not None:
+                raise ConfigError(_unknown_setting_message(str(key), names, path, *variant))
+            raise ConfigError(
+                _moved_message(cls, str(key), path) or _unknown_key_message(str(key), names, path)
+            )
 
     hints = _type_hints(cls)
     kwargs: dict[str, Any] = {}
@@ -316,7 +425,13 @@ def _build(cls: type[T], data: Any, path: str) -> T:
         if f.name in data:
             if (why := _retired(f, data[f.name])) is not None:
                 raise ConfigError(f"config field '{dotted}' {why}")
-            kwargs[f.name] = _coerce(data[f.name], hints[f.name], dotted)
+            registry = registry_for(hints[f.name])
+            if registry is not None:
+                kwargs[f.name] = _coerce_variant(
+                    data[f.name], registry, dotted, _default_variant(f)
+                )
+            else:
+                kwargs[f.name] = _coerce(data[f.name], hints[f.name], dotted)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"missing required config field '{dotted}'")
 
@@ -329,6 +444,64 @@ def _build(cls: type[T], data: Any, path: str) -> T:
         # user knows where to look.
         where = f" in '{path}'" if path else ""
         raise ConfigError(f"config error{where}: {exc}") from exc
+
+
+def _unknown_setting_message(
+    key: str, names: list[str], path: str, registry: Registry, variant: str
+) -> str:
+    """Error text for a key the selected variant's settings lack: the variants that have
+    it, else the closest setting of this one."""
+    owners = [
+        name
+        for name in registry
+        if key in {f.name for f in dataclasses.fields(registry[name].settings)}
+    ]
+    where = f"unknown config key '{_join(path, key)}' for {path}.type={variant}"
+    if owners:
+        return f"{where}; it is a setting of {', '.join(owners)} (set {path}.type)"
+    close = difflib.get_close_matches(key, names, n=1)
+    if close:
+        return f"{where}; did you mean '{_join(path, close[0])}'?"
+    return f"{where}; its keys: {', '.join(['type', *names])}"
+
+
+def _coerce_variant(value: Any, registry: Registry, path: str, default: str | None) -> Any:
+    """Build the settings of the variant ``value`` selects: a name, a mapping with ``type``
+    and settings (without ``type``: the variant ``default``), or a settings instance."""
+    text = value.text if isinstance(value, _OverrideValue) else None
+    if isinstance(value, _OverrideValue):
+        value = value.value
+    if isinstance(value, registry.base):
+        if registry.name_of(type(value)) is None:
+            raise ConfigError(
+                f"config field '{path}': {type(value).__name__} is not the settings class of "
+                f"a registered {registry.family}"
+            )
+        return value
+    if isinstance(value, str) or (text is not None and _is_scalar(value)):
+        name: Any = text if text is not None else value
+        settings: dict[Any, Any] = {}
+    elif isinstance(value, Mapping):
+        settings = dict(value)
+        name = settings.pop("type", default)
+        if isinstance(name, _OverrideValue):
+            name = name.text
+    else:
+        raise ConfigError(
+            f"config field '{path}' expects a {registry.family} name, or a mapping with its "
+            f"type and settings, got {_describe(value)}"
+        )
+    if name is None:
+        raise ConfigError(f"config field '{path}' needs a type: one of {', '.join(registry)}")
+    if not isinstance(name, str):
+        raise ConfigError(
+            f"config field '{path}.type' expects a {registry.family} name, got {_describe(name)}"
+        )
+    try:
+        entry = registry[name]
+    except UnknownVariantError as exc:
+        raise ConfigError(f"config field '{path}': {exc}") from None
+    return _build(entry.settings, settings, path, (registry, name))
 
 
 def _unknown_key_message(key: str, names: list[str], path: str) -> str:
@@ -365,6 +538,10 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
         return _coerce_dict(value, args, path)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, path)
+    if (registry := registry_for(hint)) is not None:
+        return _coerce_variant(
+            value if text is None else _OverrideValue(text, value), registry, path, None
+        )
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -524,6 +701,8 @@ def _type_name(hint: Any) -> str:
         return "a mapping"
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return f"a mapping ({hint.__name__})"
+    if (registry := registry_for(hint)) is not None:
+        return f"a {registry.family} (its name, or a mapping with its type)"
     if isinstance(hint, type):
         return hint.__name__
     return str(hint)
@@ -546,9 +725,12 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 def _to_plain(value: Any) -> Any:
     """Recursively convert dataclasses, mappings and sequences to dicts and lists."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
+        plain = {
             f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init
         }
+        # A variant's settings say which variant they are, so they load back as it.
+        name = variant_of(value)
+        return plain if name is None else {"type": name, **plain}
     if isinstance(value, Mapping):
         return {k: _to_plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -690,12 +872,7 @@ def iter_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
             continue
         name = _join(prefix, f.name)
         hint = hints[f.name]
-        if f.default is not dataclasses.MISSING:
-            default: Any = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = dataclasses.MISSING
+        default = _field_default(f)
         yield name, hint, default
         sub = _sub_config(hint)
         if sub is not None:

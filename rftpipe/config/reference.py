@@ -5,7 +5,9 @@
 
 The walk is :func:`rftpipe.config.loader.iter_fields` and the text is
 :func:`rftpipe.config.loader.field_docs` (the docstring under each field), so the
-reference says exactly what ``--help``-style errors say. Torch-free, like the loader.
+reference says exactly what ``--help``-style errors say. A variant field (one typed with
+an algorithm registry's base class) gets a section listing every registered variant and
+the keys of its settings class. Torch-free, like the loader.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import types
 import typing
 from typing import Any, Literal, Union
 
+from rftpipe.algos.registry import Registry, registry_for, variant_of
 from rftpipe.config.loader import _sub_config, field_docs, iter_fields, to_dict
 from rftpipe.config.schema import RESUME_SAFE_KEYS, SCHEMA_VERSION, RunConfig
 
@@ -50,8 +53,21 @@ def _element_config(hint: Any) -> type | None:
     return None
 
 
-def _sections(root: type) -> list[_Section]:
-    """Every component of the tree, in depth-first declaration order."""
+@dataclasses.dataclass
+class _VariantField:
+    """A field selecting a variant of ``registry`` (``train.policy_loss``)."""
+
+    path: str
+    registry: Registry
+
+
+def _variants_title(path: str) -> str:
+    return f"`{path}` variants"
+
+
+def _sections(root: type, variants: list[_VariantField] | None = None) -> list[_Section]:
+    """Every component of the tree, in depth-first declaration order (the variant fields
+    met on the way are appended to ``variants``)."""
     sections: dict[str, _Section] = {"": _Section("", root)}
 
     def visit(cls: type, prefix: str) -> None:
@@ -62,9 +78,14 @@ def _sections(root: type) -> list[_Section]:
             type_cell = _cell(_type_text(hint))
             sub = _sub_config(hint)
             element = _element_config(hint)
+            registry = registry_for(hint)
             if sub is not None:
                 sections[name] = _Section(name, sub)
                 type_cell = f"[{type_cell}]({_anchor(_title(name))})"
+            elif registry is not None:
+                if variants is not None:
+                    variants.append(_VariantField(name, registry))
+                type_cell = f"[{type_cell}]({_anchor(_variants_title(name))})"
             elif element is not None:
                 type_cell = f"[{type_cell}]({_anchor(_title(name + '[]'))})"
             owner.rows.append((name, type_cell, _cell(_default_text(default)), _cell(doc)))
@@ -91,6 +112,8 @@ def _type_text(hint: Any) -> str:
         return "mapping"
     if hint is Any:
         return "any"
+    if (registry := registry_for(hint)) is not None:
+        return registry.family
     if isinstance(hint, type):
         return hint.__name__
     return str(hint)
@@ -100,6 +123,8 @@ def _default_text(default: Any) -> str:
     """The default as YAML-ish JSON; ``required`` when there is none."""
     if default is dataclasses.MISSING:
         return "required"
+    if (variant := variant_of(default)) is not None:
+        return f"`{json.dumps(variant)}`"
     if dataclasses.is_dataclass(default) and not isinstance(default, type):
         return "(below)"
     value = to_dict(default) if dataclasses.is_dataclass(default) else default
@@ -132,9 +157,46 @@ def _title(path: str) -> str:
     return f"`{path}`" if path else "Top level"
 
 
+def _variant_lines(field: _VariantField) -> list[str]:
+    """The section of one variant field: its variants, then each one's settings."""
+    path, registry = field.path, field.registry
+    lines = [
+        "",
+        f"### {_variants_title(path)}",
+        "",
+        f"The {registry.family} selected by `{path}` (`{path}.type` in a mapping), and the "
+        f"keys of its settings (`rftpipe/algos/variants.py`).",
+        "",
+        "| type | settings |",
+        "|---|---|",
+    ]
+    for name in registry:
+        keys = [f.name for f in dataclasses.fields(registry[name].settings)]
+        heading = f"`{path}.type={name}`"
+        cells = ", ".join(f"`{k}`" for k in keys) or "none"
+        lines.append(f"| [`{name}`]({_anchor(heading)}) | {cells} |")
+    for name in registry:
+        settings = registry[name].settings
+        lines += ["", f"#### `{path}.type={name}`", ""]
+        doc = _class_doc(settings)
+        if doc:
+            lines += [doc, ""]
+        lines.append(f"`{settings.__name__}`")
+        docs = field_docs(settings)
+        rows = [
+            f"| `{path}.{key}` | {_cell(_type_text(hint))} | {_cell(_default_text(default))} "
+            f"| {_cell(docs.get(key, ''))} |"
+            for key, hint, default in iter_fields(settings)
+        ]
+        if rows:
+            lines += ["", "| key | type | default | description |", "|---|---|---|---|", *rows]
+    return lines
+
+
 def render(root: type = RunConfig) -> str:
     """The Markdown text of ``docs/config.md`` for the config tree rooted at ``root``."""
-    sections = _sections(root)
+    variants: list[_VariantField] = []
+    sections = _sections(root, variants)
     lines = [
         "# Config reference",
         "",
@@ -148,7 +210,12 @@ def render(root: type = RunConfig) -> str:
         "(`python -m jobs.submit ... train.lr=1e-5 rollout.n=8`); values are parsed as YAML. "
         "An unknown key names the closest valid one; a bad value names the field. "
         "`list[...]` fields take a YAML list; `key[]` sections describe one element of a list "
-        "field written as a mapping.",
+        "field written as a mapping. An algorithm variant (`advantage.estimator`, "
+        "`kl.estimator`, `train.policy_loss`) is its name (`train.policy_loss: sapo`, the "
+        "variant with default settings) or a mapping of its `type` and settings "
+        "(`{type: sapo, tau_pos: 1.2}`; without `type`, the default's type); on the command "
+        "line `train.policy_loss=sapo train.policy_loss.tau_pos=1.2`. Each variant has its own "
+        "settings ([Variants](#variants)); another variant's settings are refused naming it.",
         "",
         "Sections:",
         "",
@@ -157,6 +224,9 @@ def render(root: type = RunConfig) -> str:
         depth = s.path.count(".") + (1 if s.path else 0)
         indent = "  " * max(depth - 1, 0)
         lines.append(f"{indent}- [{_title(s.path)}]({_anchor(_title(s.path))})")
+    lines.append("- [Variants](#variants)")
+    for v in variants:
+        lines.append(f"  - [{_variants_title(v.path)}]({_anchor(_variants_title(v.path))})")
     for s in sections:
         lines += ["", f"## {_title(s.path)}", ""]
         doc = _class_doc(s.cls)
@@ -172,6 +242,9 @@ def render(root: type = RunConfig) -> str:
             f"| `{key}` | {type_cell} | {default} | {doc} |"
             for key, type_cell, default, doc in s.rows
         ]
+    lines += ["", "## Variants"]
+    for v in variants:
+        lines += _variant_lines(v)
     lines += [
         "",
         "## Keys that may change on resume",

@@ -4,6 +4,10 @@ Every component owns one small frozen dataclass; the root ``RunConfig`` nests th
 Cross-field checks live in ``__post_init__`` and run once at load time
 (``rftpipe.config.loader.load_config``). Nothing here imports torch, so the launch
 layer stays instant on a login node.
+
+An algorithm variant (`advantage.estimator`, `train.policy_loss`, `kl.estimator`) is held as
+the instance of its own settings class, declared with its registry entry in
+``rftpipe.algos.variants``; cross-component checks read the entry's traits.
 """
 
 from __future__ import annotations
@@ -13,16 +17,20 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rftpipe.algos.names import (
-    ESTIMATOR_TRAITS,
-    POLICY_LOSS_TRAITS,
-    AdvantageName,
+from rftpipe.algos.variants import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    AdvantageSettings,
     AggregationName,
+    GRPOSettings,
+    K3Settings,
     KLControllerName,
-    KLEstimatorName,
-    PolicyLossName,
+    KLEstimatorSettings,
+    PolicyLossSettings,
+    PPOClipSettings,
     RolloutCorrectionName,
 )
+from rftpipe.config.loader import MovedKey
 
 SCHEMA_VERSION = 1
 
@@ -641,24 +649,19 @@ class RewardConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AdvantageConfig:
-    estimator: AdvantageName = "grpo"
-    """Advantage estimator (registry key)."""
-
-    eps: float = 1e-6
-    """Added to group standard deviations before dividing (the batch whitening of
-    REINFORCE++ and GAE uses verl's rsqrt(var + 1e-8) instead)."""
-
-    gamma: float = 1.0
-    """Discount for token-level returns (reinforce_pp, gae); reinforce_pp_baseline is
-    sequence-level, as in verl, and ignores it."""
-
-    lam: float = 1.0
-    """GAE's lambda (estimator gae): 1 gives Monte-Carlo returns minus the critic's value,
-    0 one-step TD errors."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.lam <= 1:
-            raise ValueError(f"lam must be in [0, 1], got {self.lam}")
+    estimator: AdvantageSettings = field(
+        default_factory=GRPOSettings,
+        # Until issue 22 these were settings of the advantage section, read by some estimators.
+        metadata={
+            "moved": {
+                "eps": MovedKey("eps"),
+                "gamma": MovedKey("gamma"),
+                "lam": MovedKey("lam"),
+            }
+        },
+    )
+    """Advantage estimator: its name (`grpo`), or a mapping of its `type` and settings
+    (`{type: gae, gamma: 1.0, lam: 0.95}`; see "Variants" below for each one's settings)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -723,11 +726,9 @@ class KLConfig:
     mode: Literal["none", "loss", "reward"] = "none"
     """Where the KL to the reference enters: nowhere, as a loss term, or as a per-token reward penalty."""
 
-    estimator: KLEstimatorName = "k3"
-    """KL estimator: k1 (log ratio; unbiased, can be negative), k2 (half its square; low
-    variance, biased), k3 (unbiased and non-negative; clamped as verl), abs (|log ratio|),
-    or k1_st, k3_st, abs_st: that estimate's value with k2's gradient (straight-through,
-    verl's `k3+`)."""
+    estimator: KLEstimatorSettings = field(default_factory=K3Settings)
+    """KL estimator: its name (`k3`), or a mapping of its `type` (`{type: k3}`); see
+    "Variants" below."""
 
     coef: float = 0.0
     """Initial KL coefficient beta."""
@@ -842,19 +843,27 @@ class TrainConfig:
     micro_batch_size: int = 8
     """Samples per forward/backward; gradients accumulate over a mini-batch."""
 
-    policy_loss: PolicyLossName = "ppo_clip"
-    """Policy loss (registry key)."""
-
-    clip_low: float = 0.2
-    """Lower clip range: ratio >= 1 - clip_low."""
-
-    clip_high: float = 0.2
-    """Upper clip range: ratio <= 1 + clip_high (raise it for clip-higher)."""
-
-    dual_clip: float | None = 3.0
-    """Dual-clip constant c > 1 bounding the loss for negative advantages (None: off).
-    On by default at 3.0, as in verl: a token with a huge ratio and a negative advantage
-    cannot dominate the update. Used by ppo_clip and clip_cov."""
+    policy_loss: PolicyLossSettings = field(
+        default_factory=PPOClipSettings,
+        # Until issue 22 flat train settings, each read by some of the losses.
+        metadata={
+            "moved": {
+                "clip_low": MovedKey("clip_low"),
+                "clip_high": MovedKey("clip_high"),
+                "dual_clip": MovedKey("dual_clip"),
+                "sapo_tau_pos": MovedKey("tau_pos", ("sapo",)),
+                "sapo_tau_neg": MovedKey("tau_neg", ("sapo",)),
+                "clip_cov_ratio": MovedKey("ratio", ("clip_cov",)),
+                "clip_cov_lb": MovedKey("lb", ("clip_cov",)),
+                "clip_cov_ub": MovedKey("ub", ("clip_cov",)),
+                "kl_cov_ratio": MovedKey("ratio", ("kl_cov",)),
+                "kl_cov_coef": MovedKey("coef", ("kl_cov",)),
+            }
+        },
+    )
+    """Policy loss: its name (`sapo`), or a mapping of its `type` and settings
+    (`{type: ppo_clip, clip_low: 0.2, clip_high: 0.28}`; see "Variants" below for each
+    one's settings)."""
 
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
@@ -864,27 +873,6 @@ class TrainConfig:
     the responses' token sums and divides by rollout.max_new_tokens, a constant, as verl's
     agg_loss with loss_scale_factor=max_new_tokens: despite the name, not divided by the
     number of responses (the loss is that many times larger than a mean's)."""
-
-    sapo_tau_pos: float = 1.0
-    """policy_loss=sapo: gate temperature for positive advantages (SAPO paper: 1.0)."""
-
-    sapo_tau_neg: float = 1.05
-    """policy_loss=sapo: gate temperature for negative advantages (SAPO paper: 1.05)."""
-
-    clip_cov_ratio: float = 2e-4
-    """policy_loss=clip_cov: share of valid tokens whose gradient is cut (paper: 2e-4)."""
-
-    clip_cov_lb: float = 1.0
-    """policy_loss=clip_cov: lowest covariance of a token that may be cut."""
-
-    clip_cov_ub: float = 5.0
-    """policy_loss=clip_cov: highest covariance of a token that may be cut."""
-
-    kl_cov_ratio: float = 2e-4
-    """policy_loss=kl_cov: share of valid tokens (highest covariance) given the KL penalty."""
-
-    kl_cov_coef: float = 1.0
-    """policy_loss=kl_cov: coefficient of |log pi - log pi_old| on those tokens."""
 
     entropy_mask_top: float = 1.0
     """Train the policy loss only on this top share of each micro-batch's valid tokens by
@@ -957,11 +945,14 @@ class TrainConfig:
             raise ValueError(
                 f"max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}"
             )
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ValueError("clip_low must be in [0, 1) and clip_high >= 0")
-        self._check_loss_variants()
+        if not 0 < self.entropy_mask_top <= 1:
+            raise ValueError(f"entropy_mask_top must be in (0, 1], got {self.entropy_mask_top}")
+        loss = POLICY_LOSSES.of(self.policy_loss)
+        if loss.traits.sequence_level and self.loss_agg != "seq-mean-token-mean":
+            raise ValueError(
+                f"policy_loss={loss.name} is a per-response loss and needs "
+                f"loss_agg=seq-mean-token-mean, got {self.loss_agg}"
+            )
         if not (math.isfinite(self.correction_cap) and self.correction_cap > 0):
             raise ValueError(
                 f"correction_cap must be a finite number > 0, got {self.correction_cap}"
@@ -977,38 +968,6 @@ class TrainConfig:
             raise ValueError(
                 "correction_low and correction_high must satisfy 0 <= correction_low <= 1 <= "
                 f"correction_high < inf, got {self.correction_low} and {self.correction_high}"
-            )
-
-    def _check_loss_variants(self) -> None:
-        """The settings of the policy-loss variants, and the aggregation each needs."""
-        finite_positive = {
-            "sapo_tau_pos": self.sapo_tau_pos,
-            "sapo_tau_neg": self.sapo_tau_neg,
-        }
-        for key, v in finite_positive.items():
-            if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"{key} must be a finite number > 0, got {v}")
-        for key, v in (
-            ("clip_cov_ratio", self.clip_cov_ratio),
-            ("kl_cov_ratio", self.kl_cov_ratio),
-        ):
-            if not 0 < v <= 1:
-                raise ValueError(f"{key} must be in (0, 1], got {v}")
-        if not self.clip_cov_lb < self.clip_cov_ub:
-            raise ValueError(
-                f"clip_cov_lb must be < clip_cov_ub, got {self.clip_cov_lb} and {self.clip_cov_ub}"
-            )
-        if not (math.isfinite(self.kl_cov_coef) and self.kl_cov_coef >= 0):
-            raise ValueError(f"kl_cov_coef must be a finite number >= 0, got {self.kl_cov_coef}")
-        if not 0 < self.entropy_mask_top <= 1:
-            raise ValueError(f"entropy_mask_top must be in (0, 1], got {self.entropy_mask_top}")
-        if (
-            POLICY_LOSS_TRAITS[self.policy_loss].sequence_level
-            and self.loss_agg != "seq-mean-token-mean"
-        ):
-            raise ValueError(
-                f"policy_loss={self.policy_loss} is a per-response loss and needs "
-                f"loss_agg=seq-mean-token-mean, got {self.loss_agg}"
             )
 
 
@@ -1243,9 +1202,10 @@ class RunConfig:
                 f"eval.metric={self.eval.metric!r} is not a reward component (reward.functions "
                 f"gives {names}); set eval.metric to one of them or eval.size=0"
             )
-        if self.rollout.n == 1 and ESTIMATOR_TRAITS[self.advantage.estimator].needs_groups:
+        estimator = ADVANTAGE_ESTIMATORS.of(self.advantage.estimator)
+        if self.rollout.n == 1 and estimator.traits.needs_groups:
             raise ValueError(
-                f"rollout.n=1 with advantage.estimator={self.advantage.estimator}, which "
+                f"rollout.n=1 with advantage.estimator={estimator.name}, which "
                 "compares samples within a prompt's group: every advantage would be 0; "
                 "set rollout.n >= 2"
             )
@@ -1270,10 +1230,17 @@ class RunConfig:
                 "the reference; set kl.mode=loss or reward (with kl.coef), or drop "
                 "model.reference"
             )
-        if self.advantage.estimator == "gae" and self.critic is None:
+        if estimator.traits.needs_critic and self.critic is None:
             raise ValueError(
-                "advantage.estimator=gae needs a critic: configure `critic` "
+                f"advantage.estimator={estimator.name} needs a critic: configure `critic` "
                 "(e.g. critic.lr=1e-5; critic.model.path defaults to model.path)"
+            )
+        if self.critic is not None and not estimator.traits.needs_critic:
+            # Its returns come from the estimator's GAE settings; no other estimator has any,
+            # and its values would steer nothing.
+            raise ValueError(
+                f"critic is configured but advantage.estimator={estimator.name} does not read "
+                "its values; use an estimator that does (gae) or drop `critic`"
             )
         if (
             self.train.rollout_correction != "none"

@@ -51,7 +51,7 @@ def run(
     `returns`) appended, and the stage's metrics (global over ranks).
 
     With `critic_values`, the critic's values become column `values` and the GAE returns
-    (`advantage.gamma`, `advantage.lam`) column `returns`: the critic's old predictions and
+    (the `advantage.estimator` settings, gamma and lam) column `returns`: the critic's old predictions and
     targets in the train stage, never recomputed once committed.
 
     With `actor_logprobs` (the actor's weights are still those that sampled the rows), its
@@ -106,21 +106,14 @@ def run(
         logprobs=behaviour,
         is_baseline=is_baseline,
         values=values,
-        lam=cfg.advantage.lam,
     )
-    adv = compute_advantages(
-        cfg.advantage.estimator,
-        inputs,
-        eps=cfg.advantage.eps,
-        gamma=cfg.advantage.gamma,
-        reduce_sum=reduce_sum,
-    )
+    adv = compute_advantages(cfg.advantage.estimator, inputs, reduce_sum=reduce_sum)
     table = out.append_column(
         pa.field("advantages", pa.list_(pa.float32())),
         pa.array(unpad(adv, mask), pa.list_(pa.float32())),
     )
     if values is not None:
-        returns = gae_returns(inputs, gamma=cfg.advantage.gamma)
+        returns = gae_returns(inputs, cfg.advantage.estimator)
         table = table.append_column(
             pa.field("returns", pa.list_(pa.float32())),
             pa.array(unpad(returns, mask), pa.list_(pa.float32())),

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from rftpipe.algos.names import ESTIMATOR_TRAITS
+from rftpipe.algos.variants import ADVANTAGE_ESTIMATORS
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.data.prompts import Prompt
 from rftpipe.engines.rollout.base import RolloutEngine
@@ -143,7 +143,9 @@ class RolloutStage(NoSideEffects):
             rank=rt.dist.rank,
             run_seed=rt.cfg.seed,
             prompts=plan.mine,
-            baseline=ESTIMATOR_TRAITS[rt.cfg.advantage.estimator].needs_baseline_rollout,
+            baseline=ADVANTAGE_ESTIMATORS.of(
+                rt.cfg.advantage.estimator
+            ).traits.needs_baseline_rollout,
             seed_stage=self.name,
         )
         table = run(rt.cfg.rollout, rt.rollout_engine, rt.tokenizer, inp)

@@ -25,13 +25,8 @@ from typing import Any
 import torch
 
 from rftpipe.algos.correction import ROLLOUT_CORRECTIONS
-from rftpipe.algos.losses import (
-    AGGREGATIONS,
-    POLICY_LOSSES,
-    LossParams,
-    entropy_top_mask,
-    kl_estimate,
-)
+from rftpipe.algos.losses import AGGREGATIONS, entropy_top_mask, kl_estimate, policy_loss
+from rftpipe.algos.variants import K3Settings
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.data.ptx import PTXExample, ptx_batch
 from rftpipe.data.sampler import rank_slice
@@ -48,6 +43,9 @@ from rftpipe.storage.atomic import CorruptionError
 from rftpipe.storage.baseline_rows import without_baseline
 
 log = logging.getLogger(__name__)
+
+# The drift from the old policy reported as train/kl when there is no reference.
+_DRIFT_KL = K3Settings()
 
 # Per-token sums gathered over the step, all-reduced once at the end.
 #: Stand-in row for a rank with no rows left in a micro-batch slot (its loss weight is 0).
@@ -201,16 +199,7 @@ def _micro_step(
     old, adv, mask = old.to(lp.device), adv.to(lp.device), mask.to(lp.device)
     # The high-entropy token mask narrows only the policy loss; KL and entropy keep all tokens.
     pg_mask = entropy_top_mask(ent, mask, cfg.entropy_mask_top)
-    out = POLICY_LOSSES[cfg.policy_loss](
-        lp,
-        old,
-        adv,
-        pg_mask,
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip,
-        params=_loss_params(cfg),
-    )
+    out = policy_loss(lp, old, adv, pg_mask, cfg.policy_loss)
     corr = ROLLOUT_CORRECTIONS[cfg.rollout_correction](
         old,
         rollout.to(lp.device),
@@ -238,7 +227,7 @@ def _micro_step(
         kl_tok = kl_estimate(lp, ref, kl.estimator) * mask
     else:
         # Without a reference, report the drift from the old (behaviour) policy instead.
-        kl_tok = kl_estimate(lp, old, "k3") * mask
+        kl_tok = kl_estimate(lp, old, _DRIFT_KL) * mask
     full = {**norm, "num_tokens": float(count[0])}  # KL and entropy keep every token
     if kl.mode == "loss":
         loss = loss + inp.kl_coef * agg(kl_tok, mask, **full)
@@ -262,19 +251,6 @@ def _micro_step(
         sums["pg_loss"] += float(agg(pg_tok, pg_mask, **norm))
         sums["correction_weight"] += float((corr.weight * mask).sum())
         sums["correction_masked"] += float(corr.masked.sum())
-
-
-def _loss_params(cfg: TrainConfig) -> LossParams:
-    """The variant-specific settings of the policy losses, from the train config."""
-    return LossParams(
-        sapo_tau_pos=cfg.sapo_tau_pos,
-        sapo_tau_neg=cfg.sapo_tau_neg,
-        clip_cov_ratio=cfg.clip_cov_ratio,
-        clip_cov_lb=cfg.clip_cov_lb,
-        clip_cov_ub=cfg.clip_cov_ub,
-        kl_cov_ratio=cfg.kl_cov_ratio,
-        kl_cov_coef=cfg.kl_cov_coef,
-    )
 
 
 def _finish_metrics(sums: dict[str, float], dist: Dist, correction: bool) -> dict[str, float]:
