@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import random
@@ -220,9 +219,9 @@ def ref_advantages(name: str, b: Batch, gamma: float) -> list[list[float]]:
 
 def _settings(name: str, **settings: float) -> Any:
     """The advantage estimator ``name`` with the given settings (of those it has)."""
-    cls = ADVANTAGE_ESTIMATORS[name].settings
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in settings.items() if k in names})
+    entry = ADVANTAGE_ESTIMATORS[name]
+    names = entry.setting_names()
+    return entry.settings(**{k: v for k, v in settings.items() if k in names})
 
 
 def test_registries_cover_their_literal_names() -> None:

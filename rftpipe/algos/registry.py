@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 __all__ = [
     "Registry",
@@ -68,6 +68,11 @@ class Variant(Generic[S, T, F]):
 
     fn: F | None = None
     """The function computing it (None until its torch module attached it)."""
+
+    def setting_names(self) -> tuple[str, ...]:
+        """Its settings' names: the config keys next to `type`."""
+        # register() checked that `settings` is a dataclass; S itself is unbounded.
+        return tuple(f.name for f in dataclasses.fields(cast(Any, self.settings)))
 
 
 class Registry(Generic[S, T, F]):

@@ -221,10 +221,10 @@ def _move_into_variant(out: dict[Any, Any], f: dataclasses.Field, hint: Any) -> 
     else:
         return  # not a selection at all: _build says so
     name = node.setdefault("type", _default_variant(f))
-    if name not in registry:
+    if not isinstance(name, str) or name not in registry:
         out[f.name] = node
         return  # _build names the unknown variant
-    settings = {s.name for s in dataclasses.fields(registry[name].settings)}
+    settings = registry[name].setting_names()
     for key, value in old.items():
         rule = moved[key]
         if rule.into in settings and (not rule.variants or name in rule.variants):
@@ -260,7 +260,7 @@ def _moved_message(cls: type, key: str, path: str) -> str | None:
             name
             for name in registry
             if (not rule.variants or name in rule.variants)
-            and rule.into in {s.name for s in dataclasses.fields(registry[name].settings)}
+            and rule.into in registry[name].setting_names()
         ]
         which = f"={owners[0]}" if len(owners) == 1 else f" one of {', '.join(owners)}"
         return (
@@ -451,11 +451,7 @@ def _unknown_setting_message(
 ) -> str:
     """Error text for a key the selected variant's settings lack: the variants that have
     it, else the closest setting of this one."""
-    owners = [
-        name
-        for name in registry
-        if key in {f.name for f in dataclasses.fields(registry[name].settings)}
-    ]
+    owners = [name for name in registry if key in registry[name].setting_names()]
     where = f"unknown config key '{_join(path, key)}' for {path}.type={variant}"
     if owners:
         return f"{where}; it is a setting of {', '.join(owners)} (set {path}.type)"

@@ -171,7 +171,7 @@ def _variant_lines(field: _VariantField) -> list[str]:
         "|---|---|",
     ]
     for name in registry:
-        keys = [f.name for f in dataclasses.fields(registry[name].settings)]
+        keys = registry[name].setting_names()
         heading = f"`{path}.type={name}`"
         cells = ", ".join(f"`{k}`" for k in keys) or "none"
         lines.append(f"| [`{name}`]({_anchor(heading)}) | {cells} |")
