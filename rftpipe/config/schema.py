@@ -1174,8 +1174,9 @@ class RunConfig:
     """KL to the reference policy."""
 
     critic: CriticConfig | None = None
-    """The value model of actor-critic PPO (None: no critic; `advantage.estimator=gae`
-    needs one, e.g. `critic.lr=1e-5`)."""
+    """The value model of actor-critic PPO (None: no critic). `advantage.estimator=gae`
+    needs one (e.g. `critic.lr=1e-5`), and it is only for such an estimator, whose gamma
+    and lam also give the critic's returns."""
 
     train: TrainConfig = field(default_factory=TrainConfig)
     """Train stage."""

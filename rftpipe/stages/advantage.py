@@ -51,8 +51,8 @@ def run(
     `returns`) appended, and the stage's metrics (global over ranks).
 
     With `critic_values`, the critic's values become column `values` and the GAE returns
-    (the `advantage.estimator` settings, gamma and lam) column `returns`: the critic's old predictions and
-    targets in the train stage, never recomputed once committed.
+    (with the gamma and lam of `advantage.estimator`) column `returns`: the critic's old
+    predictions and targets in the train stage, never recomputed once committed.
 
     With `actor_logprobs` (the actor's weights are still those that sampled the rows), its
     logprobs become column `old_logprobs`: PPO's old policy in the train stage and the
