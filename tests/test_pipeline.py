@@ -249,7 +249,7 @@ def test_remax_greedy_baseline_rows(tmp_path: Path) -> None:
         assert abs(m["rollout/baseline_reward_mean"] - step_greedy["reward"].mean()) < 1e-9
     # The run-directory tool leaves them out of its statistics too.
     r = subprocess.run(
-        [sys.executable, "-m", "tools.inspect", str(run), "summary", "--json"],
+        [sys.executable, "-m", "rftpipe.inspect", str(run), "summary", "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,

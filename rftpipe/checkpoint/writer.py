@@ -69,7 +69,7 @@ def list_committed(root: Path) -> list[Checkpoint]:
 
 
 def verify(ckpt: Checkpoint) -> None:
-    """Check every file of a checkpoint in full (for `tools.inspect verify`; a restart
+    """Check every file of a checkpoint in full (for `rftpipe inspect RUN verify`; a restart
     verifies what it loads while loading it instead, see `load`)."""
     for exc in checkpoint_corruption(ckpt.path):
         raise exc
