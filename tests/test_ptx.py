@@ -17,7 +17,7 @@ from rftpipe.config.schema import DatasetSourceConfig, KLConfig, PTXConfig, Trai
 from rftpipe.data.prompts import load_ptx_examples, ptx_batch, rank_slice
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
-from rftpipe.engines.train.base import SingleDeviceEngine
+from rftpipe.engines.train.single import SingleDeviceEngine
 from rftpipe.stages import train
 
 #: Questions and answers of the PTX file: short, so the tiny model learns them in a few steps.

@@ -24,7 +24,7 @@ from rftpipe.config.schema import RolloutConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, load_tokenizer
 from rftpipe.engines.rollout.base import HFGenerateEngine, RolloutEngine, stop_length
-from rftpipe.engines.train.base import build_micro_batch, response_logprobs
+from rftpipe.engines.train.forward import build_micro_batch, response_logprobs
 
 CFG = RolloutConfig(n=4, max_new_tokens=8, temperature=0.9)
 PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [70, 71]]

@@ -821,7 +821,7 @@ def bench_floor(a: argparse.Namespace) -> dict[str, Any]:
     from rftpipe.dist import Dist
     from rftpipe.engines.models import load_causal_lm
     from rftpipe.engines.rollout.base import HFGenerateEngine
-    from rftpipe.engines.train.base import SingleDeviceEngine
+    from rftpipe.engines.train.single import SingleDeviceEngine
     from rftpipe.seeding import derive_seed
     from rftpipe.stages.advantage import pad_ragged
 

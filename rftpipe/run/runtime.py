@@ -32,7 +32,8 @@ from rftpipe.data.prompts import (
 from rftpipe.dist import Dist
 from rftpipe.engines import models
 from rftpipe.engines.rollout.base import HFGenerateEngine, RolloutEngine
-from rftpipe.engines.train.base import TRAIN_ENGINES, TrainEngine
+from rftpipe.engines.train import TRAIN_ENGINES
+from rftpipe.engines.train.base import TrainEngine
 from rftpipe.engines.train.critic import Critic, critic_train_config, head_seed, load_value_model
 from rftpipe.errors import UserError
 from rftpipe.rewards.resolve import RewardComponent, check_coverage, resolve_all

@@ -11,8 +11,8 @@ import torch
 from rftpipe.algos.losses import AGGREGATIONS
 from rftpipe.algos.value import clipped_value_loss
 from rftpipe.dist import Dist
-from rftpipe.engines.train.base import split_micro_batches
 from rftpipe.engines.train.critic import Critic
+from rftpipe.engines.train.forward import split_micro_batches
 from rftpipe.stages.advantage import pad_ragged
 from rftpipe.stages.train import TrainInputs, minibatch_plan
 

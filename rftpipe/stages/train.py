@@ -35,7 +35,8 @@ from rftpipe.algos.losses import (
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.data.prompts import PTXExample, ptx_batch, rank_slice
 from rftpipe.dist import Dist
-from rftpipe.engines.train.base import TrainEngine, split_micro_batches
+from rftpipe.engines.train.base import TrainEngine
+from rftpipe.engines.train.forward import split_micro_batches
 from rftpipe.faults import fault
 from rftpipe.observe import perf
 from rftpipe.seeding import derive_seed
