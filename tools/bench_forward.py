@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(a.model).to(a.device)
     model.config.use_cache = False
     if a.checkpointing:
-        base._enable_activation_checkpointing(model)
+        base.enable_activation_checkpointing(model)
     model.train()
     prompts, responses = synthetic_rows(a, model.config.vocab_size)
     impls = {"current": current.grouped_logprobs, "baseline": baseline.grouped_logprobs}

@@ -142,7 +142,7 @@ def adamw(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.AdamW:
     )
 
 
-def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute every decoder layer's forward in the backward (non-reentrant checkpoint,
     which needs no input that requires grad and works under FSDP2)."""
     kwargs = {"use_reentrant": False}
@@ -183,7 +183,7 @@ class _EngineBase:
         if cfg.gradient_checkpointing and role == "actor":
             # Before the backend wraps the layers: FSDP2's hooks then stay outside the
             # checkpointed forward, so the recompute does not gather the parameters twice.
-            _enable_activation_checkpointing(model)
+            enable_activation_checkpointing(model)
         self.model = self._prepare(model)
         self._init_role(role, total_updates)
 
