@@ -150,3 +150,41 @@ def test_docs_show_these_layers() -> None:
         "docs/architecture.md's layer table differs from tests/test_architecture.py LAYERS:\n"
         + layer_table()
     )
+
+
+def private_uses(path: Path) -> list[str]:
+    """Private names of rftpipe that the file at `path` reaches into: `from rftpipe.x import
+    _y`, or `_y` read off a module imported from rftpipe."""
+    tree = ast.parse(path.read_text())
+    out: list[str] = []
+    modules_bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rftpipe"):
+            for a in node.names:
+                if a.name.startswith("_"):
+                    out.append(f"{node.module}.{a.name}")
+                elif f"{node.module}.{a.name}" in modules():
+                    modules_bound.add(a.asname or a.name)
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules_bound
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            out.append(f"{node.value.id}.{node.attr}")
+    return out
+
+
+def test_tools_use_only_public_api() -> None:
+    found = {p.name: private_uses(p) for p in sorted((ROOT / "tools").glob("*.py"))}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_private_use_finder_finds_them(tmp_path: Path) -> None:
+    f = tmp_path / "t.py"
+    f.write_text(
+        "from rftpipe.run.runtime import _x\nfrom rftpipe.engines.train import base\nbase._y(1)\n"
+    )
+    assert private_uses(f) == ["rftpipe.run.runtime._x", "base._y"]
