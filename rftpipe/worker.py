@@ -13,7 +13,7 @@ import sys
 import time
 
 from rftpipe.config.loader import load_config
-from rftpipe.config.schema import RunConfig
+from rftpipe.config.schema import RunConfig, refuse_stretched_lr_schedule
 from rftpipe.errors import UserError
 from rftpipe.faults import EventLog, events, set_event_log
 from rftpipe.store import RunDir, prefetch_newest_checkpoint
@@ -70,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"run_dir: {run.root} has no config.yaml (create runs with jobs.submit)"
             )
         cfg = load_config(RunConfig, run.active_config_path())
+        if run.pending_config_path.exists():
+            # A resume's new config, which replaces config.yaml only once the resume checks
+            # pass: checked here, as every launch path starts this, whoever wrote the file.
+            refuse_stretched_lr_schedule(load_config(RunConfig, run.config_path), cfg)
         from rftpipe.dist import init_from_env
 
         dist = init_from_env(require_group=cfg.train.backend != "single")
