@@ -77,7 +77,8 @@ def verify(ckpt: Checkpoint) -> None:
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(values holding tensors, for DCP; plain values, for the extras)."""
-    tensors, plain = {}, {}
+    tensors: dict[str, Any] = {}
+    plain: dict[str, Any] = {}
     for k, v in state.items():
         (tensors if _has_tensor(v) else plain)[k] = v
     return tensors, plain

@@ -309,7 +309,7 @@ COMPARE_KEYS = [
 
 
 def _final_and_mean(rows: Sequence[dict[str, Any]], key: str) -> tuple[Any, Any]:
-    vals = [r.get(key) for r in rows if r.get(key) is not None]
+    vals = [v for r in rows if (v := r.get(key)) is not None]
     return (rows[-1].get(key), sum(vals) / len(vals) if vals else None)
 
 

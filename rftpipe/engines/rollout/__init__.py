@@ -29,7 +29,9 @@ def _hf_engine(
     rollout_model = (
         actor
         if cfg.train.backend == "single"
-        else models.load_causal_lm(model_dir, cfg.model.dtype).to(dist.device)
+        # transformers declares PreTrainedModel.to as functools.wraps(nn.Module.to), which
+        # mypy reads as the unbound function (self first).
+        else models.load_causal_lm(model_dir, cfg.model.dtype).to(dist.device)  # type: ignore[arg-type]
     )
     return HFGenerateEngine(
         rollout_model,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
@@ -56,9 +57,11 @@ class RolloutEngine(Protocol):
         ...
 
     def update_weights(
-        self, weights: torch.nn.Module | Mapping[str, torch.Tensor], version: int
+        self, weights: torch.nn.Module | Mapping[str, torch.Tensor] | Path, version: int
     ) -> None:
-        """Sample from `weights` from now on; wakes a sleeping engine first."""
+        """Sample from `weights` from now on; wakes a sleeping engine first. A `Path` is a
+        directory of safetensors (`rollout.inference.weight_sync=disk`), which only engines
+        that hold their own copy of the weights (vLLM, SGLang) take."""
         ...
 
     def sleep(self) -> None:

@@ -4,12 +4,14 @@ transformers model, and its stop-string check (vLLM's rule)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, GenerationConfig
 
 from rftpipe.config.schema import RolloutConfig
-from rftpipe.engines.rollout.base import GroupOutput, split_groups
+from rftpipe.engines.models import as_causal_lm
+from rftpipe.engines.rollout.base import FinishReason, GroupOutput, split_groups
 
 
 class HFGenerateEngine:
@@ -77,7 +79,7 @@ class HFGenerateEngine:
         self.model.eval()
         # Each distinct prompt is prefilled once; its n samples then share that KV cache
         # (repeated n-fold), so prefill costs one row per group instead of n.
-        cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache(config=as_causal_lm(self.model).config)
         logits = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -95,7 +97,9 @@ class HFGenerateEngine:
         eos = torch.tensor(self.eos_ids, device=device)
         # Per row, its length once it ended (EOS or stop string), None while it runs.
         ends: list[int | None] = [None] * rows
-        texts = _StopText(self.decode, cfg.stop, rows) if cfg.stop else None
+        texts = None
+        if cfg.stop and self.decode is not None:  # `__init__` refuses stop without decode
+            texts = _StopText(self.decode, cfg.stop, rows)
         new_tokens: list[torch.Tensor] = []
         new_lps: list[torch.Tensor] = []
         for t in range(cfg.max_new_tokens):
@@ -124,7 +128,9 @@ class HFGenerateEngine:
                 use_cache=True,
             ).logits[:, -1]
         self.model.train(was_training)
-        tokens, logprobs, reasons = [], [], []
+        tokens: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        reasons: list[FinishReason] = []
         for row, row_lp, end in zip(
             torch.stack(new_tokens, 1).tolist(), torch.stack(new_lps, 1).tolist(), ends, strict=True
         ):
@@ -172,11 +178,13 @@ class HFGenerateEngine:
             chunk = prompts[i : i + batch]
             ids, mask = (t.to(device) for t in _left_pad(chunk, self.pad_id))
             width = ids.shape[1]
-            seq = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+            seq = as_causal_lm(self.model).generate(
+                input_ids=ids, attention_mask=mask, generation_config=cfg
+            )
             for row in seq[:, width:].tolist():
                 end = next((i for i, t in enumerate(row) if t in self.eos_ids), len(row))
                 row = row[:end]
-                if self.cfg.stop:
+                if self.cfg.stop and self.decode is not None:
                     # Greedy rows do not depend on each other, so cutting a row after its
                     # stop string equals having stopped it there.
                     row = row[: stop_length(self.decode, row, self.cfg.stop)]
@@ -185,9 +193,14 @@ class HFGenerateEngine:
         return outs
 
     def update_weights(
-        self, weights: torch.nn.Module | Mapping[str, torch.Tensor], version: int
+        self, weights: torch.nn.Module | Mapping[str, torch.Tensor] | Path, version: int
     ) -> None:
         """Take new weights: free when they are this engine's own module (colocated)."""
+        if isinstance(weights, Path):
+            raise TypeError(
+                "the HF engine takes weights in memory; rollout.inference.weight_sync=disk "
+                "is for engines that hold their own copy"
+            )
         if weights is not self.model:
             state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
             self.model.load_state_dict(state)

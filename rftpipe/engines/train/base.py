@@ -19,6 +19,7 @@ import torch
 
 from rftpipe.config.schema import TrainConfig
 from rftpipe.dist import Dist
+from rftpipe.engines.models import as_decoder_model
 from rftpipe.engines.train.ema import ParameterEMA
 from rftpipe.engines.train.forward import (
     build_micro_batch,
@@ -132,7 +133,7 @@ def adamw(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.AdamW:
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ],
         lr=cfg.lr,
-        betas=tuple(cfg.betas),
+        betas=(cfg.betas[0], cfg.betas[1]),  # validated: exactly two
         eps=cfg.adam_eps,
         # One fused kernel on CPU and GPU: elementwise, so bitwise repeatable on any thread
         # count and on any partitioning of the parameters (DeepSpeed steps it on flat
@@ -151,7 +152,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     if enable is not None:
         enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        as_decoder_model(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class _EngineBase:
@@ -298,7 +299,8 @@ class _EngineBase:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         # The gradients' device, not the compute device: FSDP2's CPU offload keeps them on
         # the host, where foreach=True is refused.
-        on_gpu = bool(params) and params[0].grad.device.type == "cuda"
+        grad = params[0].grad if params else None
+        on_gpu = grad is not None and grad.device.type == "cuda"
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=on_gpu)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
             norm = norm.full_tensor()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from rftpipe.dist import Dist
 from rftpipe.engines.train.base import TrainEngine
 from rftpipe.engines.train.forward import build_micro_batch, split_micro_batches
 from rftpipe.seeding import derive_seed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def head_seed(run_seed: int) -> int:
@@ -34,12 +38,12 @@ class ValueModel(torch.nn.Module):
     (``model.layers.0...``); FSDP2 shards ``get_decoder().layers`` like the actor's.
     """
 
-    def __init__(self, backbone: torch.nn.Module, head: torch.nn.Linear) -> None:
+    def __init__(self, backbone: PreTrainedModel, head: torch.nn.Linear) -> None:
         super().__init__()
         self.model = backbone
         self.value_head = head
 
-    def get_decoder(self) -> torch.nn.Module:
+    def get_decoder(self) -> PreTrainedModel:
         return self.model
 
     def get_input_embeddings(self) -> torch.nn.Module:

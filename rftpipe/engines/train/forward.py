@@ -14,6 +14,7 @@ import torch
 
 from rftpipe.algos.losses import entropy_from_logits, gather_logprobs
 from rftpipe.config.schema import TrainConfig
+from rftpipe.engines.models import as_causal_lm, as_decoder_model
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,7 +86,7 @@ def _head_logprobs(
     entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """lm_head on just the positions that predict response tokens, then logprobs/entropy."""
-    logits = model.get_output_embeddings()(hidden).float()
+    logits = as_causal_lm(model).get_output_embeddings()(hidden).float()
     lp = gather_logprobs(logits, tokens, temperature=temperature)
     ent = _entropy(logits, temperature, entropy_grad) if with_entropy else None
     return lp, ent
@@ -95,7 +96,8 @@ def response_logprobs(
     model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) logprobs of the response tokens under logits / T from one full-sequence forward."""
-    hidden = model.get_decoder()(
+    decoder = as_decoder_model(model).get_decoder()
+    hidden = decoder(
         input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
     ).last_hidden_state
     idx = mb.response_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
@@ -209,13 +211,14 @@ def grouped_logprobs(
     instead of 1.11 s and 19.2 instead of 25.4 GiB peak on an H100; 16-token responses
     0.99x (2 groups) and 0.88x (4 groups) the time on 2 CPU threads.
     """
-    device = model.get_input_embeddings().weight.device
+    device = as_decoder_model(model).get_input_embeddings().weight.device
     t_max = max(1, max(len(r) for r in responses))
     resp = torch.zeros((len(responses), t_max), dtype=torch.long)
     for i, r in enumerate(responses):
         resp[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
     forest = prefix_forest(prompts, responses, t_max)
-    hidden = model.get_decoder()(
+    decoder = as_decoder_model(model).get_decoder()
+    hidden = decoder(
         input_ids=forest.input_ids.to(device),
         position_ids=forest.position_ids.to(device),
         attention_mask=forest.attention_mask.to(device),

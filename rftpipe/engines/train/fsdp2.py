@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 
+from rftpipe.engines.models import as_decoder_model
 from rftpipe.engines.train.base import _EngineBase
 
 
@@ -45,9 +47,11 @@ class FSDP2Engine(_EngineBase):
             if self.cfg.cpu_offload == "all"
             else OffloadPolicy()
         )
-        kw = {"mp_policy": mp, "offload_policy": offload}
-        units = [fully_shard(layer, **kw) for layer in model.get_decoder().layers]
-        units.append(fully_shard(model, **kw))
+        units = [
+            fully_shard(layer, mp_policy=mp, offload_policy=offload)
+            for layer in as_decoder_model(model).get_decoder().layers
+        ]
+        units.append(fully_shard(model, mp_policy=mp, offload_policy=offload))
         # Each unit reduces its own gradients, so each needs both settings: a plain SUM
         # (gloo has no PREMUL_SUM, and with factor 1 there is nothing to scale anyway).
         for unit in units:
@@ -85,4 +89,6 @@ class FSDP2Engine(_EngineBase):
         """Full (unsharded) weights on every rank, for the rollout engine's own copy."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        # Typed for every option; full_state_dict=True gives plain tensors.
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        return cast(dict[str, torch.Tensor], full)
