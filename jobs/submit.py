@@ -18,7 +18,7 @@ from pathlib import Path
 
 from jobs import slurm
 from rftpipe.config.loader import diff_keys, dump_yaml, load_config, to_dict
-from rftpipe.config.schema import RESUME_SAFE_KEYS, RunConfig
+from rftpipe.config.schema import RESUME_SAFE_KEYS, RunConfig, refuse_stretched_lr_schedule
 from rftpipe.errors import UserError
 from rftpipe.stages import FINAL
 from rftpipe.storage.atomic import atomic_write_bytes
@@ -85,14 +85,7 @@ def resolve_config(args: argparse.Namespace, run_dir: Path) -> RunConfig:
             f"resume: {run_dir} was started with a different config ({', '.join(changed)} changed); "
             "pass --allow-fingerprint-mismatch to resume anyway"
         )
-    if new.total_steps != old.total_steps and new.train.lr_schedule != "constant":
-        # The schedule's horizon is total_steps: changing it would change the LR of every
-        # update, replayed ones included, so the run would no longer equal itself.
-        raise UserError(
-            f"total_steps: a run with train.lr_schedule={new.train.lr_schedule} cannot change "
-            f"it on resume ({old.total_steps} -> {new.total_steps}): the schedule spans "
-            "total_steps; start a new run directory for a longer schedule"
-        )
+    refuse_stretched_lr_schedule(old, new)
     return new
 
 

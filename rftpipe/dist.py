@@ -45,7 +45,7 @@ class Dist:
         if self.world > 1:
             tdist.barrier()
 
-    def _all_reduce(self, t: torch.Tensor, op: tdist.ReduceOp) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, op: tdist.ReduceOp.RedOpType) -> torch.Tensor:
         if self.world == 1:
             return t.clone()
         # NCCL reduces only device tensors; callers keep their small CPU tensors.

@@ -4,7 +4,8 @@
 reaches one of the named points (``RFTPIPE_FAULT_SKIP=k`` lets k hits pass first). The
 hit is appended to ``events.jsonl`` (`rftpipe.observe.events`) *before* the kill so tests
 can prove every fault point was exercised. ``RFTPIPE_SLOW=stage=seconds[,...]`` stretches
-a stage's compute, so a test can aim a preemption at a known stage. Outside tests each
+a stage's compute (and ``STAGE_replay`` a restart's replay of a committed one, e.g.
+``train_replay``), so a test can aim a preemption at a known stage. Outside tests each
 check is one dict lookup.
 """
 

@@ -24,7 +24,8 @@ from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.data.sampler import rank_slice
 from rftpipe.dist import init_from_env
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
-from rftpipe.engines.train.base import TRAIN_ENGINES, TrainEngine
+from rftpipe.engines.train import TRAIN_ENGINES
+from rftpipe.engines.train.base import TrainEngine
 from rftpipe.stages import batching, train
 
 GROUPS, SAMPLES = 4, 4

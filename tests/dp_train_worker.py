@@ -21,7 +21,7 @@ from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.data.sampler import rank_slice
 from rftpipe.dist import init_from_env
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
-from rftpipe.engines.train.base import FSDP2Engine
+from rftpipe.engines.train.fsdp2 import FSDP2Engine
 from rftpipe.stages import batching, train
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -321,6 +323,30 @@ def test_resume_that_would_stretch_a_decaying_lr_schedule(tmp_path: Path) -> Non
     _expect_error(res, "total_steps", "lr_schedule=cosine", "2 -> 4")
     assert (run / "config.yaml").read_bytes() == before
     assert not (run / "config.next.yaml").exists()
+
+
+def test_worker_refuses_a_stretched_lr_schedule_too(tmp_path: Path) -> None:
+    """The same rule at the worker, which every launch path starts (a plain sbatch of
+    rftpipe.sbatch, submitit, the local launcher): a pending config with another
+    total_steps is refused before anything runs, whoever wrote it."""
+    run = tmp_path / "cos"
+    made = submit(run, "total_steps=2", "train.lr_schedule=cosine", extra=("--create-only",))
+    assert made.returncode == 0, made.stderr
+    before = (run / "config.yaml").read_bytes()
+    assert b"\ntotal_steps: 2\n" in before
+    (run / "config.next.yaml").write_bytes(
+        before.replace(b"\ntotal_steps: 2\n", b"\ntotal_steps: 4\n")
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "rftpipe.run.worker", str(run)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    _expect_error(res, "total_steps", "train.lr_schedule=cosine", "2 -> 4")
+    assert (run / "config.yaml").read_bytes() == before
+    assert not (run / "stages").exists()
 
 
 def _without(tmp_path: Path, package: str) -> dict[str, str]:

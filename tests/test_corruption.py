@@ -78,7 +78,7 @@ def test_restart_reads_no_stage_before_its_checkpoint_and_verify_finds_it(
     reference: Path, tmp_path: Path
 ) -> None:
     """Restart work does not grow with the run: a corrupt stage older than the checkpoint is
-    never read by it; `tools.inspect verify` (off the critical path) reports it."""
+    never read by it; `rftpipe.inspect verify` (off the critical path) reports it."""
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     shard = run / "stages" / "step=1" / "rollout" / "part-r0.parquet"
@@ -95,7 +95,7 @@ def test_restart_reads_no_stage_before_its_checkpoint_and_verify_finds_it(
 
 
 def _inspect_verify(run: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "tools.inspect", str(run), "verify"]
+    cmd = [sys.executable, "-m", "rftpipe.inspect", str(run), "verify"]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
 
 

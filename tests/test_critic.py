@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkpoint_tensors, dcp_chunks, submit, trajectories, two_ranks_then_one
+from helpers import (
+    checkpoint_tensors,
+    committed_hash,
+    dcp_chunks,
+    events,
+    submit,
+    trajectories,
+    two_ranks_then_one,
+)
 from safetensors.torch import load_file
 
 from rftpipe.algos.advantage import AdvantageInputs, compute_advantages, gae_returns
@@ -218,3 +226,37 @@ def test_critic_reshards_from_two_ranks_to_one_on_resume(tmp_path: Path) -> None
     b = checkpoint_tensors(killed / "checkpoints" / "step=4", "critic.")
     assert any(k.startswith("critic.optim") for k in a), sorted(a)[:5]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_decaying_critic_lr_keeps_total_steps_on_resume(tmp_path: Path) -> None:
+    """critic.lr_schedule spans total_steps as the actor's does. A run killed right after
+    step 3's train commit (the 14th) and extended on resume would take other LRs from step 4
+    on, yet its replay check passes: the one replayed update takes its LR from the restored
+    optimizer. So the extension is refused (exit 2, one line, nothing committed changes);
+    resumed as it was, the replay equals its commit and the run completes."""
+    run = tmp_path / "run"
+    env = {"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "13"}
+    out = submit(run, "total_steps=3", "critic.lr_schedule=cosine", *CRITIC, env=env)
+    assert out.returncode != 0
+    step3 = run / "stages" / "step=3"
+    assert (step3 / "train" / "MANIFEST.json").exists()
+    assert not (step3 / "sync" / "MANIFEST.json").exists()
+    before = committed_hash(run)
+
+    res = submit(run, "total_steps=6", config=None)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
+    for needle in ("total_steps", "critic.lr_schedule=cosine", "3 -> 6"):
+        assert needle in lines[0], (needle, lines[0])
+    assert committed_hash(run) == before
+
+    out = submit(run, "total_steps=3", config=None)
+    assert out.returncode == 0, out.stderr[-3000:]
+    replays = [e for e in events(run) if e["event"] == "replay"]
+    # `identical` compares every update metric of the commit, the critic's LR among them.
+    assert [(e["step"], e["identical"]) for e in replays] == [(3, True)]
+    committed = json.loads((step3 / "train" / "MANIFEST.json").read_text())["metrics"]
+    assert committed["critic/lr"] == _metrics(run)[2]["critic/lr"]
+    assert len(_metrics(run)) == 3

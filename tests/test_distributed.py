@@ -15,7 +15,7 @@ from helpers import ROOT, events, final_weights, submit, trajectories
 from safetensors.torch import load_file
 
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
-from rftpipe.engines.train.base import build_micro_batch, response_logprobs
+from rftpipe.engines.train.forward import build_micro_batch, response_logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 # A KL term in the loss puts the sharded reference role through the pipeline too. Two

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from rftpipe.config.schema import TrainConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.models import prepare_tiny
-from rftpipe.engines.train.base import SingleDeviceEngine
 from rftpipe.engines.train.ema import ParameterEMA
+from rftpipe.engines.train.single import SingleDeviceEngine
 
 
 def test_ema_update_by_hand() -> None:

@@ -7,8 +7,8 @@ import torch
 
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
-from rftpipe.engines.rollout.base import HFGenerateEngine
-from rftpipe.engines.train.base import (
+from rftpipe.engines.rollout.hf import HFGenerateEngine
+from rftpipe.engines.train.forward import (
     build_micro_batch,
     grouped_logprobs,
     response_logprobs,
@@ -116,7 +116,7 @@ def test_top_k_1_sampling_decodes_like_generate_greedy(tiny) -> None:
 
 
 def test_sampling_filters_and_draws_in_proportion(tiny) -> None:
-    from rftpipe.engines.rollout.base import _sample
+    from rftpipe.engines.rollout.hf import _sample
 
     model, tok = tiny
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -149,7 +149,7 @@ def test_min_new_tokens_holds_eos_back(tiny) -> None:
 def _engine(role: str = "actor"):
     from rftpipe.config.schema import TrainConfig
     from rftpipe.dist import Dist
-    from rftpipe.engines.train.base import SingleDeviceEngine
+    from rftpipe.engines.train.single import SingleDeviceEngine
 
     model = load_causal_lm(prepare_tiny(), "float32")
     # A schedule whose LR changes at every update, so a lost scheduler state shows.

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from rftpipe.checkpoint import writer
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
-from rftpipe.engines.rollout.base import HFGenerateEngine
+from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.stages import ORDER
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

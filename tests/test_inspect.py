@@ -1,4 +1,4 @@
-"""tools.inspect against one real tiny run, checked against an independent pandas reading."""
+"""rftpipe.inspect against one real tiny run, checked against an independent pandas reading."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ STEPS = 10
 def inspect(*args: str | Path) -> subprocess.CompletedProcess:
     """The real command line, as a user runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "tools.inspect", *map(str, args)],
+        [sys.executable, "-m", "rftpipe.inspect", *map(str, args)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -64,7 +64,7 @@ def manifest(run: Path, step: int, stage: str) -> dict[str, Any] | None:
 
 
 def expected_summary(run: Path) -> list[dict[str, Any]]:
-    """The summary recomputed without tools.inspect: pandas over the published rows plus
+    """The summary recomputed without rftpipe.inspect: pandas over the published rows plus
     the train/stage manifests."""
     df = frame(run)
     # Numeric components (not reward_status / reward_error).

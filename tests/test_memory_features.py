@@ -20,14 +20,14 @@ from safetensors.torch import load_file
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
-from rftpipe.engines.train.base import (
-    SingleDeviceEngine,
+from rftpipe.engines.train.forward import (
     build_micro_batch,
     grouped_logprobs,
     prefix_forest,
     response_logprobs,
     split_micro_batches,
 )
+from rftpipe.engines.train.single import SingleDeviceEngine
 from rftpipe.stages import batching, train
 
 PROMPT_LENGTHS = (6, 11, 4, 9)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from rftpipe.checkpoint import writer
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
-from rftpipe.engines.train.base import build_micro_batch, response_logprobs
+from rftpipe.engines.train.forward import build_micro_batch, response_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +96,7 @@ def test_sync_rollout_logprobs_match_trained_weights(tiny_run: Path, tmp_path: P
     """Step s+1's sampling logprobs equal the step-s trained weights' logprobs."""
     from rftpipe.config.schema import TrainConfig
     from rftpipe.dist import Dist
-    from rftpipe.engines.train.base import SingleDeviceEngine
+    from rftpipe.engines.train.single import SingleDeviceEngine
 
     engine = SingleDeviceEngine(load_causal_lm(prepare_tiny(), "float32"), TrainConfig(), Dist())
     model = engine.model
@@ -249,7 +249,7 @@ def test_remax_greedy_baseline_rows(tmp_path: Path) -> None:
         assert abs(m["rollout/baseline_reward_mean"] - step_greedy["reward"].mean()) < 1e-9
     # The run-directory tool leaves them out of its statistics too.
     r = subprocess.run(
-        [sys.executable, "-m", "tools.inspect", str(run), "summary", "--json"],
+        [sys.executable, "-m", "rftpipe.inspect", str(run), "summary", "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,

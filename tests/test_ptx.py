@@ -18,7 +18,7 @@ from rftpipe.data.ptx import load_ptx_examples, ptx_batch
 from rftpipe.data.sampler import rank_slice
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
-from rftpipe.engines.train.base import SingleDeviceEngine
+from rftpipe.engines.train.single import SingleDeviceEngine
 from rftpipe.stages import batching, train
 
 #: Questions and answers of the PTX file: short, so the tiny model learns them in a few steps.

@@ -23,8 +23,9 @@ from helpers import save_perturbed_tiny, vllm_spec
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, load_tokenizer
-from rftpipe.engines.rollout.base import HFGenerateEngine, RolloutEngine, stop_length
-from rftpipe.engines.train.base import build_micro_batch, response_logprobs
+from rftpipe.engines.rollout.base import RolloutEngine
+from rftpipe.engines.rollout.hf import HFGenerateEngine, stop_length
+from rftpipe.engines.train.forward import build_micro_batch, response_logprobs
 
 CFG = RolloutConfig(n=4, max_new_tokens=8, temperature=0.9)
 PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [70, 71]]
@@ -266,7 +267,7 @@ def test_windowed_stop_check_equals_decoding_the_whole_response() -> None:
     import random
 
     from rftpipe.engines.models import build_tiny_tokenizer
-    from rftpipe.engines.rollout.base import completes_stop
+    from rftpipe.engines.rollout.hf import completes_stop
 
     tok = build_tiny_tokenizer()
     decode = functools.partial(tok.decode, skip_special_tokens=False)

@@ -205,6 +205,56 @@ def test_time_limit_requeues_and_finishes(cluster, reference: Path, tmp_path: Pa
     _assert_equal_to_reference(run, reference)
 
 
+def test_stop_during_replay_requeues_without_recomputing(cluster, tmp_path: Path) -> None:
+    """A restart replays the committed train steps after its checkpoint (none here: steps
+    1-3 replay from the initial weights). USR2 during that replay stops the job before the
+    next replayed step, rank 0 requeues it once, and the requeued job replays again and
+    finishes: no committed stage is computed again."""
+    run = tmp_path / "run"
+    steps = ("total_steps=4", "checkpoint.interval=10")
+    # Killed locally right after step 4's rollout commit (5 commits a step: the 16th).
+    env = {"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "15"}
+    assert submit(run, *steps, env=env).returncode != 0
+    assert not list((run / "checkpoints").glob("step=*"))
+    manifests = {
+        p: (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted((run / "stages").rglob("MANIFEST.json"))
+    }
+    assert len(manifests) == 16
+    out = submit(
+        run,
+        *steps,
+        config=None,
+        cluster="slurm",
+        extra=("--nodes", "1", "--partition", "low"),
+        env={**cluster, "RFTPIPE_SLOW": "train_replay=6"},
+    )
+    assert out.returncode == 0, out.stderr
+    job = _job_id(run)
+    _wait_for(lambda: bool(_events(run, "replay")), 240, "step 1's replay")
+    # In the pause after step 1's replayed update: what a time limit would send.
+    _run_cmd(cluster, "scancel", "--signal=USR2", job)
+    _wait_for(_committed(run, 4, "sync"), 400, "the requeued job's last commit")
+    _wait_for(lambda: _job_state(job) in ("COMPLETED", "GONE"), 120, "the job to complete")
+
+    assert [(e["at"], e["signal"]) for e in _events(run, "stop")] == [
+        ("step 2 train replay", "SIGUSR2")
+    ]
+    assert [e["verdict"] for e in _events(run, "requeue_decision")] == ["requeue"]
+    # The local run, the job that stopped, its requeued run: only the last one replayed
+    # past step 1, and every replayed update equals its commit.
+    starts = [e["t"] for e in _events(run, "start")]
+    assert len(starts) == 3
+    replayed = [(e["step"], e["identical"], e["t"] > starts[2]) for e in _events(run, "replay")]
+    assert replayed == [(1, True, False), (1, True, True), (2, True, True), (3, True, True)]
+    # No committed stage began again: the Slurm jobs computed only what had not committed,
+    # and the manifests are as the local run left them.
+    later = [(e["step"], e["stage"]) for e in _events(run, "stage_begin") if e["t"] > starts[1]]
+    assert later == [(4, "score"), (4, "advantage"), (4, "train"), (4, "sync")]
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in manifests} == manifests
+    assert (run / "export" / "config.json").exists()
+
+
 def test_scancel_stays_cancelled(cluster, tmp_path: Path) -> None:
     run = tmp_path / "run"
     out = _slurm_submit(cluster, run, env={"RFTPIPE_SLOW": SLOW})

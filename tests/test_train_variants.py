@@ -15,7 +15,7 @@ from rftpipe.algos.variants import ClipCovSettings, KLCovSettings
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
-from rftpipe.engines.train.base import SingleDeviceEngine
+from rftpipe.engines.train.single import SingleDeviceEngine
 from rftpipe.stages import batching, train
 from rftpipe.stages.batching import pad_ragged
 

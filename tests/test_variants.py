@@ -61,7 +61,7 @@ from rftpipe.config.reference import render
 from rftpipe.config.schema import RESUME_SAFE_KEYS, AdvantageConfig, RunConfig, TrainConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
-from rftpipe.engines.train.base import SingleDeviceEngine
+from rftpipe.engines.train.single import SingleDeviceEngine
 from rftpipe.errors import UserError
 from rftpipe.stages import batching, train
 

@@ -866,8 +866,8 @@ def bench_floor(a: argparse.Namespace) -> dict[str, Any]:
     from rftpipe.algos.variants import PPOClipSettings
     from rftpipe.dist import Dist
     from rftpipe.engines.models import load_causal_lm
-    from rftpipe.engines.rollout.base import HFGenerateEngine
-    from rftpipe.engines.train.base import SingleDeviceEngine
+    from rftpipe.engines.rollout.hf import HFGenerateEngine
+    from rftpipe.engines.train.single import SingleDeviceEngine
     from rftpipe.seeding import derive_seed
     from rftpipe.stages.batching import pad_ragged
 
@@ -875,8 +875,8 @@ def bench_floor(a: argparse.Namespace) -> dict[str, Any]:
     model = load_causal_lm(model_dir, "float32")
     engine = SingleDeviceEngine(model, cfg.train, Dist())
     if a.child_engine == "vllm":
+        from rftpipe.engines.rollout import engine_spec
         from rftpipe.engines.rollout.vllm import VLLMEngine
-        from rftpipe.run.runtime import engine_spec
 
         gen = VLLMEngine(cfg.rollout, engine_spec(cfg, model_dir, tok), Dist())
     else:

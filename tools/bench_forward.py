@@ -8,9 +8,10 @@
 Times one forward (logprobs and entropy of every response token) plus the backward of
 their sum on synthetic groups: `--groups` prompts of about `--prompt-tokens` tokens (each
 a little longer than the one before, so groups differ in length), `--n` responses of
-`--tokens` tokens each. The baseline is `rftpipe/engines/train/base.py` as of git revision
-REV (or that file's copy at a path), loaded beside the working tree's; the two alternate
-run by run, after one warm-up each, so the machine's drift falls on both alike. Prints the
+`--tokens` tokens each. The baseline is `rftpipe/engines/train/forward.py` as of git
+revision REV (or, for a revision before that file existed, a copy of its train module at a
+path), loaded beside the working tree's; the two alternate run by run, after one warm-up
+each, so the machine's drift falls on both alike. Prints the
 median seconds of each and their ratio (current / baseline), the largest logprob
 difference between them, and on CUDA each one's peak memory. `smollm2-shape` is a
 random-init model of SmolLM2-135M's shape (no weights needed); `--checkpointing` turns on
@@ -35,12 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_revision(rev: str) -> ModuleType:
-    """`rftpipe.engines.train.base` as of git revision `rev` (or from the file `rev`), as a
+    """`rftpipe.engines.train.forward` as of git revision `rev` (or from the file `rev`), as a
     module of its own."""
     path = Path(rev)
     if not path.is_file():
         source = subprocess.run(
-            ["git", "show", f"{rev}:rftpipe/engines/train/base.py"],
+            ["git", "show", f"{rev}:rftpipe/engines/train/forward.py"],
             cwd=ROOT,
             check=True,
             capture_output=True,
@@ -111,13 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
 
-    from rftpipe.engines import train as current
+    from rftpipe.engines.train import base
+    from rftpipe.engines.train import forward as current
 
     baseline = load_revision(a.baseline)
     model = build_model(a.model).to(a.device)
     model.config.use_cache = False
     if a.checkpointing:
-        current._enable_activation_checkpointing(model)
+        base.enable_activation_checkpointing(model)
     model.train()
     prompts, responses = synthetic_rows(a, model.config.vocab_size)
     impls = {"current": current.grouped_logprobs, "baseline": baseline.grouped_logprobs}

@@ -1,4 +1,4 @@
-"""Benchmark `tools.inspect summary` on a synthetic run of realistic size.
+"""Benchmark `rftpipe inspect RUN summary` on a synthetic run of realistic size.
 
     python -m tools.bench_inspect [--steps 100] [--rows-per-step 10000] [--repeat 3]
 
@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tools.inspect import summarize
+from rftpipe.inspect.summary import summarize
 
 VOCAB = 151_936
 STAGES = ("rollout", "score", "advantage", "train", "sync")

@@ -35,7 +35,7 @@ import torch
 
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.dist import Dist, init_from_env
-from rftpipe.engines.train.base import TRAIN_ENGINES
+from rftpipe.engines.train import TRAIN_ENGINES
 from rftpipe.observe import perf
 from rftpipe.run.runtime import place_for_engine
 from rftpipe.stages import batching

@@ -2,7 +2,7 @@
 disagree with the commit marker, and a page-cache prefetch of the newest one.
 
 Torch-free so that a worker can start the prefetch before it imports torch, and
-`tools.inspect` can verify a run on a login node; writing and loading checkpoints is
+`rftpipe inspect` can verify a run on a login node; writing and loading checkpoints is
 `rftpipe.checkpoint.writer`.
 """
 

@@ -69,7 +69,7 @@ def list_committed(root: Path) -> list[Checkpoint]:
 
 
 def verify(ckpt: Checkpoint) -> None:
-    """Check every file of a checkpoint in full (for `tools.inspect verify`; a restart
+    """Check every file of a checkpoint in full (for `rftpipe inspect RUN verify`; a restart
     verifies what it loads while loading it instead, see `load`)."""
     for exc in checkpoint_corruption(ckpt.path):
         raise exc
@@ -77,7 +77,8 @@ def verify(ckpt: Checkpoint) -> None:
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(values holding tensors, for DCP; plain values, for the extras)."""
-    tensors, plain = {}, {}
+    tensors: dict[str, Any] = {}
+    plain: dict[str, Any] = {}
     for k, v in state.items():
         (tensors if _has_tensor(v) else plain)[k] = v
     return tensors, plain

@@ -31,6 +31,7 @@ from rftpipe.algos.variants import (
     RolloutCorrectionName,
 )
 from rftpipe.config.loader import MovedKey
+from rftpipe.errors import UserError
 
 SCHEMA_VERSION = 1
 
@@ -1153,7 +1154,7 @@ class RunConfig:
     """Run seed; every sampling seed derives from (seed, step, stage, prompt id)."""
 
     total_steps: int = 30
-    """Steps in the run (may be raised on resume)."""
+    """Steps in the run (may change on resume only while every LR schedule is constant)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy and reference model."""
@@ -1274,3 +1275,26 @@ class RunConfig:
                 f"fill data.prompts_per_step={self.data.prompts_per_step} groups, even if every "
                 "group varies; raise max_rounds or prompts_per_round"
             )
+
+
+def refuse_stretched_lr_schedule(old: RunConfig, new: RunConfig) -> None:
+    """Refuse a resume that changes `total_steps` of a run with a decaying LR schedule (the
+    actor's or the critic's). The schedule spans total_steps, so a new horizon would change
+    every later update's LR, replayed ones included, and the run would no longer equal
+    itself; the replay check cannot see it, as the first replayed update takes its LR from
+    the restored optimizer. The worker applies it (every launch path starts one), and
+    jobs.submit too, so that a refusal comes before anything is written or submitted."""
+    if new.total_steps == old.total_steps:
+        return
+    critic = new.critic.lr_schedule if new.critic else "constant"
+    decaying = [
+        f"{name}.lr_schedule={schedule}"
+        for name, schedule in (("train", new.train.lr_schedule), ("critic", critic))
+        if schedule != "constant"
+    ]
+    if decaying:
+        raise UserError(
+            f"total_steps: a run with {' and '.join(decaying)} cannot change it on resume "
+            f"({old.total_steps} -> {new.total_steps}): the schedule spans total_steps; "
+            "start a new run directory for a longer schedule"
+        )

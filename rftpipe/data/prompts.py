@@ -195,9 +195,9 @@ def split_held_out(
     if not ecfg.size:
         return train, None
     if ecfg.holdout_fraction:
-        out = [_held_out(content_key(p), ecfg.seed, ecfg.holdout_fraction) for p in train.prompts]
-        held = [p for p, o in zip(train.prompts, out, strict=True) if o]
-        kept = [p for p, o in zip(train.prompts, out, strict=True) if not o]
+        flags = [_held_out(content_key(p), ecfg.seed, ecfg.holdout_fraction) for p in train.prompts]
+        held = [p for p, o in zip(train.prompts, flags, strict=True) if o]
+        kept = [p for p, o in zip(train.prompts, flags, strict=True) if not o]
         if not kept or not held:
             raise UserError(
                 f"eval.holdout_fraction={ecfg.holdout_fraction} leaves {len(kept)} training "

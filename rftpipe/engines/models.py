@@ -16,8 +16,13 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from rftpipe.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +33,62 @@ CHAT_TEMPLATE = (
     " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+class Decoder(Protocol):
+    """A transformers decoder stack (`LlamaModel` and the like): its layers, and a forward
+    whose output holds `last_hidden_state`."""
+
+    layers: torch.nn.ModuleList
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class DecoderModel(Protocol):
+    """What a train engine calls on the module it trains besides `nn.Module`'s API:
+    transformers' accessors, which the critic's `ValueModel` defines too."""
+
+    def get_decoder(self) -> Decoder: ...
+
+    def get_input_embeddings(self) -> torch.nn.Embedding: ...
+
+    def gradient_checkpointing_enable(
+        self, gradient_checkpointing_kwargs: dict[str, Any]
+    ) -> None: ...
+
+
+class CausalLM(DecoderModel, Protocol):
+    """What rftpipe calls on a transformers causal LM (the policy) besides `nn.Module`'s API."""
+
+    config: PreTrainedConfig
+
+    def get_output_embeddings(self) -> torch.nn.Module: ...
+
+    def generate(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        generation_config: GenerationConfig,
+    ) -> torch.Tensor: ...
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> None: ...
+
+
+# Engines hold their model as an `nn.Module` (sharded in place by FSDP2, or the critic's
+# `ValueModel`), and Python's types have no intersection to say "an `nn.Module` that also
+# has these methods"; `nn.Module.__getattr__` types every undeclared attribute as
+# `Tensor | Module`. These two views are the one place that says what the module is.
+
+
+def as_decoder_model(module: torch.nn.Module) -> DecoderModel:
+    """`module` (a transformers model or a `ValueModel`) through its `DecoderModel` methods."""
+    return cast(DecoderModel, module)
+
+
+def as_causal_lm(module: torch.nn.Module) -> CausalLM:
+    """`module` (a transformers causal LM) through its `CausalLM` methods."""
+    return cast(CausalLM, module)
 
 
 def cache_root() -> Path:
@@ -239,7 +300,7 @@ def check_reference_vocab(tokenizer, ref_dir: Path) -> None:
         )
 
 
-def load_causal_lm(path: Path, dtype: str):
+def load_causal_lm(path: Path, dtype: str) -> PreTrainedModel:
     import torch
     from transformers import AutoModelForCausalLM
 

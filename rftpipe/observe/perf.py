@@ -21,6 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from rftpipe.engines.models import as_causal_lm
+
 #: Dense peak TFLOP/s of one GPU by compute type: half of NVIDIA's datasheet figure "with
 #: sparsity" for the tensor-core types, the plain figure for fp32 without TF32. Keyed by a
 #: substring of `torch.cuda.get_device_name()`; the first match wins, so the H100 PCIe and
@@ -51,7 +53,7 @@ class ModelShape:
 def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside an engine wrapper (DeepSpeed's `.module`)."""
     while not hasattr(model, "config") and hasattr(model, "module"):
-        model = model.module
+        model = model.get_submodule("module")
     return model
 
 
@@ -64,10 +66,11 @@ def _numel(p: torch.Tensor) -> int:
 def model_shape(model: torch.nn.Module) -> ModelShape:
     """The shape of a transformers causal LM, whole, sharded (FSDP2) or partitioned (ZeRO)."""
     model = _hf_model(model)
-    cfg = model.config
+    lm = as_causal_lm(model)
+    cfg = lm.config
     embeddings = {
         id(p)
-        for m in (model.get_input_embeddings(), model.get_output_embeddings())
+        for m in (lm.get_input_embeddings(), lm.get_output_embeddings())
         if m is not None
         for p in m.parameters()
     }

@@ -13,7 +13,7 @@ import os
 import secrets
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from rftpipe.storage.atomic import atomic_write_bytes
 from rftpipe.storage.layout import RunDir
@@ -88,7 +88,7 @@ class WandbTracker:
     everything below the server's resumed step. Only the other committed steps are logged.
     """
 
-    def __init__(self, run: RunDir, mode: str, project: str, config: dict[str, Any]) -> None:
+    def __init__(self, run: RunDir, mode: WandbMode, project: str, config: dict[str, Any]) -> None:
         import wandb
 
         from rftpipe.observe.wandb_log import logged_steps
@@ -176,7 +176,11 @@ class Trackers:
             t.close()
 
 
-def wandb_mode(setting: str) -> str | None:
+WandbMode = Literal["online", "offline"]
+"""How a run logs to wandb (`wandb.init`'s `mode`)."""
+
+
+def wandb_mode(setting: Literal["auto", "offline", "online", "off"]) -> WandbMode | None:
     if setting == "off":
         return None
     if setting == "auto":

@@ -14,14 +14,17 @@ import struct
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
-from wandb.proto import wandb_internal_pb2
+
+# wandb ships py.typed but no stubs for its generated protobuf modules, whose message
+# classes protobuf's builder creates at import time: `Record` is invisible to mypy (Any).
+from wandb.proto.wandb_internal_pb2 import Record  # type: ignore[attr-defined]
 
 BLOCK = 32 * 1024
 HEADER = 7
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
-def records(path: Path) -> list[wandb_internal_pb2.Record]:
+def records(path: Path) -> list[Record]:
     data = path.read_bytes()
     if data[:4] != b":W&B":
         return []  # empty or never started
@@ -48,7 +51,7 @@ def records(path: Path) -> list[wandb_internal_pb2.Record]:
             chunks += payload
         else:
             break  # zero padding at the end of a file a killed process left
-        rec = wandb_internal_pb2.Record()
+        rec = Record()
         try:
             rec.ParseFromString(chunks)
         except DecodeError:

@@ -28,6 +28,7 @@ def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None
     if store.is_committed(step, stage.name):
         manifest = store.manifest(step, stage.name)
         stage.replay(rt, plan, state.rows, manifest)
+        slow(f"{stage.name}_replay")
         state.manifests[stage.name] = manifest
         if manifest["shards"]:
             state.rows = _reader(rt, plan, stage.name)

@@ -69,11 +69,12 @@ def export_final(
     """HF-format export of a policy (RUN/export, RUN/export_ema), published by a dir rename."""
     tmp = rt.run.root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    if not isinstance(weights, torch.nn.Module):
-        state = weights
-        weights = models.load_causal_lm(rt.model_dir, rt.cfg.model.dtype)
-        weights.load_state_dict(state)
-    weights.save_pretrained(tmp)
+    if isinstance(weights, torch.nn.Module):
+        model = weights
+    else:
+        model = models.load_causal_lm(rt.model_dir, rt.cfg.model.dtype)
+        model.load_state_dict(weights)
+    models.as_causal_lm(model).save_pretrained(tmp)
     rt.tokenizer.save_pretrained(tmp)
     atomic_write_json(tmp / EXPORT_MARKER, {"step": rt.cfg.total_steps})
     old = rt.run.root / f".tmp-old-{final.name}"

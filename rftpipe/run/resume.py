@@ -9,7 +9,7 @@ The work is proportional to what the restart needs, not to the run's length:
   step and everything after it to ``RUN/quarantine/`` and recomputes them;
 - the checkpoint is verified block by block while it loads; a corrupt one falls back to the
   previous one (more train steps replayed), or to the initial weights;
-- everything older is checked by ``python -m tools.inspect RUN verify``, off the critical path.
+- everything older is checked by ``rftpipe inspect RUN verify``, off the critical path.
 """
 
 from __future__ import annotations

@@ -4,11 +4,8 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +19,11 @@ from rftpipe.data.prompts import load_prompts, split_held_out
 from rftpipe.data.ptx import data_fingerprint, load_ptx_examples
 from rftpipe.dist import Dist
 from rftpipe.engines import models
-from rftpipe.engines.rollout.base import HFGenerateEngine, RolloutEngine
-from rftpipe.engines.train.base import TRAIN_ENGINES, TrainEngine
+from rftpipe.engines.rollout import ROLLOUT_ENGINES
+from rftpipe.engines.rollout.base import RolloutEngine
+from rftpipe.engines.rollout.hf import HFGenerateEngine
+from rftpipe.engines.train import TRAIN_ENGINES
+from rftpipe.engines.train.base import TrainEngine
 from rftpipe.engines.train.critic import Critic, critic_train_config, head_seed, load_value_model
 from rftpipe.errors import UserError
 from rftpipe.rewards import check_coverage, resolve_all
@@ -222,86 +222,6 @@ def build_actor(
     if rollout is None or isinstance(rollout, HFGenerateEngine):
         rollout = ROLLOUT_ENGINES[cfg.rollout.engine].build(cfg, model_dir, dist, tokenizer, model)
     return engine, rollout
-
-
-def _hf_engine(
-    cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any, actor: torch.nn.Module
-) -> RolloutEngine:
-    # Colocated single-device training shares its module with the rollout engine; a sharded
-    # trainer hands full weights to a per-rank rollout copy at every sync.
-    rollout_model = (
-        actor
-        if cfg.train.backend == "single"
-        else models.load_causal_lm(model_dir, cfg.model.dtype).to(dist.device)
-    )
-    return HFGenerateEngine(
-        rollout_model,
-        cfg.rollout,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-        # Special tokens stay in the text, as in vLLM's detokenizer (skip_special_tokens off).
-        decode=functools.partial(tokenizer.decode, skip_special_tokens=False),
-    )
-
-
-def engine_spec(cfg: RunConfig, model_dir: Path, tokenizer: Any) -> Any:
-    """The serving engines' `EngineSpec` of a run (public: tools.bench builds a vLLM engine
-    the way the run does)."""
-    from rftpipe.engines.rollout.vllm import EngineSpec
-
-    return EngineSpec(
-        model_dir=model_dir,
-        dtype=cfg.model.dtype,
-        eos_id=tokenizer.eos_token_id,
-        pad_id=tokenizer.pad_token_id,
-        seed=cfg.seed,
-        max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
-    )
-
-
-def _vllm_engine(
-    cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any, actor: torch.nn.Module
-) -> RolloutEngine:
-    from rftpipe.engines.rollout.vllm import VLLMEngine
-
-    return VLLMEngine(cfg.rollout, engine_spec(cfg, model_dir, tokenizer), dist)
-
-
-def _sglang_engine(
-    cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any, actor: torch.nn.Module
-) -> RolloutEngine:
-    from rftpipe.engines.rollout.sglang import SGLangEngine
-
-    return SGLangEngine(
-        model_dir,
-        cfg.rollout,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-        cfg.model.dtype,
-        cfg.seed,
-    )
-
-
-def _vllm_preflight(cfg: RunConfig, model_dir: Path) -> None:
-    from rftpipe.engines.rollout.vllm import preflight
-
-    preflight(model_dir, cfg.model.dtype)
-
-
-@dataclass(frozen=True, slots=True)
-class RolloutEngineEntry:
-    build: Callable[..., RolloutEngine]
-    """(cfg, model_dir, dist, tokenizer, actor module) -> the engine."""
-    preflight: Callable[[RunConfig, Path], None] | None = None
-    """Refuses (UserError) what would fail later, before the run directory is written."""
-
-
-#: Rollout engines by `rollout.engine`; serving engines import their library lazily.
-ROLLOUT_ENGINES: dict[str, RolloutEngineEntry] = {
-    "hf": RolloutEngineEntry(_hf_engine),
-    "vllm": RolloutEngineEntry(_vllm_engine, _vllm_preflight),
-    "sglang": RolloutEngineEntry(_sglang_engine),
-}
 
 
 def load_for_engine(cfg: RunConfig, model_dir: Path, dist: Dist) -> torch.nn.Module:

@@ -14,7 +14,7 @@ import time
 
 from rftpipe.checkpoint.folder import prefetch_newest_checkpoint
 from rftpipe.config.loader import load_config
-from rftpipe.config.schema import RunConfig
+from rftpipe.config.schema import RunConfig, refuse_stretched_lr_schedule
 from rftpipe.errors import UserError
 from rftpipe.observe.events import EventLog, events, set_event_log
 from rftpipe.storage.layout import RunDir
@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         # The run's own config, perhaps written by an older rftpipe (a requeued job never
         # passes through jobs.submit): retired values migrate.
         cfg = load_config(RunConfig, run.active_config_path(), saved=True)
+        if run.pending_config_path.exists():
+            # A resume's new config, which replaces config.yaml only once the resume checks
+            # pass: checked here, as every launch path starts this, whoever wrote the file.
+            old = load_config(RunConfig, run.config_path, saved=True)
+            refuse_stretched_lr_schedule(old, cfg)
         from rftpipe.dist import init_from_env
 
         dist = init_from_env(require_group=cfg.train.backend != "single")

@@ -34,9 +34,9 @@ def chain_position(name: str) -> tuple[int, int, int] | None:
     (None: not part of the chain, e.g. `eval`). Generation rounds come first, in round
     order, then the stages after generation."""
     if m := _ROUND.match(name):
-        return (0, int(m.group(2)), GENERATION.index(m.group(1)))  # type: ignore[arg-type]
+        return (0, int(m.group(2)), GENERATION.index(m.group(1)))
     if name in GENERATION:
-        return (0, 0, GENERATION.index(name))  # type: ignore[arg-type]
+        return (0, 0, GENERATION.index(name))
     if name in ORDER:
-        return (1, 0, ORDER.index(name))  # type: ignore[arg-type]
+        return (1, 0, ORDER.index(name))
     return None

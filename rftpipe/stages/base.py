@@ -104,13 +104,21 @@ class Stage(Protocol):
         """Its directory under the step (a `StageName`, or a generation round's `STAGE.rR`)."""
         ...
 
-    publish: bool
-    """Its shards become the step's user-facing dataset (``RUN/trajectories/step=N``)."""
-    replay_reads_rows: bool
-    """Its `replay` reads the step's rows (what a restart must verify before replaying)."""
-    engine_awake: bool
-    """It uses the rollout engine; the engine sleeps through the others, freeing the
-    accelerator memory it holds for the trainer's forwards and updates."""
+    @property
+    def publish(self) -> bool:
+        """Its shards become the step's user-facing dataset (``RUN/trajectories/step=N``)."""
+        ...
+
+    @property
+    def replay_reads_rows(self) -> bool:
+        """Its `replay` reads the step's rows (what a restart must verify before replaying)."""
+        ...
+
+    @property
+    def engine_awake(self) -> bool:
+        """It uses the rollout engine; the engine sleeps through the others, freeing the
+        accelerator memory it holds for the trainer's forwards and updates."""
+        ...
 
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
         """Compute the stage for the first time."""

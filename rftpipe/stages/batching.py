@@ -20,7 +20,7 @@ import torch
 from rftpipe.config.schema import TrainConfig
 from rftpipe.data.ptx import PTXExample
 from rftpipe.dist import Dist
-from rftpipe.engines.train.base import split_micro_batches
+from rftpipe.engines.train.forward import split_micro_batches
 from rftpipe.seeding import derive_seed
 
 

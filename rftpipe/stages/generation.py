@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from rftpipe.stages import GENERATION, round_stage
+from rftpipe.stages import GENERATION, StageName, round_stage
 from rftpipe.storage.baseline_rows import baseline_flags, without_baseline
 from rftpipe.storage.stage_store import StageStore
 
@@ -74,10 +74,10 @@ def filled(varied_by_round: Sequence[Sequence[int]], target: int) -> bool:
     return sum(len(r) for r in select(varied_by_round, target)) >= target
 
 
-def committed_rounds(store: StageStore, step: int, stage: str) -> list[str]:
+def committed_rounds(store: StageStore, step: int, stage: StageName) -> list[str]:
     """The committed directories of generation stage `stage` in `step`, in round order."""
-    out = []
-    while store.is_committed(step, name := round_stage(stage, len(out))):  # type: ignore[arg-type]
+    out: list[str] = []
+    while store.is_committed(step, name := round_stage(stage, len(out))):
         out.append(name)
     return out
 

@@ -31,7 +31,8 @@ from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.data.ptx import PTXExample, ptx_batch
 from rftpipe.data.sampler import rank_slice
 from rftpipe.dist import Dist
-from rftpipe.engines.train.base import TrainEngine, split_micro_batches
+from rftpipe.engines.train.base import TrainEngine
+from rftpipe.engines.train.forward import split_micro_batches
 from rftpipe.errors import UserError
 from rftpipe.faults import fault
 from rftpipe.observe import perf

@@ -274,7 +274,7 @@ class _BlockFile:
         self.size = int(record["bytes"])
         self.block = int(record["block_bytes"])
         self.digests: list[str] = record["blocks_xxh3_64"]
-        self._f: io.BufferedReader | None = None
+        self._f: io.FileIO | None = None
         self._buf = bytearray(self.block)
         self._first = 0  # blocks [_first, _end) are in _buf, verified
         self._end = 0
@@ -365,7 +365,8 @@ class _MemoryFile(io.RawIOBase):
 
 
 def _load_tensor(planner: LoadPlanner, item: ReadItem, blob: memoryview) -> None:
-    tensor = torch.load(_MemoryFile(blob), map_location="cpu", weights_only=True)
+    # torch.load reads any seekable binary file object; its `FileLike` names only IO[bytes].
+    tensor = torch.load(_MemoryFile(blob), map_location="cpu", weights_only=True)  # type: ignore[arg-type]
     # The part of the stored chunk this item asks for (a resharded load asks for less).
     for dim, (off, n) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
         if n < tensor.size(dim):
@@ -379,7 +380,7 @@ def _load_tensor(planner: LoadPlanner, item: ReadItem, blob: memoryview) -> None
 
 def _load_bytes(planner: LoadPlanner, item: ReadItem, blob: memoryview) -> None:
     # What DefaultLoadPlanner.load_bytes does, minus its unrestricted unpickling.
-    value = torch.load(_MemoryFile(blob), weights_only=True)
+    value = torch.load(_MemoryFile(blob), weights_only=True)  # type: ignore[arg-type]  # as above
     fqn = item.dest_index.fqn
     if isinstance(planner, DefaultLoadPlanner) and planner.flatten_state_dict:
         set_element(planner.original_state_dict, planner.mappings[fqn], value)

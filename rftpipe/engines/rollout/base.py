@@ -1,20 +1,19 @@
-"""Rollout-engine interface and its first implementation, HF `generate`.
+"""The rollout-engine interface and what its engines share.
 
-vLLM and SGLang engines implement the same Protocol: generate one group with per-token
-logprobs of the sampling distribution (logits / T, before top-k/top-p), take new weights,
-and sleep/wake around training.
+Every engine (the HF loop in `hf`, vLLM in `vllm`, SGLang in `sglang`) implements the same
+Protocol: generate one group with per-token logprobs of the sampling distribution
+(logits / T, before top-k/top-p), take new weights, and sleep/wake around training.
+`rftpipe.engines.rollout.ROLLOUT_ENGINES` builds one by `rollout.engine`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
-from transformers import DynamicCache, GenerationConfig
-
-from rftpipe.config.schema import RolloutConfig
 
 FinishReason = Literal["stop", "length"]
 
@@ -58,9 +57,11 @@ class RolloutEngine(Protocol):
         ...
 
     def update_weights(
-        self, weights: torch.nn.Module | Mapping[str, torch.Tensor], version: int
+        self, weights: torch.nn.Module | Mapping[str, torch.Tensor] | Path, version: int
     ) -> None:
-        """Sample from `weights` from now on; wakes a sleeping engine first."""
+        """Sample from `weights` from now on; wakes a sleeping engine first. A `Path` is a
+        directory of safetensors (`rollout.inference.weight_sync=disk`), which only engines
+        that hold their own copy of the weights (vLLM, SGLang) take."""
         ...
 
     def sleep(self) -> None:
@@ -70,247 +71,6 @@ class RolloutEngine(Protocol):
     def wake(self) -> None:
         """Undo `sleep` (idempotent); generating wakes the engine by itself."""
         ...
-
-
-class HFGenerateEngine:
-    """Samples with its own KV-cache decode loop over a transformers model; greedy
-    evaluation uses `model.generate`. `rollout.groups_per_call` groups share a call.
-
-    Each group's prompt is prefilled once and its n samples decode against that shared
-    cache, the same exact prefix sharing the train forward uses. Sampling follows
-    `generate`'s order (EOS masked before min_new_tokens, temperature, top-k, top-p) and
-    draws from a generator seeded by the call's derived seed alone.
-
-    Which groups share a call is fixed by the step's global prompt order (see the rollout
-    stage), so padding and batch shape, and with them the samples, are the same on any
-    world size. The engine shares the trainer's module when colocated on one device, which
-    makes a weight sync free.
-
-    A response ends at the tokenizer's EOS or any of `rollout.eos_token_ids` (kept as its
-    last token), or at the token that completes one of `rollout.stop` (`decode`, the
-    tokenizer's, turns a response prefix into text), as vLLM ends it.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        cfg: RolloutConfig,
-        eos_id: int,
-        pad_id: int,
-        decode: Callable[[list[int]], str] | None = None,
-    ) -> None:
-        if cfg.stop and decode is None:
-            raise ValueError("rollout.stop needs the tokenizer's decode to find stop strings")
-        self.model = model
-        self.cfg = cfg
-        self.eos_id = eos_id
-        self.eos_ids = [eos_id, *(t for t in cfg.eos_token_ids if t != eos_id)]
-        """Every id that ends a response."""
-        self.pad_id = pad_id
-        self.decode = decode
-        self.weight_version = 0
-
-    @property
-    def groups_per_call(self) -> int:
-        return self.cfg.groups_per_call
-
-    @property
-    def collective(self) -> bool:
-        return False
-
-    def generate_group(self, prompt_ids: Sequence[int], n: int, seed: int) -> GroupOutput:
-        return self.generate_groups([prompt_ids], n, [seed])[0]
-
-    @torch.no_grad()
-    def generate_groups(
-        self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]
-    ) -> list[GroupOutput]:
-        cfg = self.cfg
-        # One generator per call: the call's groups are fixed by the global prompt order.
-        seed = seeds[0]
-        device = next(self.model.parameters()).device
-        # Left padding; a single group has none, so its numerics never see padding.
-        ids, mask = (t.to(device) for t in _left_pad(prompts, self.pad_id))
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        gen = torch.Generator(device=device).manual_seed(seed)
-        was_training = self.model.training
-        self.model.eval()
-        # Each distinct prompt is prefilled once; its n samples then share that KV cache
-        # (repeated n-fold), so prefill costs one row per group instead of n.
-        cache = DynamicCache(config=self.model.config)
-        logits = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
-        cache.batch_repeat_interleave(n)
-        logits = logits.repeat_interleave(n, dim=0)
-        mask = mask.repeat_interleave(n, dim=0)
-        pos = pos[:, -1:].repeat_interleave(n, dim=0)
-        rows = logits.shape[0]
-        done = torch.zeros(rows, dtype=torch.bool, device=device)
-        eos = torch.tensor(self.eos_ids, device=device)
-        # Per row, its length once it ended (EOS or stop string), None while it runs.
-        ends: list[int | None] = [None] * rows
-        texts = _StopText(self.decode, cfg.stop, rows) if cfg.stop else None
-        new_tokens: list[torch.Tensor] = []
-        new_lps: list[torch.Tensor] = []
-        for t in range(cfg.max_new_tokens):
-            scaled = logits.float() / cfg.temperature
-            tok = _sample(torch.softmax(self._filter(scaled, t), dim=-1), gen)
-            tok = torch.where(done, self.pad_id, tok)
-            new_tokens.append(tok)
-            new_lps.append(torch.log_softmax(scaled, dim=-1).gather(-1, tok[:, None]).squeeze(1))
-            hit = torch.isin(tok, eos) & ~done
-            if texts is not None:
-                hit |= texts.completed(tok.tolist(), (~done).tolist(), t >= cfg.min_new_tokens).to(
-                    device
-                )
-            for r in hit.nonzero().flatten().tolist():
-                ends[r] = t + 1
-            done |= hit
-            if bool(done.all()) or t == cfg.max_new_tokens - 1:
-                break
-            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
-            pos = pos + 1
-            logits = self.model(
-                input_ids=tok[:, None],
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
-        self.model.train(was_training)
-        tokens, logprobs, reasons = [], [], []
-        for row, row_lp, end in zip(
-            torch.stack(new_tokens, 1).tolist(), torch.stack(new_lps, 1).tolist(), ends, strict=True
-        ):
-            tokens.append(row[:end])
-            logprobs.append(row_lp[:end])
-            reasons.append("length" if end is None else "stop")
-        return split_groups(tokens, logprobs, reasons, n)
-
-    def _filter(self, scaled: torch.Tensor, t: int) -> torch.Tensor:
-        """What sampling draws from at new-token index t: EOS masked before min_new_tokens,
-        then top-k, then top-p (the recorded logprobs are of `scaled`, before all three)."""
-        cfg = self.cfg
-        if t < cfg.min_new_tokens:
-            scaled = scaled.clone()
-            scaled[:, self.eos_ids] = -torch.inf
-        if 0 < cfg.top_k < scaled.shape[-1]:
-            kth = torch.topk(scaled, cfg.top_k, dim=-1).values[:, -1:]
-            scaled = scaled.masked_fill(scaled < kth, -torch.inf)
-        if cfg.top_p < 1.0:
-            srt, idx = torch.sort(scaled, dim=-1, descending=True)
-            probs = torch.softmax(srt, dim=-1)
-            # Drop a token once the tokens ranked above it already hold top_p of the mass;
-            # the most likely token always stays.
-            drop = (probs.cumsum(-1) - probs) > cfg.top_p
-            scaled = scaled.scatter(-1, idx, srt.masked_fill(drop, -torch.inf))
-        return scaled
-
-    @torch.no_grad()
-    def greedy(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch: int = 32
-    ) -> list[list[int]]:
-        """Greedy completions, left-padded batches (for evaluation, not for training rows)."""
-        cfg = GenerationConfig(
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=self.eos_ids,
-            pad_token_id=self.pad_id,
-            use_cache=True,
-        )
-        device = next(self.model.parameters()).device
-        was_training = self.model.training
-        self.model.eval()
-        outs: list[list[int]] = []
-        for i in range(0, len(prompts), batch):
-            chunk = prompts[i : i + batch]
-            ids, mask = (t.to(device) for t in _left_pad(chunk, self.pad_id))
-            width = ids.shape[1]
-            seq = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
-            for row in seq[:, width:].tolist():
-                end = next((i for i, t in enumerate(row) if t in self.eos_ids), len(row))
-                row = row[:end]
-                if self.cfg.stop:
-                    # Greedy rows do not depend on each other, so cutting a row after its
-                    # stop string equals having stopped it there.
-                    row = row[: stop_length(self.decode, row, self.cfg.stop)]
-                outs.append(row)
-        self.model.train(was_training)
-        return outs
-
-    def update_weights(
-        self, weights: torch.nn.Module | Mapping[str, torch.Tensor], version: int
-    ) -> None:
-        """Take new weights: free when they are this engine's own module (colocated)."""
-        if weights is not self.model:
-            state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
-            self.model.load_state_dict(state)
-        self.weight_version = version
-
-    def sleep(self) -> None:
-        """Nothing to release: the HF engine shares the trainer's memory."""
-
-    def wake(self) -> None:
-        """See `sleep`."""
-
-
-def completes_stop(before: str, after: str, stop: Sequence[str]) -> bool:
-    """Whether `after` (a response's text, one token longer than `before`) holds a stop
-    string that ends in the new token's text: vLLM's rule, which looks for stop strings
-    only where they could end in the text a token added."""
-    return any(after.find(s, max(0, len(before) - len(s) + 1)) != -1 for s in stop)
-
-
-def last_token_stops(
-    decode: Callable[[list[int]], str], tokens: list[int], stop: Sequence[str]
-) -> bool:
-    """Whether the last of `tokens` completes a stop string.
-
-    Only a window of the last tokens is decoded, so the check costs the same at any
-    length (2.2 ms per step for 32 rows with SmolLM2's tokenizer on one CPU core;
-    decoding whole responses grew with their length, 3.4 ms per step on average over
-    256 tokens). Decoding a window can garble only its first characters (a UTF-8
-    sequence cut in two, SentencePiece's leading space), never its end; a token is at
-    least one byte, so the window's exact tail is longer than any stop string plus the
-    newest token's own text.
-    """
-    window = 16 + 4 * max(len(s.encode()) for s in stop)
-    start = max(0, len(tokens) - window)
-    return completes_stop(decode(tokens[start:-1]), decode(tokens[start:]), stop)
-
-
-def stop_length(decode: Callable[[list[int]], str], tokens: list[int], stop: Sequence[str]) -> int:
-    """Length of `tokens` up to and including the first token that completes a stop string
-    (all of them if none does)."""
-    for i in range(len(tokens)):
-        if last_token_stops(decode, tokens[: i + 1], stop):
-            return i + 1
-    return len(tokens)
-
-
-class _StopText:
-    """Each running row's tokens so far, to find the token that completes a stop string."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str], rows: int):
-        self.decode = decode
-        self.stop = stop
-        self.tokens: list[list[int]] = [[] for _ in range(rows)]
-
-    def completed(self, toks: list[int], running: list[bool], check: bool) -> torch.Tensor:
-        """Rows whose new token completes a stop string (only when `check`: before
-        min_new_tokens no stop string counts, as in vLLM)."""
-        hits = torch.zeros(len(toks), dtype=torch.bool)
-        for r, (tok, alive) in enumerate(zip(toks, running, strict=True)):
-            if alive:
-                self.tokens[r].append(tok)
-                hits[r] = check and last_token_stops(self.decode, self.tokens[r], self.stop)
-        return hits
 
 
 def split_groups(
@@ -325,26 +85,3 @@ def split_groups(
         )
         for i in range(0, len(tokens), n)
     ]
-
-
-def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention mask), each (len(prompts), longest), prompts right-aligned."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
-
-def _sample(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One token per row by inverse-CDF sampling: one uniform draw per row.
-
-    `torch.multinomial` on CPU draws an exponential per vocabulary entry (rows x 49k per
-    token), about a seventh of the whole decode loop on the benchmark batch. The cumulative
-    sum is in float64 so the tail of a 49k-entry vocabulary keeps its mass.
-    """
-    cdf = probs.double().cumsum(dim=-1)
-    u = torch.rand(probs.shape[0], 1, generator=gen, dtype=torch.float64, device=probs.device)
-    # The first index whose cumulative mass exceeds u * total: never a zero-probability
-    # (filtered) token, because the cdf does not rise there.
-    tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
-    return tok.clamp_(max=probs.shape[-1] - 1)

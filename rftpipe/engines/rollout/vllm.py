@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as tdist
@@ -72,7 +72,7 @@ def import_vllm() -> Any:
     return vllm
 
 
-def preflight(model_dir: Path, dtype: str) -> None:
+def preflight(model_dir: Path, dtype: Literal["float32", "bfloat16"]) -> None:
     """Exit 2 before anything is written if vLLM is missing or cannot load the model.
 
     vLLM's own model config decides, since it also loads architectures outside its registry

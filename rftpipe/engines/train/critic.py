@@ -1,7 +1,7 @@
 """The critic of actor-critic PPO: a causal LM backbone with a scalar value head per token.
 
 The value model is trained by an engine of the actor's own backend (`train.backend`:
-single, fsdp2 or deepspeed; `rftpipe.engines.train.base`), so sharding, AdamW, clipping, the LR
+single, fsdp2 or deepspeed; `rftpipe.engines.train`), so sharding, AdamW, clipping, the LR
 schedule and DCP checkpoints (resharded across world sizes) are the actor's code. What only
 a critic does lives here: a value forward through the engine's wrapped module (so FSDP2's
 and ZeRO-3's gathers run) and no-grad scoring of a rank's rows in micro-batches.
@@ -12,13 +12,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from rftpipe.config.schema import CriticConfig, TrainConfig
 from rftpipe.dist import Dist
-from rftpipe.engines.train.base import TrainEngine, build_micro_batch, split_micro_batches
+from rftpipe.engines.train.base import TrainEngine
+from rftpipe.engines.train.forward import build_micro_batch, split_micro_batches
 from rftpipe.seeding import derive_seed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def head_seed(run_seed: int) -> int:
@@ -33,12 +38,12 @@ class ValueModel(torch.nn.Module):
     (``model.layers.0...``); FSDP2 shards ``get_decoder().layers`` like the actor's.
     """
 
-    def __init__(self, backbone: torch.nn.Module, head: torch.nn.Linear) -> None:
+    def __init__(self, backbone: PreTrainedModel, head: torch.nn.Linear) -> None:
         super().__init__()
         self.model = backbone
         self.value_head = head
 
-    def get_decoder(self) -> torch.nn.Module:
+    def get_decoder(self) -> PreTrainedModel:
         return self.model
 
     def get_input_embeddings(self) -> torch.nn.Module:

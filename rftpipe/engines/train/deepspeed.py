@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -36,6 +36,56 @@ from rftpipe.engines.train.base import (
 from rftpipe.errors import UserError
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class _ZeroOptimizer(Protocol):
+    """DeepSpeed's ZeRO-2/3 optimizer as used here (it is no `torch.optim.Optimizer`)."""
+
+    optimizer: torch.optim.Optimizer
+    """The client AdamW, stepping the flat fp32 partitions."""
+    fp32_partitioned_groups_flat: list[torch.Tensor]
+    """ZeRO-3: this rank's fp32 partition of each sub-group."""
+    single_partition_of_fp32_groups: list[torch.Tensor]
+    """ZeRO-2: this rank's fp32 partition of each param group."""
+
+    def get_full_hp_param(
+        self, param: torch.nn.Parameter, optim_state_key: str | None = None
+    ) -> torch.Tensor: ...
+
+    def set_full_hp_param(
+        self, value: torch.Tensor, param: torch.nn.Parameter, optim_state_key: str | None = None
+    ) -> None: ...
+
+
+class _FragmentAddress(Protocol):
+    numel: int
+    start: int
+
+
+class _Fragment(Protocol):
+    """DeepSpeed's `tensor_fragment`: where a ZeRO-2 parameter's slice on this rank lies."""
+
+    param_group_index: int
+    hp_fragment_address: _FragmentAddress
+    """In the rank's flat fp32 partition of the param group."""
+    lp_fragment_address: _FragmentAddress
+    """In the flattened parameter."""
+
+
+class _ZeroParameter(Protocol):
+    """What DeepSpeed sets on each parameter it manages (torch's `Parameter` declares none)."""
+
+    ds_shape: torch.Size
+    """ZeRO-3: the full shape of the partitioned parameter."""
+    ds_tensor: torch.Tensor
+    """ZeRO-3: this rank's partition."""
+    _hp_mapping: _Fragment | None
+    """ZeRO-2: this rank's slice; None where the rank holds none of it."""
+
+
+def _zero(p: torch.nn.Parameter) -> _ZeroParameter:
+    """`p` through the attributes DeepSpeed set on it at run time."""
+    return cast(_ZeroParameter, p)
 
 
 def _import_deepspeed() -> Any:
@@ -127,13 +177,13 @@ class DeepSpeedEngine(_EngineBase):
             self.device = self.ds.device
             return
         client = adamw(self.cfg, self.model)
-        self.ds, self.optimizer, *_ = deepspeed.initialize(
-            model=self.model, optimizer=client, config=config
-        )
+        self.ds, zero, *_ = deepspeed.initialize(model=self.model, optimizer=client, config=config)
+        self.optimizer = zero
+        self._zero: _ZeroOptimizer = zero
         self.device = self.ds.device
         # DeepSpeed keeps the client optimizer as its inner optimizer (now stepping the flat
         # fp32 partitions) and its param groups as they were, so the schedule drives it.
-        self._inner: torch.optim.Optimizer = self.optimizer.optimizer
+        self._inner: torch.optim.Optimizer = self._zero.optimizer
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self._inner, lr_lambda(self.cfg, total_updates)
         )
@@ -186,7 +236,7 @@ class DeepSpeedEngine(_EngineBase):
         return [(n, p) for n, p in self.ds.module.named_parameters() if p.requires_grad]
 
     def _full_shape(self, p: torch.nn.Parameter) -> torch.Size:
-        return p.ds_shape if self._stage3 else p.shape
+        return _zero(p).ds_shape if self._stage3 else p.shape
 
     def state_dict(self) -> dict:
         """Full fp32 master weights and AdamW moments per parameter (world-size and stage
@@ -247,8 +297,8 @@ class DeepSpeedEngine(_EngineBase):
         """The fp32 partitions the inner AdamW steps (its param groups hold them only
         while ZeRO-3 steps a sub-group, so they are listed from the ZeRO optimizer)."""
         if self._stage3:
-            return list(self.optimizer.fp32_partitioned_groups_flat)
-        return list(self.optimizer.single_partition_of_fp32_groups)
+            return list(self._zero.fp32_partitioned_groups_flat)
+        return list(self._zero.single_partition_of_fp32_groups)
 
     def _fragment(self, p: torch.nn.Parameter, key: str | None) -> tuple[torch.Tensor, int] | None:
         """ZeRO-2: this rank's slice of `p`'s fp32 master (key None) or AdamW state, and
@@ -257,10 +307,10 @@ class DeepSpeedEngine(_EngineBase):
         Read from the partition directly: DeepSpeed's own per-parameter optimizer-state
         views are linked lazily and miss parameters of the second param group.
         """
-        mapping = p._hp_mapping
+        mapping = _zero(p)._hp_mapping
         if mapping is None:
             return None
-        flat = self.optimizer.single_partition_of_fp32_groups[mapping.param_group_index]
+        flat = self._zero.single_partition_of_fp32_groups[mapping.param_group_index]
         src = flat if key is None else self._inner.state[flat][key]
         hp = mapping.hp_fragment_address
         return src.narrow(0, hp.start, hp.numel), mapping.lp_fragment_address.start
@@ -268,7 +318,7 @@ class DeepSpeedEngine(_EngineBase):
     def _gather(self, p: torch.nn.Parameter, key: str | None) -> torch.Tensor:
         """The full fp32 tensor (master weights or an AdamW moment) of `p`; collective."""
         if self._stage3:
-            return self.optimizer.get_full_hp_param(p, key)
+            return self._zero.get_full_hp_param(p, key)
         buf = torch.zeros(p.numel(), dtype=torch.float32, device=self.device)
         frag = self._fragment(p, key)
         if frag is not None:
@@ -281,7 +331,7 @@ class DeepSpeedEngine(_EngineBase):
         """Set this rank's partition of `p`'s master weights or AdamW moment from the full
         tensor `value` (held by every rank); local."""
         if self._stage3:
-            self.optimizer.set_full_hp_param(value.to(self.device), p, key)
+            self._zero.set_full_hp_param(value.to(self.device), p, key)
             return
         frag = self._fragment(p, key)
         if frag is not None:
@@ -294,7 +344,7 @@ class DeepSpeedEngine(_EngineBase):
             p.data.copy_(value.to(p.dtype))
             return
         rank = self.dist.rank
-        part = p.ds_tensor
+        part = _zero(p).ds_tensor
         flat = value.to(part.dtype).flatten()
         start = rank * part.numel()
         n = max(0, min(part.numel(), flat.numel() - start))

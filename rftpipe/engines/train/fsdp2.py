@@ -1,0 +1,94 @@
+"""The FSDP2 backend (`train.backend=fsdp2`): parameters, gradients and AdamW state
+sharded with `fully_shard`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import cast
+
+import torch
+
+from rftpipe.engines.models import as_decoder_model
+from rftpipe.engines.train.base import _EngineBase
+
+
+class FSDP2Engine(_EngineBase):
+    """Parameters, gradients and optimizer state sharded with `fully_shard` (gloo/nccl).
+
+    Every decoder layer and the root are sharded. Gradients are *summed* over ranks
+    (divide factor 1) because the losses are already normalised by global token counts.
+    With `cpu_offload=all` the shards, their gradients and AdamW state live in host memory
+    (construct it from a model on the compute device: inputs follow the model).
+    Each micro-batch is one full-sequence forward, so every rank issues the same
+    collectives in the same order whatever prompts it holds.
+    """
+
+    def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
+        # fully_shard moves the parameters to the process group's device (cuda:local_rank
+        # under NCCL), so the model's device before sharding says nothing about the inputs'.
+        self.device = self.dist.device
+        # bf16 compute with fp32 master weights, fp32 gradient reduction and fp32 AdamW state.
+        mp = MixedPrecisionPolicy(
+            param_dtype=getattr(torch, self.cfg.param_dtype), reduce_dtype=torch.float32
+        )
+        # Sharded parameters, gradients and AdamW state live in host memory; each unit's
+        # shard is copied to the device for its all-gather, and the optimizer steps on the
+        # CPU. Pinned pages make those copies asynchronous, and exist only with CUDA.
+        offload = (
+            CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+            if self.cfg.cpu_offload == "all"
+            else OffloadPolicy()
+        )
+        units = [
+            fully_shard(layer, mp_policy=mp, offload_policy=offload)
+            for layer in as_decoder_model(model).get_decoder().layers
+        ]
+        units.append(fully_shard(model, mp_policy=mp, offload_policy=offload))
+        # Each unit reduces its own gradients, so each needs both settings: a plain SUM
+        # (gloo has no PREMUL_SUM, and with factor 1 there is nothing to scale anyway).
+        for unit in units:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+        return model
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        from torch.distributed.fsdp import FSDPModule
+
+        try:
+            with super().eval_mode():
+                yield
+        finally:
+            # FSDP2 keeps the root unit's parameters unsharded after its forward, for the
+            # backward that normally follows at once. After no-grad scoring none follows, so
+            # they would stay gathered: full-size memory on every rank, and module parameters
+            # that are no longer the optimizer's (a resumed run's optimizer load, which maps
+            # one to the other, then fails on the first root parameter).
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    def forward(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._padded_forward(prompts, responses, temperature, with_entropy)
+
+    def rollout_weights(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights on every rank, for the rollout engine's own copy."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # Typed for every option; full_state_dict=True gives plain tensors.
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        return cast(dict[str, torch.Tensor], full)

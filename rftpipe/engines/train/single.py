@@ -1,0 +1,53 @@
+"""The single-device backend (`train.backend=single`): the whole model and AdamW on one
+device."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rftpipe.engines.train.base import _EngineBase
+from rftpipe.engines.train.forward import grouped_logprobs
+from rftpipe.errors import UserError
+
+
+class SingleDeviceEngine(_EngineBase):
+    """The whole model and AdamW on one device; the rollout engine shares the module."""
+
+    def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.dist.world > 1:
+            raise UserError(
+                f"train.backend: 'single' runs on one rank, not {self.dist.world}; "
+                "use train.backend=fsdp2"
+            )
+        return model
+
+    def forward(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T) response logprobs (and entropies) with gradients, prompts computed once per group.
+
+        With `param_dtype=bfloat16` the forward runs under autocast: matmuls in bf16 from
+        the fp32 weights, which (and so AdamW's state and the gradients) stay fp32.
+        """
+        with torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.cfg.param_dtype == "bfloat16"
+        ):
+            return grouped_logprobs(
+                self.model, prompts, responses, temperature, with_entropy, self._entropy_grad
+            )
+
+    def run_module(self, **inputs: torch.Tensor) -> torch.Tensor:
+        """As the base, under the same autocast as `forward` with `param_dtype=bfloat16`."""
+        with torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.cfg.param_dtype == "bfloat16"
+        ):
+            return super().run_module(**inputs)
+
+    def rollout_weights(self) -> torch.nn.Module:
+        return self.model

@@ -1,0 +1,5 @@
+"""`python -m rftpipe.inspect`: the same as `rftpipe inspect`."""
+
+from rftpipe.inspect.cli import main
+
+raise SystemExit(main())

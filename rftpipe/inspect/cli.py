@@ -1,0 +1,442 @@
+"""Inspect a run from its committed files: per-step tables, samples, exports, plots, comparisons.
+
+    rftpipe inspect RUN_DIR summary [--json]
+    rftpipe inspect RUN_DIR samples [--step N] [--prompt-id ID] [--min-reward X]
+                                            [--max-reward X] [--regex PAT]
+                                            [--best K | --worst K] [--limit N]
+    rftpipe inspect RUN_DIR export --format csv|jsonl --out FILE [sample filters]
+    rftpipe inspect RUN_DIR plot --out PNG [--data-out CSV]
+    rftpipe inspect RUN_DIR compare RUN_B [--out PNG]
+    rftpipe inspect RUN_DIR verify [--json]
+
+`verify` checks every committed file of the run against its manifest (every stage shard,
+every published trajectory file, every file of every committed checkpoint) and exits 1 if
+any is missing, truncated or altered. A restart checks only what it reads; this is the
+full audit, for a quiet moment or a cron job.
+
+Only committed data is read: a step counts once its trajectories are published
+(RUN/trajectories/step=N appears by an atomic rename) and its train MANIFEST.json exists,
+so the tool is safe on a live or preempted run. Definitions:
+
+  rollout/reward_std     population std (ddof=0), like rftpipe.run.metrics.step_metrics
+  rollout/pass_rate      fraction of samples with reward_accuracy > 0 when that column
+                         exists, otherwise the fraction with reward > 0
+  advantage/mean, /std   over every token of every sample of the step (ddof=0)
+  perf/STAGE_s           the stage's committed compute seconds (null if not committed)
+
+--regex matches the response text (RE2 syntax, as pyarrow.compute evaluates it).
+CSV exports drop the list columns (token ids, logprobs, advantages): CSV has no list
+type and a spreadsheet cannot use them; JSONL keeps them as JSON arrays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from rftpipe.inspect.summary import InspectError, Run, open_run, summarize
+from rftpipe.inspect.verify import verify_run
+from rftpipe.stages import ORDER as STAGES
+
+PROG = "inspect"
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
+    """Right-aligned text table of `rows` under (key, header) `columns`."""
+    cells = [[h for _, h in columns]] + [[_fmt(r.get(k)) for k, _ in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells
+    )
+
+
+def summary_columns(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    comps = sorted(k for k in rows[0] if k.startswith("rollout/reward_") and k[15:] not in _STATS)
+    return [
+        ("step", "step"),
+        ("rollout/samples", "n"),
+        ("rollout/reward_mean", "reward"),
+        ("rollout/reward_std", "std"),
+        ("rollout/reward_min", "min"),
+        ("rollout/reward_max", "max"),
+        *[(c, c.removeprefix("rollout/reward_")) for c in comps],
+        ("rollout/pass_rate", "pass"),
+        ("rollout/response_length", "len"),
+        ("rollout/response_length_max", "len_max"),
+        ("rollout/stop_frac", "stop"),
+        ("advantage/mean", "adv"),
+        ("advantage/std", "adv_std"),
+        ("train/kl", "kl"),
+        ("train/clip_frac", "clip"),
+        ("train/entropy", "entropy"),
+        ("train/pg_loss", "pg_loss"),
+        ("train/grad_norm", "gnorm"),
+        *[(f"perf/{s}_s", f"{s}_s") for s in STAGES],
+    ]
+
+
+_STATS = {"mean", "std", "min", "max"}
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    rows = summarize(open_run(args.run_dir))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_table(rows, summary_columns(rows)))
+    return 0
+
+
+# -- samples and export ---------------------------------------------------------------------
+
+
+def _check_regex(pattern: str) -> None:
+    # pyarrow evaluates RE2, not Python's re: validate with the engine that will run it.
+    try:
+        pc.match_substring_regex(pa.array([""]), pattern=pattern)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise InspectError(f"bad regex {pattern!r}: {e}") from None
+
+
+def sample_filter(run: Run, args: argparse.Namespace) -> ds.Expression:
+    """The samples/export filters as one dataset expression, so Parquet row-group statistics
+    and the step partition prune what is read before any row is decoded."""
+    expr = ds.field("step").isin(run.steps)
+    if args.step is not None:
+        expr &= ds.field("step") == args.step
+    if args.prompt_id is not None:
+        expr &= ds.field("prompt_id") == args.prompt_id
+    if args.min_reward is not None:
+        expr &= ds.field("reward") >= args.min_reward
+    if args.max_reward is not None:
+        expr &= ds.field("reward") <= args.max_reward
+    if args.regex is not None:
+        _check_regex(args.regex)
+        expr &= pc.match_substring_regex(ds.field("response"), pattern=args.regex)
+    return expr
+
+
+def select_samples(run: Run, args: argparse.Namespace, columns: list[str]) -> pa.Table:
+    """Filtered rows in a stable order: by reward for --best/--worst, else by step,
+    prompt_id, sample_idx; then cut to --best/--worst K or --limit N."""
+    cols = list(dict.fromkeys(["step", "prompt_id", "sample_idx", "reward", *columns]))
+    table = run.dataset.to_table(columns=cols, filter=sample_filter(run, args))
+    key = [("step", "ascending"), ("prompt_id", "ascending"), ("sample_idx", "ascending")]
+    if args.best is not None:
+        table = table.sort_by([("reward", "descending"), *key]).slice(0, args.best)
+    elif args.worst is not None:
+        table = table.sort_by([("reward", "ascending"), *key]).slice(0, args.worst)
+    else:
+        table = table.sort_by(key)
+    if args.limit is not None:
+        table = table.slice(0, args.limit)
+    return table
+
+
+def _printable(s: str) -> str:
+    # Untrained models emit control bytes; escape them so they cannot corrupt the terminal.
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else repr(ch)[1:-1] for ch in s)
+
+
+def _indent(s: str) -> str:
+    return "\n".join("    " + line for line in _printable(s).splitlines() or [""])
+
+
+def cmd_samples(args: argparse.Namespace) -> int:
+    run = open_run(args.run_dir)
+    comps = run.reward_components
+    cols = ["prompt", "response", "response_length", "finish_reason", *comps]
+    table = select_samples(run, args, cols)
+    for r in table.to_pylist():
+        print(
+            f"== step {r['step']}  prompt_id {r['prompt_id']}  sample {r['sample_idx']}  "
+            f"reward {r['reward']:.6g}  finish {r['finish_reason']} "
+            f"({r['response_length']} tokens)"
+        )
+        for c in comps:
+            print(f"   {c} {'null' if r[c] is None else format(r[c], '.6g')}")
+        print("  prompt:")
+        print(_indent(r["prompt"]))
+        print("  response:")
+        print(_indent(r["response"]))
+        print()
+    print(f"{table.num_rows} sample(s)", file=sys.stderr)
+    return 0
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    run = open_run(args.run_dir)
+    schema = run.dataset.schema
+    if args.format == "csv":
+        cols = [f.name for f in schema if not _is_list(f.type)]
+    else:
+        cols = list(schema.names)
+    table = select_samples(run, args, cols)
+    order = dict.fromkeys(["step", *schema.names])  # schema.names already holds "step"
+    table = table.select([c for c in order if c in table.column_names])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.format == "csv":
+        import pyarrow.csv as pacsv
+
+        pacsv.write_csv(table, args.out)
+    else:
+        with open(args.out, "w", encoding="utf-8") as f:
+            # Batch-wise so an export of a large run never holds every row as Python objects.
+            for batch in table.to_batches(max_chunksize=4096):
+                for rec in batch.to_pylist():
+                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    print(f"{args.out}: {table.num_rows} rows", file=sys.stderr)
+    return 0
+
+
+# -- plot and compare -----------------------------------------------------------------------
+
+
+def plot_series(rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """The plotted series, one entry per step (None where a value does not exist)."""
+    comps = sorted(k for k in rows[0] if k.startswith("rollout/reward_") and k[15:] not in _STATS)
+    keys = [
+        "rollout/reward_mean",
+        *comps,
+        "rollout/response_length",
+        "rollout/response_length_max",
+        "train/kl",
+        *[f"perf/{s}_s" for s in STAGES],
+    ]
+    out: dict[str, list[Any]] = {"step": [r["step"] for r in rows]}
+    out.update({k: [r.get(k) for r in rows] for k in keys})
+    return out
+
+
+def _nan(xs: Iterable[Any]) -> list[float]:
+    return [math.nan if x is None else float(x) for x in xs]
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: login and compute nodes have no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    run = open_run(args.run_dir)
+    series = plot_series(summarize(run))
+    plt = _pyplot()
+    steps = series["step"]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    ax = axes[0][0]
+    ax.plot(steps, _nan(series["rollout/reward_mean"]), marker="o", ms=3, lw=2, label="reward")
+    for k in series:
+        if k.startswith("rollout/reward_") and k != "rollout/reward_mean":
+            ax.plot(steps, _nan(series[k]), marker=".", ls="--", label=k.split("/")[1])
+    ax.set_ylabel("mean reward")
+    ax.legend(fontsize=8)
+    ax = axes[0][1]
+    ax.plot(steps, _nan(series["rollout/response_length"]), marker="o", ms=3, label="mean")
+    ax.plot(steps, _nan(series["rollout/response_length_max"]), ls=":", label="max")
+    ax.set_ylabel("response length (tokens)")
+    ax.legend(fontsize=8)
+    ax = axes[1][0]
+    ax.plot(steps, _nan(series["train/kl"]), marker="o", ms=3, color="tab:red")
+    ax.set_ylabel("train/kl")
+    ax = axes[1][1]
+    for s in STAGES:
+        ax.plot(steps, _nan(series[f"perf/{s}_s"]), marker=".", label=s)
+    ax.set_ylabel("stage seconds")
+    ax.legend(fontsize=8)
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{run.rundir.root.name}: {len(steps)} committed steps")
+    fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=100)
+    plt.close(fig)
+    print(args.out)
+    if args.data_out:
+        write_series_csv(args.data_out, series)
+        print(args.data_out)
+    return 0
+
+
+def write_series_csv(path: Path, series: dict[str, list[Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys = list(series)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(keys)
+        for i in range(len(series["step"])):
+            # repr round-trips floats exactly; empty cells mean "not committed".
+            w.writerow(["" if series[k][i] is None else repr(series[k][i]) for k in keys])
+
+
+COMPARE_KEYS = [
+    "rollout/reward_mean",
+    "rollout/pass_rate",
+    "rollout/response_length",
+    "rollout/stop_frac",
+    "advantage/std",
+    "train/kl",
+    "train/entropy",
+    "train/clip_frac",
+    "train/grad_norm",
+]
+
+
+def _final_and_mean(rows: Sequence[dict[str, Any]], key: str) -> tuple[Any, Any]:
+    vals = [v for r in rows if (v := r.get(key)) is not None]
+    return (rows[-1].get(key), sum(vals) / len(vals) if vals else None)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    run_a, run_b = open_run(args.run_dir), open_run(args.run_b)
+    rows_a, rows_b = summarize(run_a), summarize(run_b)
+    name_a, name_b = run_a.rundir.root.name, run_b.rundir.root.name
+    if name_a == name_b:
+        name_a, name_b = "A", "B"
+    print(f"A = {run_a.rundir.root} ({len(rows_a)} steps, final step {rows_a[-1]['step']})")
+    print(f"B = {run_b.rundir.root} ({len(rows_b)} steps, final step {rows_b[-1]['step']})")
+    table = []
+    for k in COMPARE_KEYS:
+        fa, ma = _final_and_mean(rows_a, k)
+        fb, mb = _final_and_mean(rows_b, k)
+        table.append({"metric": k, "fa": fa, "fb": fb, "ma": ma, "mb": mb})
+    cols = [
+        ("metric", "metric"),
+        ("fa", f"{name_a} final"),
+        ("fb", f"{name_b} final"),
+        ("ma", f"{name_a} mean"),
+        ("mb", f"{name_b} mean"),
+    ]
+    print(format_table(table, cols))
+    if args.out:
+        plt = _pyplot()
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for rows, name in ((rows_a, name_a), (rows_b, name_b)):
+            steps = [r["step"] for r in rows]
+            ax1.plot(steps, _nan(r["rollout/reward_mean"] for r in rows), marker="o", label=name)
+            ax2.plot(
+                steps, _nan(r["rollout/response_length"] for r in rows), marker="o", label=name
+            )
+        ax1.set_ylabel("mean reward")
+        ax2.set_ylabel("mean response length (tokens)")
+        for ax in (ax1, ax2):
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.out, dpi=100)
+        plt.close(fig)
+        print(args.out)
+    return 0
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def _add_filters(p: argparse.ArgumentParser, default_limit: int | None) -> None:
+    p.add_argument("--step", type=int)
+    p.add_argument("--prompt-id", type=int)
+    p.add_argument("--min-reward", type=float)
+    p.add_argument("--max-reward", type=float)
+    p.add_argument("--regex", help="RE2 pattern searched for in the response text")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--best", type=int, metavar="K", help="the K highest-reward samples")
+    g.add_argument("--worst", type=int, metavar="K", help="the K lowest-reward samples")
+    p.add_argument("--limit", type=int, default=default_limit, metavar="N")
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Check every committed stage and checkpoint; print each corrupt file; exit 1 if any."""
+    if not args.run_dir.is_dir():
+        raise InspectError(f"no run directory at {args.run_dir}")
+    audit = verify_run(args.run_dir)
+    checked = {"stages": audit.stages, "checkpoints": audit.checkpoints}
+    if args.json:
+        print(json.dumps({"checked": checked, "corrupt": audit.corrupt}, indent=1))
+    else:
+        for b in audit.corrupt:
+            print(f"corrupt: {b['path']} ({b['why']})")
+        print(
+            f"checked {audit.stages} committed stages and {audit.checkpoints} "
+            f"checkpoints: {len(audit.corrupt)} corrupt file(s)"
+        )
+    return 1 if audit.corrupt else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rftpipe inspect",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dir", type=Path)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("summary", help="one row per committed step")
+    s.add_argument("--json", action="store_true", help="a JSON list of per-step dicts")
+    s.set_defaults(func=cmd_summary)
+    s = sub.add_parser("samples", help="pretty-print samples")
+    _add_filters(s, default_limit=10)
+    s.set_defaults(func=cmd_samples)
+    s = sub.add_parser("export", help="write filtered samples as CSV or JSONL")
+    s.add_argument("--format", choices=["csv", "jsonl"], required=True)
+    s.add_argument("--out", type=Path, required=True)
+    _add_filters(s, default_limit=None)
+    s.set_defaults(func=cmd_export)
+    s = sub.add_parser("plot", help="PNG of reward, length, KL and stage timings")
+    s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--data-out", type=Path, help="CSV of the plotted series, one row per step")
+    s.set_defaults(func=cmd_plot)
+    s = sub.add_parser("compare", help="two runs side by side")
+    s.add_argument("run_b", type=Path)
+    s.add_argument("--out", type=Path, help="PNG overlaying both runs' reward and length")
+    s.set_defaults(func=cmd_compare)
+    s = sub.add_parser("verify", help="check every committed file against its manifest")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_verify)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except InspectError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, pa.ArrowException) as e:
+        # An unreadable or concurrently removed file: still one line, not a traceback.
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
