@@ -25,10 +25,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     ("rftpipe.algos",),
     ("rftpipe.config",),
-    ("rftpipe.storage", "rftpipe.observe"),
+    ("rftpipe.storage",),
     ("rftpipe.data", "rftpipe.checkpoint"),
     ("rftpipe.engines",),
-    ("rftpipe.rewards",),
+    ("rftpipe.rewards", "rftpipe.observe"),
     ("rftpipe.stages",),
     ("rftpipe.run",),
     ("rftpipe.inspect",),
@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 """Lowest first. A module may import modules of its own layer or lower ones; the longest
 matching prefix places a module (so `rftpipe.observe.events` sits in the foundation while
-the rest of `rftpipe.observe` sits above storage)."""
+the rest of `rftpipe.observe` sits above the engines whose throughput it measures)."""
 
 TOP_LEVEL_MODULES = {"errors", "seeding", "faults", "dist"}
 """The only plain modules at rftpipe's top level; everything else is a subpackage."""

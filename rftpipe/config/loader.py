@@ -39,7 +39,7 @@ import types
 import typing
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 
 import yaml
 
@@ -59,7 +59,11 @@ __all__ = [
     "to_dict",
 ]
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+# Only config dataclasses are built (`dataclasses.fields` and the hint cache need one).
+T = TypeVar("T", bound="DataclassInstance")
 
 # Longest value representation quoted in an error message; configs can hold long
 # strings (prompt templates) and the message must stay a readable single line.

@@ -197,6 +197,7 @@ def _micro_step(
         inp.temperature,
         with_entropy=True,
     )
+    assert ent is not None  # asked for with_entropy=True
     old, adv, mask = old.to(lp.device), adv.to(lp.device), mask.to(lp.device)
     # The high-entropy token mask narrows only the policy loss; KL and entropy keep all tokens.
     pg_mask = entropy_top_mask(ent, mask, cfg.entropy_mask_top)
