@@ -12,13 +12,13 @@ import torch
 
 from rftpipe.engines import models
 from rftpipe.engines.train.ema import ParameterEMA
-from rftpipe.run import runtime
+from rftpipe.stages.base import Runtime
 from rftpipe.storage.atomic import atomic_write_json, read_json
 
 EXPORT_MARKER = "rftpipe_export.json"
 
 
-def export_policies(rt: runtime.Runtime) -> None:
+def export_policies(rt: Runtime) -> None:
     """Export the final policy, and its parameter average with `train.ema_decay`, unless
     already exported at the last step (collective: every rank calls it)."""
     # The trainer's full weights, whatever the rollout engine holds (a serving engine's
@@ -30,7 +30,7 @@ def export_policies(rt: runtime.Runtime) -> None:
 
 
 def _export_once(
-    rt: runtime.Runtime,
+    rt: Runtime,
     final: Path,
     weights: Callable[[], torch.nn.Module | Mapping[str, torch.Tensor]],
 ) -> None:
@@ -47,9 +47,7 @@ def _export_once(
             export_final(rt, final, state)
 
 
-def _ema_weights(
-    rt: runtime.Runtime, ema: ParameterEMA
-) -> torch.nn.Module | Mapping[str, torch.Tensor]:
+def _ema_weights(rt: Runtime, ema: ParameterEMA) -> torch.nn.Module | Mapping[str, torch.Tensor]:
     """The averages, gathered on every rank (collective under fsdp2); on rank 0, the one
     that exports, as a fresh policy module holding them (by parameter name, so a tied head
     takes its embedding's average, as it does in training)."""
@@ -64,7 +62,7 @@ def _ema_weights(
 
 
 def export_final(
-    rt: runtime.Runtime, final: Path, weights: torch.nn.Module | Mapping[str, torch.Tensor]
+    rt: Runtime, final: Path, weights: torch.nn.Module | Mapping[str, torch.Tensor]
 ) -> None:
     """HF-format export of a policy (RUN/export, RUN/export_ema), published by a dir rename."""
     tmp = rt.run.root / f".tmp-{final.name}"

@@ -28,6 +28,7 @@ from rftpipe.run.driver import evaluate_initial, maybe_checkpoint, run_step
 from rftpipe.run.metrics import step_metrics, write_summary
 from rftpipe.run.preemption import NoStop, StopFlag
 from rftpipe.stages import FINAL
+from rftpipe.stages.base import Runtime
 from rftpipe.storage.layout import RunDir
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ def train_run(
     return 0
 
 
-def make_trackers(rt: runtime.Runtime, last_done: int) -> Trackers:
+def make_trackers(rt: Runtime, last_done: int) -> Trackers:
     if not rt.dist.is_main:
         return Trackers([NullTracker()])
     jsonl = JsonlTracker(rt.run.metrics_path, last_done)
@@ -174,7 +175,7 @@ def bar_update(bar, m: dict[str, Any], train_metrics: dict[str, float], drift_ke
     bar.update(1)
 
 
-def finish(rt: runtime.Runtime) -> None:
+def finish(rt: Runtime) -> None:
     """The evaluations' summary and the HF export of the final policy (done once), and of
     the actor's parameter average with `train.ema_decay` (RUN/export_ema).
 
