@@ -60,21 +60,24 @@ def table() -> pa.Table:
     )
 
 
-def _train(
-    cfg: TrainConfig, table: pa.Table, budget: int = 0
-) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    engine = _engine(cfg)
-    rows = table.to_pylist()
-    inp = batching.TrainInputs(
+def _inputs(table: pa.Table, budget: int = 0) -> batching.TrainInputs:
+    """Step 1's train inputs: every row of `table` on one rank."""
+    return batching.TrainInputs(
         step=1,
         run_seed=0,
         table=table,
-        global_samples=[(r["prompt_id"], r["sample_idx"]) for r in rows],
+        global_samples=[(r["prompt_id"], r["sample_idx"]) for r in table.to_pylist()],
         kl_coef=0.0,
         temperature=1.0,
         response_budget=budget,
     )
-    metrics = train.run(cfg, KLConfig(), engine, Dist(), inp)
+
+
+def _train(
+    cfg: TrainConfig, table: pa.Table, budget: int = 0
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    engine = _engine(cfg)
+    metrics = train.run(cfg, KLConfig(), engine, Dist(), _inputs(table, budget))
     weights = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
     return metrics, weights
 
@@ -171,15 +174,7 @@ def test_critic_seq_mean_token_sum_norm_divides_by_the_response_budget(table: pa
     returns = [[1.0] * r["response_length"] for r in rows]
     t = table.append_column("values", pa.array(values, pa.list_(pa.float32())))
     t = t.append_column("returns", pa.array(returns, pa.list_(pa.float32())))
-    inp = batching.TrainInputs(
-        step=1,
-        run_seed=0,
-        table=t,
-        global_samples=[(r["prompt_id"], r["sample_idx"]) for r in rows],
-        kl_coef=0.0,
-        temperature=1.0,
-        response_budget=8,
-    )
+    inp = _inputs(t, budget=8)
     losses = []
     for micro in (1, n):
         train_cfg = critic_train_config(
