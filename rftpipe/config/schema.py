@@ -809,6 +809,15 @@ class TrainConfig:
     (deepspeed). all: parameters too (deepspeed ZeRO-3; fsdp2, whose CPUOffloadPolicy offloads
     parameters, gradients and optimizer together). The single backend has none."""
 
+    offload_between_stages: bool = False
+    """Move the optimizer state to host memory when each train stage ends and back when the
+    next one begins (the actor's and the critic's), so rollout, scoring and advantages have
+    its device memory. What moves: AdamW's moments and step (single, fsdp2: this rank's
+    shards), and under deepspeed also the fp32 master partitions; the parameters, DeepSpeed's
+    gradient buffers and the EMA stay. One copy each way per step (metrics
+    perf/offload_gib, perf/offload_s, perf/reload_s); the updates are bitwise unchanged.
+    Not with cpu_offload, which keeps that state in host memory throughout."""
+
     max_tokens_per_micro_batch: int = 0
     """Split mini-batches into micro-batches by tokens (prompt plus response per row) instead
     of by `micro_batch_size` rows: each micro-batch holds as many rows as fit this budget
@@ -942,6 +951,11 @@ class TrainConfig:
                     "cpu_offload=all offloads parameters, which ZeRO-2 cannot; use zero_stage=3 "
                     "or cpu_offload=optimizer"
                 )
+        if self.offload_between_stages and self.cpu_offload != "none":
+            raise ValueError(
+                f"offload_between_stages: the optimizer state already lives in host memory "
+                f"under cpu_offload={self.cpu_offload}; use one of the two"
+            )
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError(
                 f"max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}"

@@ -86,7 +86,21 @@ def run(
     seconds = perf.clock(dist.device) - t0
     # Every rank reaches this one extra collective right after the stage's last one.
     work = dist.all_reduce_sum(perf.train_work(engine.model, inp.table, cfg.ppo_epochs))
-    return {**metrics, **perf.throughput(work, seconds)}
+    return {**metrics, **perf.throughput(work, seconds), **_offload_metrics(cfg, engine)}
+
+
+def _offload_metrics(cfg: TrainConfig, engine: TrainEngine) -> dict[str, float]:
+    """This rank's optimizer-state bytes the stage moved to host memory at its end, and the
+    seconds of that offload and of its start's reload (`train.offload_between_stages`;
+    timings and rank-local sizes, hence under perf/, which a replay does not compare)."""
+    if not cfg.offload_between_stages:
+        return {}
+    rec = engine.offload_record
+    return {
+        "perf/offload_gib": rec.bytes / 2**30,
+        "perf/offload_s": rec.offload_s,
+        "perf/reload_s": rec.reload_s,
+    }
 
 
 def _run(
