@@ -1,14 +1,17 @@
 """One rank of the offload-between-stages test: the same train steps with and without
 `train.offload_between_stages`, side by side in one process.
 
-    python tests/offload_worker.py OUT_DIR key=value ...   (TrainConfig fields)
+    python tests/offload_worker.py OUT_DIR CONFIG ...
+
+Each CONFIG is comma-separated TrainConfig fields (`backend=deepspeed,zero_stage=3`); the
+configs run one after another in the same processes (one start, one DeepSpeed import).
 
 Engine `on` (offload on) and `off` take steps 1-3 on backend_worker's fixed rows. After
 step 1, with `on` offloaded, one more explicit reload/offload round checks the movement
 itself: every optimizer-state tensor gets a new storage each way, and the tensors replaced
 by the offload are freed. After step 2, `on`'s `state_dict()` is read while offloaded and
 loaded into a third engine that is itself offloaded (it trained step 1), which then takes
-step 3. Rank 0 writes OUT_DIR/result.json.
+step 3. Rank 0 writes OUT_DIR/result.json: CONFIG -> the checks' outcomes.
 """
 
 from __future__ import annotations
@@ -72,18 +75,18 @@ def movement(engine: Any) -> dict[str, Any]:
     state, flats = optimizer_tensors(engine)
     return {
         "bytes": engine.offload_record.bytes,
-        "expected_bytes": sum(_local(t).numel() * _local(t).element_size() for t in (*state, *flats)),
+        "expected_bytes": sum(
+            _local(t).numel() * _local(t).element_size() for t in (*state, *flats)
+        ),
         "tensors": len(host),
         "new_storage_on_reload": _all_new(host, device),
         "new_storage_on_offload": _all_new(device, back),
         "device_copies_freed": all(r() is None for r in refs),
-        "values_equal": all(
-            torch.equal(_local(a), b) for a, b in zip(state, values, strict=True)
-        ),
+        "values_equal": all(torch.equal(_local(a), b) for a, b in zip(state, values, strict=True)),
     }
 
 
-def run(out: Path, cfg: TrainConfig, dist: Dist) -> dict[str, Any]:
+def run(cfg: TrainConfig, dist: Dist) -> dict[str, Any]:
     table = fixed_rows()
     ids = list(range(GROUPS))
     mine = set(rank_slice(ids, dist.rank, dist.world))
@@ -120,12 +123,16 @@ def run(out: Path, cfg: TrainConfig, dist: Dist) -> dict[str, Any]:
         "movement": moved,
         "metrics_equal": metrics["on"] == metrics["off"],
         "loaded_step_equal": metrics["loaded"][0] == metrics["on"][2],
-        "weights_equal": all(torch.equal(weights["on"][k], weights["off"][k]) for k in weights["on"]),
+        "weights_equal": all(
+            torch.equal(weights["on"][k], weights["off"][k]) for k in weights["on"]
+        ),
         "loaded_weights_equal": all(
             torch.equal(weights["on"][k], weights["loaded"][k]) for k in weights["on"]
         ),
         "moved_weights": any(
-            not torch.equal(weights["on"][k], w) for k, w in _initial().items() if k in weights["on"]
+            not torch.equal(weights["on"][k], w)
+            for k, w in _initial().items()
+            if k in weights["on"]
         ),
     }
 
@@ -148,11 +155,13 @@ def config(fields: dict[str, object]) -> TrainConfig:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    fields = {k: _value(v) for k, v in (a.split("=", 1) for a in sys.argv[2:])}
     torch.set_num_threads(1)
-    cfg = config(fields)
-    dist = init_from_env(require_group=cfg.backend != "single")
-    result = run(out, cfg, dist)
+    configs = {
+        spec: config({k: _value(v) for k, v in (f.split("=", 1) for f in spec.split(","))})
+        for spec in sys.argv[2:]
+    }
+    dist = init_from_env(require_group=any(c.backend != "single" for c in configs.values()))
+    result = {spec: run(cfg, dist) for spec, cfg in configs.items()}
     if dist.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "result.json").write_text(json.dumps(result))

@@ -147,6 +147,10 @@ FRESH_CASES = {
         ("train.backend=fsdp2", "train.cpu_offload=optimizer"),
         ("cpu_offload=optimizer", "fsdp2", "all"),
     ),
+    "offload_between_stages_under_cpu_offload": (
+        ("train.backend=fsdp2", "train.cpu_offload=all", "train.offload_between_stages=true"),
+        ("train", "offload_between_stages", "cpu_offload=all"),
+    ),
     "unknown_backend": (("train.backend=megatron",), ("train.backend", "deepspeed")),
     "gae_without_critic": (("advantage.estimator=gae",), ("advantage.estimator=gae", "critic")),
     "correction_on_rollout_logprobs": (

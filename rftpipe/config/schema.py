@@ -48,6 +48,9 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "checkpoint.max_interval",
     "launch",
     "eval",
+    # Where the optimizer state waits between train stages, never what an update computes
+    # (bitwise equal with and without: tests/test_offload.py).
+    "train.offload_between_stages",
     # How many rounds a step may over-sample, and what a short step does: committed rounds
     # stay as they are and are always used; a step not yet past its generation follows the
     # new bound (so a run stopped by on_shortfall=fail can go on with a larger one).
