@@ -265,8 +265,7 @@ class _EngineBase:
         self.offload_record.bytes = moved
         self.offload_record.offload_s = time.perf_counter() - t0
         log.info(
-            "%s: %.3f GiB of optimizer state to host memory in %.3f s",
-            self.role,
+            "optimizer state offloaded: %.3f GiB to host memory in %.3f s",
             moved / 2**30,
             self.offload_record.offload_s,
         )
