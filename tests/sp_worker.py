@@ -1,19 +1,22 @@
 """One rank of the sequence-parallel tests: FSDP2 at `train.sp_size` on builtin:tiny.
 
-    python tests/sp_worker.py OUT_DIR equal key=value ...   (TrainConfig fields)
-    python tests/sp_worker.py OUT_DIR memory TOKENS key=value ...
+    python tests/sp_worker.py OUT_DIR [tokens=N] VARIANT ...
 
-`equal`: each world rank takes its share of the fixed rows of tests/backend_worker.py and
-rank 0 writes, in the global row order: the no-grad `compute_logprobs` of every row
+Each VARIANT is comma-separated TrainConfig fields (`sp_size=4,gradient_checkpointing=true`),
+an FSDP2 engine of its own, whose results go to OUT_DIR/vI (I its position). For each,
+each world rank takes its share of the fixed rows of tests/backend_worker.py and rank 0
+writes, in the global row order: the no-grad `compute_logprobs` of every row
 (logprobs.json); the full gradients of a token-mean loss of logprobs and entropies over
 all rows, each rank holding its SP group's rows as the train stage does (grads.safetensors);
 then the metrics (metrics.json) and full weights (weights.safetensors) after one train
 stage step.
 
-`memory`: one forward+backward of a single row of TOKENS tokens (a 16-token prompt, the rest
-response); every rank writes memory-RANK.json with its peak resident memory above the
-resident memory before the step (the high-water mark reset through /proc/self/clear_refs)
-and the step's seconds.
+With tokens=N, every rank then runs (first variant only) one forward+backward of a single row of N tokens (a
+16-token prompt, the rest response) and writes memory-RANK.json: its peak resident memory
+above the resident memory just before (the high-water mark reset through
+/proc/self/clear_refs) and the seconds it took. Run it with MALLOC_MMAP_THRESHOLD_=65536,
+so that large blocks go back to the system when freed and the resident set follows what
+is live rather than glibc's heap.
 """
 
 from __future__ import annotations
@@ -130,29 +133,28 @@ def memory(out: Path, tokens: int, dist: Dist, engine: TrainEngine) -> None:
 
 
 def main() -> None:
-    out, mode = Path(sys.argv[1]), sys.argv[2]
-    tokens = int(sys.argv[3]) if mode == "memory" else 0
-    args = sys.argv[4:] if mode == "memory" else sys.argv[3:]
-    fields = {k: _value(v) for k, v in (a.split("=", 1) for a in args)}
+    out = Path(sys.argv[1])
+    args = sys.argv[2:]
+    tokens = int(args.pop(0).removeprefix("tokens=")) if args[0].startswith("tokens=") else 0
     torch.set_num_threads(1)
-    cfg = TrainConfig(
-        backend="fsdp2",
-        lr=1e-3,
-        mini_batches=2,
-        micro_batch_size=2,
-        entropy_coef=0.01,
-        **fields,  # type: ignore[arg-type]
-    )
     dist = init_from_env(require_group=True)
-    model = load_causal_lm(prepare_tiny(), "float32")
-    engine = TRAIN_ENGINES["fsdp2"](model, cfg, dist, total_updates=4)
-    if mode == "equal":
-        equal(out, cfg, dist, engine)
-    else:
-        memory(out, tokens, dist, engine)
+    for i, variant in enumerate(args):
+        fields = {k: _value(v) for k, v in (a.split("=", 1) for a in variant.split(","))}
+        cfg = TrainConfig(
+            backend="fsdp2",
+            lr=1e-3,
+            mini_batches=2,
+            micro_batch_size=2,
+            entropy_coef=0.01,
+            **fields,  # type: ignore[arg-type]
+        )
+        model = load_causal_lm(prepare_tiny(), "float32")
+        engine = TRAIN_ENGINES["fsdp2"](model, cfg, dist, total_updates=4)
+        equal(out / f"v{i}", cfg, dist, engine)
+        if tokens and i == 0:
+            memory(out / f"v{i}", tokens, dist, engine)
     tdist.barrier()
     tdist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()
