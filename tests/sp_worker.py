@@ -156,5 +156,6 @@ def main() -> None:
     tdist.barrier()
     tdist.destroy_process_group()
 
+
 if __name__ == "__main__":
     main()

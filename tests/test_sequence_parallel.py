@@ -136,4 +136,3 @@ def test_run_with_sp2_on_two_ranks(tmp_path: Path) -> None:
     for r in first:  # the reference is the initial actor at step 1
         diff = max(abs(a - b) for a, b in zip(r["ref_logprobs"], r["old_logprobs"], strict=True))
         assert diff < 1e-5
-

@@ -125,9 +125,7 @@ def data_view(dist: Dist, sp: int, table: pa.Table) -> tuple[Dist, pa.Table]:
     ctx = sp_context(dist, sp)
     tables: list[Any] = [None] * sp
     tdist.all_gather_object(tables, table, group=ctx.group)
-    view = DataDist(
-        rank=ctx.dp_rank, world=ctx.dp, local_rank=dist.local_rank, group=ctx.dp_group
-    )
+    view = DataDist(rank=ctx.dp_rank, world=ctx.dp, local_rank=dist.local_rank, group=ctx.dp_group)
     return view, pa.concat_tables(tables)
 
 
@@ -160,14 +158,14 @@ def install(model: torch.nn.Module, sp: int) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    config = model.config
+    config: Any = model.config
     heads = int(config.num_attention_heads)
     if heads % sp:
         raise UserError(
             f"train.sp_size={sp} does not divide the model's {heads} attention heads "
             "(num_attention_heads); choose a divisor"
         )
-    impl = config._attn_implementation or "eager"
+    impl: str = config._attn_implementation or "eager"
     if impl.startswith("rftpipe_ulysses_"):
         return
     if impl not in _WRAPPABLE:
@@ -208,10 +206,10 @@ def _attention(
             if impl == "eager"
             else AttentionInterface()[impl]
         )
-        out: tuple[torch.Tensor, None] = own(
+        result: tuple[torch.Tensor, None] = own(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-        return out
+        return result
     sp, group = ulysses.sp, ulysses.group
     heads, kv_heads = query.shape[1], key.shape[1]
     if kv_heads % sp:
@@ -319,4 +317,3 @@ def sp_forward(
             ent = torch.zeros(mb.response_ids.shape, device=device).index_put(at, e)
             ent = _SumOverGroup.apply(ent + anchor if entropy_grad else ent, ctx.group)
     return lp, ent
-
