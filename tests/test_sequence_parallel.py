@@ -55,14 +55,19 @@ def _launch(out: Path, world: int, *args: str) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("sp")
     _launch(base / "w1", 1, f"tokens={TOKENS}", "sp_size=1")
-    _launch(base / "w2", 2, f"tokens={TOKENS}", "sp_size=2")
+    _launch(base / "w2", 2, f"tokens={TOKENS}", "sp_size=2", "sp_size=2,cpu_offload=all")
     # sp=4 on tiny's 2 KV heads replicates them; with activation checkpointing the
     # backward recomputes each layer's all-to-alls.
     _launch(base / "w4", 4, "sp_size=2", "sp_size=4,gradient_checkpointing=true")
     return base
 
 
-CASES = {"sp2-w2": "w2/v0", "sp2-dp2-w4": "w4/v0", "sp4-w4-kv-replicated-ckpt": "w4/v1"}
+CASES = {
+    "sp2-w2": "w2/v0",
+    "sp2-w2-cpu-offload": "w2/v1",
+    "sp2-dp2-w4": "w4/v0",
+    "sp4-w4-kv-replicated-ckpt": "w4/v1",
+}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
