@@ -55,7 +55,8 @@ def _launch(out: Path, world: int, *args: str) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("sp")
     _launch(base / "w1", 1, f"tokens={TOKENS}", "sp_size=1")
-    _launch(base / "w2", 2, f"tokens={TOKENS}", "sp_size=2", "sp_size=2,cpu_offload=all")
+    variants = ("sp_size=2", "sp_size=2,cpu_offload=all", "sp_size=2,logprob_chunk_size=3")
+    _launch(base / "w2", 2, f"tokens={TOKENS}", *variants)
     # sp=4 on tiny's 2 KV heads replicates them; with activation checkpointing the
     # backward recomputes each layer's all-to-alls.
     _launch(base / "w4", 4, "sp_size=2", "sp_size=4,gradient_checkpointing=true")
@@ -65,6 +66,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 CASES = {
     "sp2-w2": "w2/v0",
     "sp2-w2-cpu-offload": "w2/v1",
+    "sp2-w2-chunked-logprobs": "w2/v2",
     "sp2-dp2-w4": "w4/v0",
     "sp4-w4-kv-replicated-ckpt": "w4/v1",
 }

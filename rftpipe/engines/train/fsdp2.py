@@ -100,6 +100,7 @@ class FSDP2Engine(_EngineBase):
                 with_entropy,
                 self._entropy_grad,
                 self.device,
+                self._chunk,
             )
         return self._padded_forward(prompts, responses, temperature, with_entropy)
 

@@ -38,6 +38,8 @@ import torch.distributed as tdist
 
 from rftpipe.algos.losses import entropy_from_logits, gather_logprobs
 from rftpipe.dist import Dist
+from rftpipe.engines.models import as_causal_lm
+from rftpipe.engines.train.chunked_head import head_returns_logprobs
 from rftpipe.engines.train.forward import build_micro_batch
 from rftpipe.errors import UserError
 
@@ -281,39 +283,57 @@ def sp_forward(
     with_entropy: bool,
     entropy_grad: bool,
     device: torch.device,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) response logprobs (and entropies) of rows that every rank of the SP group
     passes alike, each rank running its slice of the sequences through the root module's
-    own forward (FSDP2's hooks); the same values as the sp=1 forward on every rank."""
-    mb = build_micro_batch(prompts, responses, pad_id=0)
+    own forward (FSDP2's hooks); the same values as the sp=1 forward on every rank. With
+    `chunk` (`train.logprob_chunk_size`) the head returns the logprobs a chunk of
+    positions at a time (`head_returns_logprobs`), never this slice's full logits."""
+    mb = build_micro_batch(prompts, responses, pad_id=0).to(device)
     width = mb.input_ids.shape[1]
     s = -(-width // ctx.sp)  # slice length: the rows padded to a multiple of sp
     start = ctx.sp_rank * s
     ids = torch.nn.functional.pad(mb.input_ids, (0, s * ctx.sp - width))[:, start : start + s]
-    positions = torch.arange(start, start + s).expand(ids.shape[0], s)
+    positions = torch.arange(start, start + s, device=device).expand(ids.shape[0], s)
     # Logits only from the first position that predicts a response token (at least one, so
     # that every rank's loss depends on its forward and every rank enters the backward's
     # all-to-alls).
     first = min(max(int(mb.response_index.min()) - start, 0), s - 1)
-    logits = model(
-        input_ids=ids.to(device),
-        position_ids=positions.to(device),
-        use_cache=False,
-        logits_to_keep=s - first,
-        ulysses=ctx,
-    ).logits
-    rel = mb.response_index.to(device) - (start + first)
-    owned = (rel >= 0) & (rel < s - first) & mb.response_mask.to(device)
-    at = owned.nonzero(as_tuple=True)
-    mine = logits[at[0], rel[at]].float()  # (tokens of this slice, vocab)
-    lp_own = gather_logprobs(mine[:, None], mb.response_ids.to(device)[at][:, None], temperature)
-    anchor = logits[:, -1:, :1].sum() * 0.0  # keeps the graph when the slice owns no token
-    lp = torch.zeros(mb.response_ids.shape, device=device).index_put(at, lp_own[:, 0])
-    lp = _SumOverGroup.apply(lp + anchor, ctx.group)
-    ent = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            e = entropy_from_logits((mine if entropy_grad else mine.detach()) / temperature)
-            ent = torch.zeros(mb.response_ids.shape, device=device).index_put(at, e)
-            ent = _SumOverGroup.apply(ent + anchor if entropy_grad else ent, ctx.group)
+    inputs = {
+        "input_ids": ids,
+        "position_ids": positions,
+        "use_cache": False,
+        "logits_to_keep": s - first,
+        "ulysses": ctx,
+    }
+    rel = mb.response_index - (start + first)
+    owned = (rel >= 0) & (rel < s - first) & mb.response_mask
+    if chunk:
+        head = as_causal_lm(model).get_output_embeddings()
+        assert isinstance(head, torch.nn.Linear), type(head)  # `logprob_chunk_size` checked
+        # Every (row, token) position, clamped into the slice: the rows' shapes stay (B, T)
+        # and the positions this rank does not own are dropped below.
+        index = rel.clamp(0, s - first - 1)
+        with head_returns_logprobs(
+            head, index, mb.response_ids, temperature, chunk, with_entropy, entropy_grad
+        ):
+            out = model(**inputs).logits
+        lp = torch.where(owned, out[..., 0], 0.0)
+        ent = torch.where(owned, out[..., 1], 0.0) if with_entropy else None
+    else:
+        logits = model(**inputs).logits
+        at = owned.nonzero(as_tuple=True)
+        mine = logits[at[0], rel[at]].float()  # (tokens of this slice, vocab)
+        lp_own = gather_logprobs(mine[:, None], mb.response_ids[at][:, None], temperature)
+        anchor = logits[:, -1:, :1].sum() * 0.0  # keeps the graph when the slice owns no token
+        lp = torch.zeros(mb.response_ids.shape, device=device).index_put(at, lp_own[:, 0]) + anchor
+        ent = None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                e = entropy_from_logits((mine if entropy_grad else mine.detach()) / temperature)
+                ent = torch.zeros(mb.response_ids.shape, device=device).index_put(at, e)
+    lp = _SumOverGroup.apply(lp, ctx.group)
+    if ent is not None:
+        ent = _SumOverGroup.apply(ent, ctx.group)
     return lp, ent
