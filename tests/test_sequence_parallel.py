@@ -16,6 +16,7 @@ import torch
 from helpers import ROOT, submit, trajectories
 from safetensors.torch import load_file
 
+from jobs.submit import free_port
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train.ulysses import install
 from rftpipe.errors import UserError
@@ -38,7 +39,8 @@ def _launch(out: Path, world: int, *args: str) -> None:
         "PYTHONPATH": str(ROOT),
         "WORLD_SIZE": str(world),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(29900 + world * 7 + hash(out.name) % 50),
+        # A port free now, not a fixed one another test on the machine may hold.
+        "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
         # Large blocks are unmapped when freed, so the resident set follows live memory.
         "MALLOC_MMAP_THRESHOLD_": "65536",
