@@ -809,6 +809,14 @@ class TrainConfig:
     (deepspeed). all: parameters too (deepspeed ZeRO-3; fsdp2, whose CPUOffloadPolicy offloads
     parameters, gradients and optimizer together). The single backend has none."""
 
+    sp_size: int = 1
+    """Sequence parallelism (backend=fsdp2): ranks per Ulysses group. Each group's ranks hold
+    the same rows and each computes a contiguous 1/sp_size slice of every sequence, exchanging
+    sequence for attention-head shards around attention (all-to-all), so activation memory
+    per rank falls about sp_size times. The world is dp x sp: rows are dealt to the
+    world / sp_size groups. Must divide the world size and the model's attention heads.
+    1: off."""
+
     max_tokens_per_micro_batch: int = 0
     """Split mini-batches into micro-batches by tokens (prompt plus response per row) instead
     of by `micro_batch_size` rows: each micro-batch holds as many rows as fit this budget
@@ -948,6 +956,13 @@ class TrainConfig:
                     "cpu_offload=all offloads parameters, which ZeRO-2 cannot; use zero_stage=3 "
                     "or cpu_offload=optimizer"
                 )
+        if self.sp_size < 1:
+            raise ValueError(f"sp_size must be >= 1, got {self.sp_size}")
+        if self.sp_size > 1 and self.backend != "fsdp2":
+            raise ValueError(
+                f"sp_size={self.sp_size} needs backend=fsdp2 (sequence parallelism is "
+                f"Ulysses over FSDP2), got backend={self.backend}"
+            )
         if self.logprob_chunk_size < 0:
             raise ValueError(f"logprob_chunk_size must be >= 0, got {self.logprob_chunk_size}")
         if self.max_tokens_per_micro_batch < 0:
@@ -1251,6 +1266,11 @@ class RunConfig:
             raise ValueError(
                 f"critic is configured but advantage.estimator={estimator.name} does not read "
                 "its values; use an estimator that does (gae) or drop `critic`"
+            )
+        if self.critic is not None and self.train.sp_size > 1:
+            raise ValueError(
+                f"train.sp_size={self.train.sp_size} with a critic: the value model has no "
+                "sequence-parallel forward; set train.sp_size=1 or drop `critic`"
             )
         if (
             self.train.rollout_correction != "none"
