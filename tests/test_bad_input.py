@@ -143,6 +143,15 @@ FRESH_CASES = {
         ("cpu_offload=all", "ZeRO-2", "zero_stage=3"),
     ),
     "offload_on_single": (("train.cpu_offload=optimizer",), ("cpu_offload", "backend=single")),
+    "sp_without_fsdp2": (("train.sp_size=2",), ("train", "sp_size=2", "backend=fsdp2")),
+    "sp_not_dividing_the_world": (
+        ("train.backend=fsdp2", "train.sp_size=2"),
+        ("train.sp_size=2", "world size 1"),
+    ),
+    "sp_with_a_critic": (
+        ("train.backend=fsdp2", "train.sp_size=2", "advantage.estimator=gae", "critic.lr=1e-5"),
+        ("train.sp_size=2", "critic"),
+    ),
     "fsdp2_optimizer_only_offload": (
         ("train.backend=fsdp2", "train.cpu_offload=optimizer"),
         ("cpu_offload=optimizer", "fsdp2", "all"),

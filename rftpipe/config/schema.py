@@ -821,10 +821,24 @@ class TrainConfig:
     perf/offload_gib, perf/offload_s, perf/reload_s); the updates are bitwise unchanged.
     Not with cpu_offload, which keeps that state in host memory throughout."""
 
+    sp_size: int = 1
+    """Sequence parallelism (backend=fsdp2): ranks per Ulysses group. Each group's ranks hold
+    the same rows and each computes a contiguous 1/sp_size slice of every sequence, exchanging
+    sequence for attention-head shards around attention (all-to-all), so activation memory
+    per rank falls about sp_size times. The world is dp x sp: rows are dealt to the
+    world / sp_size groups. Must divide the world size and the model's attention heads.
+    1: off."""
+
     max_tokens_per_micro_batch: int = 0
     """Split mini-batches into micro-batches by tokens (prompt plus response per row) instead
     of by `micro_batch_size` rows: each micro-batch holds as many rows as fit this budget
     (at least one). 0: use `micro_batch_size`."""
+
+    logprob_chunk_size: int = 0
+    """Positions whose LM-head logits are computed at a time for the response logprobs and
+    entropies (and recomputed, chunk by chunk, in the backward), so a micro-batch's full
+    (tokens x vocabulary) float32 logits never exist. 0: the whole micro-batch at once.
+    Same values as unchunked (fp32: logprobs within 1e-6, gradients within 1e-5 relative)."""
 
     lr: float = 2e-5
     """Peak learning rate of AdamW."""
@@ -959,6 +973,15 @@ class TrainConfig:
                 f"offload_between_stages: the optimizer state already lives in host memory "
                 f"under cpu_offload={self.cpu_offload}; use one of the two"
             )
+        if self.sp_size < 1:
+            raise ValueError(f"sp_size must be >= 1, got {self.sp_size}")
+        if self.sp_size > 1 and self.backend != "fsdp2":
+            raise ValueError(
+                f"sp_size={self.sp_size} needs backend=fsdp2 (sequence parallelism is "
+                f"Ulysses over FSDP2), got backend={self.backend}"
+            )
+        if self.logprob_chunk_size < 0:
+            raise ValueError(f"logprob_chunk_size must be >= 0, got {self.logprob_chunk_size}")
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError(
                 f"max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}"
@@ -1260,6 +1283,11 @@ class RunConfig:
             raise ValueError(
                 f"critic is configured but advantage.estimator={estimator.name} does not read "
                 "its values; use an estimator that does (gae) or drop `critic`"
+            )
+        if self.critic is not None and self.train.sp_size > 1:
+            raise ValueError(
+                f"train.sp_size={self.train.sp_size} with a critic: the value model has no "
+                "sequence-parallel forward; set train.sp_size=1 or drop `critic`"
             )
         if (
             self.train.rollout_correction != "none"

@@ -33,6 +33,7 @@ from rftpipe.data.sampler import rank_slice
 from rftpipe.dist import Dist
 from rftpipe.engines.train.base import TrainEngine
 from rftpipe.engines.train.forward import split_micro_batches
+from rftpipe.engines.train.ulysses import data_view
 from rftpipe.errors import UserError
 from rftpipe.faults import fault
 from rftpipe.observe import perf
@@ -332,11 +333,13 @@ class TrainStage:
         # The controller's coefficient for this step is the one its advantage stage recorded.
         kl_coef = float(rt.store.manifest(plan.step, "advantage")["kl_coef"])
         n = rt.cfg.rollout.n
+        # ReMax's greedy baseline rows only set the other rows' advantages. Under sequence
+        # parallelism the ranks of an SP group train on their rows together, one data rank.
+        dist, table = data_view(rt.dist, rt.cfg.train.sp_size, without_baseline(rows()))
         inp = TrainInputs(
             step=plan.step,
             run_seed=rt.cfg.seed,
-            # ReMax's greedy baseline rows only set the other rows' advantages.
-            table=without_baseline(rows()),
+            table=table,
             kl_coef=kl_coef,
             global_samples=[(p, k) for p in plan.global_ids for k in range(n)],
             temperature=rt.cfg.rollout.temperature,
@@ -350,7 +353,7 @@ class TrainStage:
         if rt.critic is not None and plan.step <= rt.critic.cfg.warmup_steps:
             # Critic warm-up: the actor waits (no update, no KL-controller input).
             return {"train/kl": 0.0, "train/updates": 0.0, **critic}
-        metrics = run(rt.cfg.train, rt.cfg.kl, rt.train_engine, rt.dist, inp)
+        metrics = run(rt.cfg.train, rt.cfg.kl, rt.train_engine, dist, inp)
         rt.kl_ctrl.update(metrics["train/kl"], n_steps=len(plan.global_ids) * n)
         dtype = perf.compute_dtype(rt.cfg.train.param_dtype, rt.cfg.model.dtype)
         peak = perf.peak_tflops(rt.dist.device, dtype, rt.cfg.launch.peak_tflops)

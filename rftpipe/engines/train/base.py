@@ -25,6 +25,7 @@ from rftpipe.engines.models import as_decoder_model
 from rftpipe.engines.train.ema import ParameterEMA
 from rftpipe.engines.train.forward import (
     build_micro_batch,
+    logprob_chunk_size,
     root_forward_logprobs,
     split_micro_batches,
 )
@@ -199,6 +200,8 @@ class _EngineBase:
             # checkpointed forward, so the recompute does not gather the parameters twice.
             enable_activation_checkpointing(model)
         self.model = self._prepare(model)
+        # The head's logits a chunk at a time, where this model's head allows it.
+        self._chunk = logprob_chunk_size(self.model, cfg.logprob_chunk_size)
         self._init_role(role, total_updates)
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -319,7 +322,12 @@ class _EngineBase:
         hooks (FSDP2's unit gathers, DeepSpeed's ZeRO-3 gathers and bf16 copy) must run."""
         mb = build_micro_batch(prompts, responses, pad_id=0).to(self.device)
         return root_forward_logprobs(
-            self._runner, mb, temperature, with_entropy, self._entropy_grad
+            self._runner,
+            mb,
+            temperature,
+            with_entropy,
+            self._entropy_grad,
+            self._chunk,
         )
 
     def _micro_batch_count(self, n: int) -> int:
