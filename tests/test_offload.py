@@ -17,6 +17,7 @@ import pytest
 from helpers import ROOT
 from offload_worker import config, run
 
+from jobs.submit import free_port
 from rftpipe.dist import Dist
 
 ALL_TRUE = {
@@ -64,7 +65,7 @@ def test_sharded_offload_moves_the_state_and_trains_bitwise(tmp_path: Path) -> N
         "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
         "WORLD_SIZE": "2",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "29977",
+        "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
     }
     cmd = [sys.executable, str(ROOT / "tests" / "offload_worker.py"), str(tmp_path), *SHARDED]
