@@ -814,6 +814,13 @@ class TrainConfig:
     of by `micro_batch_size` rows: each micro-batch holds as many rows as fit this budget
     (at least one). 0: use `micro_batch_size`."""
 
+    packing: bool = True
+    """fsdp2/deepspeed: run each micro-batch's rows end to end as one sequence (a
+    block-diagonal causal mask, each row at its own positions) instead of right-padding
+    every row to the longest: no padding reaches the model, the same logprobs and
+    gradients. Needs a model with sdpa attention and no sliding window. `single` always
+    runs its prefix-sharing forward and ignores this."""
+
     lr: float = 2e-5
     """Peak learning rate of AdamW."""
 

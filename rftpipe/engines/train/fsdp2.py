@@ -20,8 +20,9 @@ class FSDP2Engine(_EngineBase):
     (divide factor 1) because the losses are already normalised by global token counts.
     With `cpu_offload=all` the shards, their gradients and AdamW state live in host memory
     (construct it from a model on the compute device: inputs follow the model).
-    Each micro-batch is one full-sequence forward, so every rank issues the same
-    collectives in the same order whatever prompts it holds.
+    Each micro-batch is one forward of the root module (its rows packed end to end, or
+    right-padded, by `train.packing`), so every rank issues the same collectives in the
+    same order whatever prompts it holds.
     """
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -83,7 +84,7 @@ class FSDP2Engine(_EngineBase):
         temperature: float,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._padded_forward(prompts, responses, temperature, with_entropy)
+        return self._root_forward(prompts, responses, temperature, with_entropy)
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights on every rank, for the rollout engine's own copy."""

@@ -1,0 +1,208 @@
+"""Varlen packing for the sharded backends: a micro-batch's rows as one flat sequence.
+
+`fsdp2` and `deepspeed` must run the root module's own forward (FSDP2's root unit gathers
+the embeddings, final norm and tied head there; ZeRO-3 gathers every parameter through its
+hooks), so they cannot call the decoder directly as `single`'s prefix forest does. With
+`train.packing` on they pack instead of padding: every row's prompt and response (but its
+last token, whose logits predict nothing) laid end to end in one sequence of N tokens,
+each row at its own positions, under a block-diagonal causal mask (a token sees the
+earlier tokens of its own row only), and the LM head runs only on the K positions that
+predict a loss token (`logits_to_keep` as an index). No padding reaches a linear layer or
+the head, and the rows' logprobs equal their padded forward's.
+
+A row says which of its response tokens the loss takes (`PackRow.loss_mask`: a multi-turn
+rollout's environment turns are inputs, not actions) and may carry its own positions
+(`PackRow.position_ids`: 3-D rotary for multimodal models); the train stage passes the
+defaults today (every response token, positions 0..L-1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rftpipe.algos.losses import gather_logprobs
+from rftpipe.engines.train.forward import _entropy
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackRow:
+    """One prompt+response row to pack."""
+
+    prompt: Sequence[int]
+    """(P,) prompt tokens."""
+    response: Sequence[int]
+    """(R,) response tokens."""
+    loss_mask: Sequence[bool] | None = None
+    """(R,) True on the response tokens the loss takes (actions). False on tokens that are
+    inputs, like a multi-turn rollout's environment turns: later tokens still attend to
+    them, but they get no logprob (0) and no gradient. None: every response token."""
+    position_ids: torch.Tensor | None = None
+    """(P + R,) or (k, P + R) int64 rotary positions of the row's tokens, k the rotary axes
+    (3 for Qwen2-VL's M-RoPE). None: 0..P+R-1."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackedBatch:
+    """Rows packed into one sequence of N tokens, K of whose positions predict loss tokens.
+
+    B rows, T the longest response. Nothing here is padded: N is the rows' prompt+response
+    tokens less one per row with a response, K their loss tokens.
+    """
+
+    input_ids: torch.Tensor
+    """(1, N) int64 the rows' tokens end to end."""
+    position_ids: torch.Tensor
+    """(1, N), or (k, 1, N) for k-D rotary, int64: each token's position in its own row."""
+    segment_ids: torch.Tensor
+    """(N,) int64 the row each token belongs to."""
+    attention_mask: torch.Tensor
+    """(1, 1, N, N) bool, True where query i sees key j: j <= i in the same row. Every
+    token sees itself, so no softmax row is empty."""
+    loss_mask: torch.Tensor
+    """(B, T) bool, True on the loss tokens, row-major in the order of `target_index`."""
+    target_index: torch.Tensor
+    """(K,) int64 position in the sequence whose logits predict each loss token."""
+    target_ids: torch.Tensor
+    """(K,) int64 the loss tokens."""
+
+    def to(self, device: torch.device) -> PackedBatch:
+        return PackedBatch(
+            input_ids=self.input_ids.to(device, non_blocking=True),
+            position_ids=self.position_ids.to(device, non_blocking=True),
+            segment_ids=self.segment_ids.to(device, non_blocking=True),
+            attention_mask=self.attention_mask.to(device, non_blocking=True),
+            loss_mask=self.loss_mask.to(device, non_blocking=True),
+            target_index=self.target_index.to(device, non_blocking=True),
+            target_ids=self.target_ids.to(device, non_blocking=True),
+        )
+
+
+def default_rows(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+) -> list[PackRow]:
+    """Rows whose every response token is a loss token, at positions 0..L-1."""
+    return [PackRow(prompt=p, response=r) for p, r in zip(prompts, responses, strict=True)]
+
+
+def _row_positions(i: int, row: PackRow) -> torch.Tensor:
+    """(k, L) the row's positions (k = 1 without explicit ones)."""
+    n = len(row.prompt) + len(row.response)
+    if row.position_ids is None:
+        return torch.arange(n).unsqueeze(0)
+    pos = row.position_ids.to(torch.long)
+    pos = pos.unsqueeze(0) if pos.ndim == 1 else pos
+    if pos.ndim != 2 or pos.shape[1] != n:
+        raise ValueError(
+            f"PackRow.position_ids of row {i}: shape {tuple(row.position_ids.shape)}, "
+            f"expected ({n},) or (k, {n}) for its prompt+response tokens"
+        )
+    return pos
+
+
+def _row_loss_mask(i: int, row: PackRow) -> list[bool]:
+    if row.loss_mask is None:
+        return [True] * len(row.response)
+    if len(row.loss_mask) != len(row.response):
+        raise ValueError(
+            f"PackRow.loss_mask of row {i}: {len(row.loss_mask)} entries for "
+            f"{len(row.response)} response tokens"
+        )
+    return [bool(m) for m in row.loss_mask]
+
+
+def pack_rows(rows: Sequence[PackRow]) -> PackedBatch:
+    """`rows` packed end to end (in order) into one `PackedBatch`.
+
+    >>> b = pack_rows([PackRow(prompt=[5, 6], response=[7, 8]), PackRow(prompt=[9], response=[3])])
+    >>> b.input_ids.tolist(), b.position_ids.tolist(), b.target_index.tolist()
+    ([[5, 6, 7, 9]], [[0, 1, 2, 0]], [1, 2, 3])
+    """
+    ids: list[int] = []
+    segments: list[int] = []
+    positions: list[torch.Tensor] = []
+    targets: list[int] = []
+    target_ids: list[int] = []
+    t_max = max(1, max(len(r.response) for r in rows))
+    loss_mask = torch.zeros((len(rows), t_max), dtype=torch.bool)
+    for i, row in enumerate(rows):
+        mask = _row_loss_mask(i, row)
+        # The last response token is predicted, never attended to: it is not an input.
+        seq = [*row.prompt, *row.response][: len(row.prompt) + max(0, len(row.response) - 1)]
+        start = len(ids)
+        for t, keep in enumerate(mask):
+            if keep:  # logits at position j predict token j+1
+                targets.append(start + len(row.prompt) - 1 + t)
+                target_ids.append(row.response[t])
+        loss_mask[i, : len(mask)] = torch.tensor(mask, dtype=torch.bool)
+        ids.extend(seq)
+        segments.extend([i] * len(seq))
+        positions.append(_row_positions(i, row)[:, : len(seq)])
+    if len({p.shape[0] for p in positions}) != 1:
+        raise ValueError("PackRow.position_ids: every row needs the same number of rotary axes")
+    seg = torch.tensor(segments, dtype=torch.long)
+    n = len(ids)
+    mask4 = (seg[:, None] == seg[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    pos = torch.cat(positions, dim=1)
+    return PackedBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long).unsqueeze(0),
+        # (1, N) for ordinary rotary; (k, 1, N) the layout multi-axis rotary models take.
+        position_ids=pos if pos.shape[0] == 1 else pos.unsqueeze(1),
+        segment_ids=seg,
+        attention_mask=mask4[None, None],
+        loss_mask=loss_mask,
+        target_index=torch.tensor(targets, dtype=torch.long),
+        target_ids=torch.tensor(target_ids, dtype=torch.long),
+    )
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) logprobs (and entropies) of the loss tokens from one forward of the packed
+    sequence through `model`'s own forward (a sharding wrapper's hooks run); 0, with no
+    gradient, where `batch.loss_mask` is False."""
+    logits = model(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        attention_mask=batch.attention_mask,
+        use_cache=False,
+        logits_to_keep=batch.target_index,
+    ).logits[0]
+    logits = logits.float()
+    lp = gather_logprobs(logits, batch.target_ids, temperature=temperature)
+    out = torch.zeros(batch.loss_mask.shape, dtype=lp.dtype, device=lp.device)
+    ent = _entropy(logits, temperature, entropy_grad) if with_entropy else None
+    return (
+        out.masked_scatter(batch.loss_mask, lp),
+        None if ent is None else out.masked_scatter(batch.loss_mask, ent),
+    )
+
+
+def packing_refusal(model: torch.nn.Module) -> str | None:
+    """Why `model` cannot run packed rows, or None if it can.
+
+    The block-diagonal mask is a 4-D boolean mask, which transformers passes as-is to sdpa
+    (True: attend). Eager attention adds a mask to the scores instead, flash attention
+    ignores a 4-D one, and a sliding-window layer would lose its window: each would compute
+    something else than the padded forward, silently.
+    """
+    config = getattr(model, "config", None)
+    if config is None:  # not a transformers model: nothing to check it against
+        return None
+    impl = getattr(config, "_attn_implementation", None)
+    if impl != "sdpa":
+        return f"the model's attention is {impl!r}, not 'sdpa' (a 4-D block-diagonal mask)"
+    layers = getattr(config, "layer_types", None) or []
+    sliding = any(t != "full_attention" for t in layers)
+    if not layers and getattr(config, "sliding_window", None):
+        sliding = getattr(config, "use_sliding_window", True)
+    if sliding:
+        return f"the model ({config.model_type}) has sliding-window attention layers"
+    return None
