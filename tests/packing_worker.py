@@ -68,6 +68,11 @@ def run(cfg: TrainConfig, dist: Dist) -> tuple[torch.Tensor, dict[str, torch.Ten
         for i, r in enumerate(responses):
             mask[i, : len(r)] = True
         loss = torch.where(mask, lp, 0.0).sum() + 0.1 * torch.where(mask, ent, 0.0).sum()
+        if cfg.backend == "deepspeed":
+            # The train stage's accumulation boundary is `step()`, which this never calls: the
+            # gradients are read right after the backward, so it is the boundary (ZeRO then
+            # links them where `safe_get_full_grad` finds them, as in DeepSpeed's own loop).
+            engine.ds._is_gradient_accumulation_boundary = True  # type: ignore[attr-defined]
         engine.backward(loss)
     grads = full_grads(engine, cfg.backend)
     scored = engine.compute_logprobs(prompts, responses, 1.0)

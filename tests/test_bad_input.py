@@ -456,3 +456,27 @@ def test_math_verify_not_installed(tmp_path: Path) -> None:
         env=_without(tmp_path, "math_verify"),
         needles=("reward.functions", "'math_verify'", "pip install math-verify"),
     )
+
+
+def test_packing_with_a_sliding_window_model(tmp_path: Path) -> None:
+    """train.packing (on by default) with a model whose sliding window a block-diagonal
+    mask would drop: refused when the engine is built, before any stage commits."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from rftpipe.engines.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    model_dir = tmp_path / "mistral"
+    cfg = MistralConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, sliding_window=8,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    MistralForCausalLM(cfg).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    _fresh(
+        tmp_path,
+        "train.backend=fsdp2",
+        f"model.path={model_dir}",
+        needles=("train.packing=true", "sliding-window", "train.packing=false"),
+    )

@@ -54,7 +54,7 @@ def test_pack_layout() -> None:
     )
     assert b.input_ids.tolist() == [[5, 6, 7, 8, 1]]
     assert b.position_ids.tolist() == [[0, 1, 2, 3, 0]]
-    assert b.segment_ids.tolist() == [0, 0, 0, 0, 1]
+    assert b.group_ids.tolist() == [0, 0, 0, 0, 1] and b.row_ids.tolist() == [-1, -1, 0, 0, -1]
     assert b.target_index.tolist() == [1, 3, 4] and b.target_ids.tolist() == [7, 9, 2]
     assert b.loss_mask.tolist() == [[True, False, True], [True, False, False]]
     expected = torch.zeros(5, 5, dtype=torch.bool)

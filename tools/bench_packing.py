@@ -3,7 +3,7 @@
     python -m tools.bench_packing [--model smollm2|tiny] [--groups 1] [--n 8]
                                   [--prompt-tokens 48] [--min-tokens 8] [--max-tokens 96]
                                   [--runs 5] [--threads 2] [--device cpu|cuda]
-                                  [--variants padded,packed,forest]
+                                  [--variants padded,packed,unshared,forest]
 
 Times one forward (logprobs and entropy of every response token) plus the backward of
 their sum, each through the model's own forward as `fsdp2` and `deepspeed` run it, on
@@ -11,8 +11,10 @@ synthetic rows: `--groups` prompts of about `--prompt-tokens` tokens, `--n` resp
 of a length drawn uniformly from [--min-tokens, --max-tokens] (seeded). Variants:
 
 - `padded`: `root_forward_logprobs`, one right-padded row per sample (today's path);
-- `packed`: `packing.packed_logprobs`, every row end to end in one sequence under a
-  block-diagonal causal mask, the head on the loss positions only;
+- `packed`: `packing.packed_logprobs` (what `train.packing` runs), one sequence holding
+  each prompt once and then its rows' responses under a block-diagonal causal mask, the
+  head on the loss positions only;
+- `unshared`: the same with a copy of the prompt per row (`share_prompts=False`);
 - `forest`: the prefix forest `single` runs (one row per prompt group, its prompt once),
   fed through the root forward with its 4-D mask and positions, the head from the earliest
   response position on.
@@ -20,7 +22,7 @@ of a length drawn uniformly from [--min-tokens, --max-tokens] (seeded). Variants
 The variants alternate run by run after one warm-up each; prints each one's median
 seconds, its peak memory for one forward+backward (CUDA: the allocator's high-water mark;
 CPU: the process's peak RSS over its RSS before the run, measured in a fresh child process
-per variant after one warm-up, the high-water mark reset through /proc/self/clear_refs),
+per variant, the high-water mark reset through /proc/self/clear_refs after the load),
 and the largest logprob difference from `padded`.
 """
 
@@ -68,6 +70,13 @@ def _packed(model: torch.nn.Module, prompts: list[list[int]], responses: list[li
     return packed_logprobs(model, batch, 1.0, True, entropy_grad=False)
 
 
+def _unshared(model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]]):  # noqa: ANN202
+    from rftpipe.engines.train.packing import default_rows, pack_rows, packed_logprobs
+
+    batch = pack_rows(default_rows(prompts, responses), share_prompts=False).to(model.device)
+    return packed_logprobs(model, batch, 1.0, True, entropy_grad=False)
+
+
 def _forest(model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]]):  # noqa: ANN202
     from rftpipe.algos.losses import gather_logprobs
     from rftpipe.engines.train.forward import _entropy, prefix_forest
@@ -94,7 +103,12 @@ def _forest(model: torch.nn.Module, prompts: list[list[int]], responses: list[li
     return lp, _entropy(logits, 1.0, False)
 
 
-VARIANTS: dict[str, Callable] = {"padded": _padded, "packed": _packed, "forest": _forest}
+VARIANTS: dict[str, Callable] = {
+    "padded": _padded,
+    "packed": _packed,
+    "unshared": _unshared,
+    "forest": _forest,
+}
 
 
 def _mask(responses: list[list[int]], lp: torch.Tensor) -> torch.Tensor:
@@ -125,10 +139,12 @@ def _status_kib(key: str) -> int:
 
 
 def peak_bytes(fn: Callable, model: torch.nn.Module, rows: Rows) -> int:
-    """One forward+backward's peak memory over what was in use before it."""
-    run_once(fn, model, rows)  # warm-up: allocator pools, lazily built kernels
-    model.zero_grad(set_to_none=True)
+    """One forward+backward's peak memory over what was in use before it (CPU: in a fresh
+    process, from its RSS after loading the model, since pages freed to the allocator
+    after a warm-up would hide a later run's peak)."""
     if model.device.type == "cuda":
+        run_once(fn, model, rows)  # warm-up: allocator pools, lazily built kernels
+        model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -161,7 +177,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--variants", default="padded,packed,forest")
+    p.add_argument("--variants", default="padded,packed,unshared,forest")
     p.add_argument("--memory-of", help=argparse.SUPPRESS)  # child process: one variant's peak
     return p.parse_args(argv)
 
@@ -190,10 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     prompts, responses = rows
     tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    from rftpipe.engines.train.packing import default_rows, pack_rows
+
+    packed_n = pack_rows(default_rows(prompts, responses)).input_ids.shape[1]
     where = f"{a.threads} threads" if a.device == "cpu" else torch.cuda.get_device_name()
     print(
         f"{a.model}, {a.groups} groups x {a.n} rows, prompts ~{a.prompt_tokens}, responses "
-        f"{a.min_tokens}-{a.max_tokens} ({tokens} tokens, padded {len(prompts)} x {width}), "
+        f"{a.min_tokens}-{a.max_tokens} ({tokens} tokens, padded {len(prompts)} x {width}, "
+        f"packed 1 x {packed_n}), "
         f"{where}, median of {a.runs}"
     )
     mask = _mask(responses, out["padded"]) if "padded" in out else None

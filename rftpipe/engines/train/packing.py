@@ -3,12 +3,14 @@
 `fsdp2` and `deepspeed` must run the root module's own forward (FSDP2's root unit gathers
 the embeddings, final norm and tied head there; ZeRO-3 gathers every parameter through its
 hooks), so they cannot call the decoder directly as `single`'s prefix forest does. With
-`train.packing` on they pack instead of padding: every row's prompt and response (but its
-last token, whose logits predict nothing) laid end to end in one sequence of N tokens,
-each row at its own positions, under a block-diagonal causal mask (a token sees the
-earlier tokens of its own row only), and the LM head runs only on the K positions that
-predict a loss token (`logits_to_keep` as an index). No padding reaches a linear layer or
-the head, and the rows' logprobs equal their padded forward's.
+`train.packing` on they pack instead of padding: the micro-batch as one sequence of N
+tokens, each distinct prompt once followed by its rows' responses (but their last token,
+whose logits predict nothing), each token at its own row's position, under a
+block-diagonal causal mask (a response token sees its prompt and its own row's earlier
+tokens), and the LM head runs only on the K positions that predict a loss token
+(`logits_to_keep` as an index). No padding reaches a linear layer or the head, a group's
+prompt is computed once (as `single`'s prefix forest), and the rows' logprobs equal their
+padded forward's.
 
 A row says which of its response tokens the loss takes (`PackRow.loss_mask`: a multi-turn
 rollout's environment turns are inputs, not actions) and may carry its own positions
@@ -48,19 +50,22 @@ class PackRow:
 class PackedBatch:
     """Rows packed into one sequence of N tokens, K of whose positions predict loss tokens.
 
-    B rows, T the longest response. Nothing here is padded: N is the rows' prompt+response
-    tokens less one per row with a response, K their loss tokens.
+    B rows, T the longest response. Nothing here is padded: N is each distinct prompt's
+    tokens once plus every row's response tokens but its last, K the loss tokens.
     """
 
     input_ids: torch.Tensor
     """(1, N) int64 the rows' tokens end to end."""
     position_ids: torch.Tensor
     """(1, N), or (k, 1, N) for k-D rotary, int64: each token's position in its own row."""
-    segment_ids: torch.Tensor
-    """(N,) int64 the row each token belongs to."""
+    group_ids: torch.Tensor
+    """(N,) int64 the prompt group of each token (rows with the same prompt share it)."""
+    row_ids: torch.Tensor
+    """(N,) int64 the row of each response token; -1 on a group's prompt tokens, which
+    every row of the group sees."""
     attention_mask: torch.Tensor
-    """(1, 1, N, N) bool, True where query i sees key j: j <= i in the same row. Every
-    token sees itself, so no softmax row is empty."""
+    """(1, 1, N, N) bool, True where query i sees key j: j <= i, in i's group, and j a
+    prompt token or i's own row. Every token sees itself, so no softmax row is empty."""
     loss_mask: torch.Tensor
     """(B, T) bool, True on the loss tokens, row-major in the order of `target_index`."""
     target_index: torch.Tensor
@@ -72,7 +77,8 @@ class PackedBatch:
         return PackedBatch(
             input_ids=self.input_ids.to(device, non_blocking=True),
             position_ids=self.position_ids.to(device, non_blocking=True),
-            segment_ids=self.segment_ids.to(device, non_blocking=True),
+            group_ids=self.group_ids.to(device, non_blocking=True),
+            row_ids=self.row_ids.to(device, non_blocking=True),
             attention_mask=self.attention_mask.to(device, non_blocking=True),
             loss_mask=self.loss_mask.to(device, non_blocking=True),
             target_index=self.target_index.to(device, non_blocking=True),
@@ -113,48 +119,74 @@ def _row_loss_mask(i: int, row: PackRow) -> list[bool]:
     return [bool(m) for m in row.loss_mask]
 
 
-def pack_rows(rows: Sequence[PackRow]) -> PackedBatch:
-    """`rows` packed end to end (in order) into one `PackedBatch`.
+def _groups(rows: Sequence[PackRow], share_prompts: bool) -> list[list[int]]:
+    """Row indices by prompt, in first-seen order: rows with the same prompt tokens at the
+    same positions share one copy of it (each row its own group without sharing)."""
+    if not share_prompts:
+        return [[i] for i in range(len(rows))]
+    groups: dict[tuple, list[int]] = {}
+    for i, row in enumerate(rows):
+        head = _row_positions(i, row)[:, : len(row.prompt)]
+        groups.setdefault((tuple(row.prompt), tuple(map(tuple, head.tolist()))), []).append(i)
+    return list(groups.values())
 
-    >>> b = pack_rows([PackRow(prompt=[5, 6], response=[7, 8]), PackRow(prompt=[9], response=[3])])
-    >>> b.input_ids.tolist(), b.position_ids.tolist(), b.target_index.tolist()
-    ([[5, 6, 7, 9]], [[0, 1, 2, 0]], [1, 2, 3])
+
+def pack_rows(rows: Sequence[PackRow], share_prompts: bool = True) -> PackedBatch:
+    """`rows` packed into one `PackedBatch`: per prompt (in first-seen order) the prompt
+    once, then each of its rows' response tokens but the last. Sharing a prompt is exact:
+    a response sees the prompt's keys and values as in its own sequence, and the prompt's
+    gradient gathers every row's (`share_prompts=False`: a copy per row).
+
+        >>> b = pack_rows([PackRow(prompt=[5, 6], response=[7, 8]), PackRow(prompt=[9], response=[3])])
+        >>> b.input_ids.tolist(), b.position_ids.tolist(), b.target_index.tolist()
+        ([[5, 6, 7, 9]], [[0, 1, 2, 0]], [1, 2, 3])
     """
     ids: list[int] = []
-    segments: list[int] = []
+    group_ids: list[int] = []
+    row_ids: list[int] = []
     positions: list[torch.Tensor] = []
-    targets: list[int] = []
-    target_ids: list[int] = []
+    targets: dict[int, list[tuple[int, int]]] = {}  # row -> (sequence position, token)
     t_max = max(1, max(len(r.response) for r in rows))
     loss_mask = torch.zeros((len(rows), t_max), dtype=torch.bool)
-    for i, row in enumerate(rows):
-        mask = _row_loss_mask(i, row)
-        # The last response token is predicted, never attended to: it is not an input.
-        seq = [*row.prompt, *row.response][: len(row.prompt) + max(0, len(row.response) - 1)]
-        start = len(ids)
-        for t, keep in enumerate(mask):
-            if keep:  # logits at position j predict token j+1
-                targets.append(start + len(row.prompt) - 1 + t)
-                target_ids.append(row.response[t])
-        loss_mask[i, : len(mask)] = torch.tensor(mask, dtype=torch.bool)
-        ids.extend(seq)
-        segments.extend([i] * len(seq))
-        positions.append(_row_positions(i, row)[:, : len(seq)])
+    for g, members in enumerate(_groups(rows, share_prompts)):
+        first = rows[members[0]]
+        prompt_end = len(ids) + len(first.prompt)
+        ids.extend(first.prompt)
+        group_ids.extend([g] * len(first.prompt))
+        row_ids.extend([-1] * len(first.prompt))
+        positions.append(_row_positions(members[0], first)[:, : len(first.prompt)])
+        for i in members:
+            row, mask = rows[i], _row_loss_mask(i, rows[i])
+            body = list(row.response[:-1])  # the last token is predicted, never an input
+            # Logits at position j predict the next token: the prompt's last one the first.
+            where = [prompt_end - 1, *range(len(ids), len(ids) + len(body))]
+            targets[i] = [(where[t], row.response[t]) for t, keep in enumerate(mask) if keep]
+            loss_mask[i, : len(mask)] = torch.tensor(mask, dtype=torch.bool)
+            ids.extend(body)
+            group_ids.extend([g] * len(body))
+            row_ids.extend([i] * len(body))
+            pos = _row_positions(i, row)
+            positions.append(pos[:, len(row.prompt) : len(row.prompt) + len(body)])
     if len({p.shape[0] for p in positions}) != 1:
         raise ValueError("PackRow.position_ids: every row needs the same number of rotary axes")
-    seg = torch.tensor(segments, dtype=torch.long)
+    group, owner = torch.tensor(group_ids), torch.tensor(row_ids)
     n = len(ids)
-    mask4 = (seg[:, None] == seg[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    # Query i sees key j <= i of its own group that is its prompt or its own response.
+    visible = (group[:, None] == group[None, :]) & (
+        (owner[None, :] == -1) | (owner[:, None] == owner[None, :])
+    )
     pos = torch.cat(positions, dim=1)
+    flat = [t for i in range(len(rows)) for t in targets[i]]  # row-major, as `loss_mask`
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long).unsqueeze(0),
         # (1, N) for ordinary rotary; (k, 1, N) the layout multi-axis rotary models take.
         position_ids=pos if pos.shape[0] == 1 else pos.unsqueeze(1),
-        segment_ids=seg,
-        attention_mask=mask4[None, None],
+        group_ids=group,
+        row_ids=owner,
+        attention_mask=(visible & torch.ones(n, n, dtype=torch.bool).tril())[None, None],
         loss_mask=loss_mask,
-        target_index=torch.tensor(targets, dtype=torch.long),
-        target_ids=torch.tensor(target_ids, dtype=torch.long),
+        target_index=torch.tensor([t[0] for t in flat], dtype=torch.long),
+        target_ids=torch.tensor([t[1] for t in flat], dtype=torch.long),
     )
 
 
