@@ -63,6 +63,33 @@ def test_pack_layout() -> None:
     assert torch.equal(b.attention_mask[0, 0], expected)
 
 
+def test_rows_sharing_a_prompt_share_one_copy(model: torch.nn.Module) -> None:
+    """Two rows of one prompt (and one of another between them): the prompt is packed once,
+    each response sees it and not the other response, and the logprobs equal one copy per
+    row's."""
+    other = PackRow(prompt=[1, 2, 3], response=[4, 5])
+    rows = [
+        PackRow(prompt=PROMPT, response=RESPONSE),
+        other,
+        PackRow(prompt=PROMPT, response=[31, 32, 33]),
+    ]
+    b = pack_rows(rows)
+    assert b.input_ids.tolist() == [[*PROMPT, *RESPONSE[:-1], 31, 32, 1, 2, 3, 4]]
+    assert b.row_ids.tolist() == [-1] * 4 + [0] * 4 + [2] * 2 + [-1] * 3 + [1]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 0, 1, 2, 3]]
+    # Row 2's first response token (index 8) sees the prompt and itself, not row 0.
+    assert b.attention_mask[0, 0, 8].nonzero().flatten().tolist() == [0, 1, 2, 3, 8]
+    # Row-major targets: row 0 from the prompt's last position on, then row 1, then row 2.
+    assert b.target_index.tolist() == [3, 4, 5, 6, 7, 12, 13, 3, 8, 9]
+    with torch.no_grad():
+        shared = packed_logprobs(model, b, 1.0, with_entropy=False)[0]
+        copies = packed_logprobs(model, pack_rows(rows, share_prompts=False), 1.0, False)[0]
+    assert (shared - copies).abs().max() <= LP_TOL
+    # Prompts count as one only with equal positions too.
+    moved = PackRow(prompt=PROMPT, response=[7], position_ids=torch.arange(5) + 1)
+    assert pack_rows([rows[0], moved]).input_ids.shape[1] == 2 * len(PROMPT) + 4
+
+
 def test_loss_mask_drops_a_token_from_the_loss_but_not_the_input(model: torch.nn.Module) -> None:
     """A masked middle token (an environment token) gets logprob 0 and no gradient, yet the
     tokens after it still see it: their logprobs equal the unmasked row's."""
