@@ -15,7 +15,7 @@ import torch
 from helpers import ROOT
 
 from rftpipe.config.schema import TrainConfig
-from rftpipe.dist import Dist
+from rftpipe.dist import Dist, _free_port
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train.fsdp2 import FSDP2Engine
 from rftpipe.engines.train.packing import PackRow, pack_rows, packed_logprobs
@@ -164,7 +164,7 @@ def test_packed_equals_padded_on_sharded_backends(tmp_path: Path) -> None:
         "PYTHONPATH": str(ROOT),
         "WORLD_SIZE": "2",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(29950 + os.getpid() % 40),
+        "MASTER_PORT": str(_free_port()),
         "OMP_NUM_THREADS": "1",
     }
     specs = ["fsdp2", "deepspeed:2", "deepspeed:3"]

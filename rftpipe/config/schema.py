@@ -815,11 +815,12 @@ class TrainConfig:
     (at least one). 0: use `micro_batch_size`."""
 
     packing: bool = True
-    """fsdp2/deepspeed: run each micro-batch's rows end to end as one sequence (a
-    block-diagonal causal mask, each row at its own positions) instead of right-padding
-    every row to the longest: no padding reaches the model, the same logprobs and
-    gradients. Needs a model with sdpa attention and no sliding window. `single` always
-    runs its prefix-sharing forward and ignores this."""
+    """fsdp2/deepspeed: run each micro-batch as one packed sequence (each distinct prompt
+    once, then its rows' responses, under a block-diagonal causal mask, every token at its
+    own row's position) instead of right-padding every row to the longest: no padding
+    reaches the model, a group's prompt is computed once, the same logprobs and gradients
+    (docs/engines.md, "Packing"). Needs a model with sdpa attention and no sliding window.
+    `single` always runs its prefix-sharing forward and ignores this."""
 
     lr: float = 2e-5
     """Peak learning rate of AdamW."""
