@@ -78,8 +78,8 @@ def _unshared(model: torch.nn.Module, prompts: list[list[int]], responses: list[
 
 
 def _forest(model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]]):  # noqa: ANN202
-    from rftpipe.algos.losses import gather_logprobs
-    from rftpipe.engines.train.forward import _entropy, prefix_forest
+    from rftpipe.algos.losses import entropy_from_logits, gather_logprobs
+    from rftpipe.engines.train.forward import prefix_forest
 
     t_max = max(len(r) for r in responses)
     f = prefix_forest(prompts, responses, t_max)
@@ -100,7 +100,8 @@ def _forest(model: torch.nn.Module, prompts: list[list[int]], responses: list[li
     for i, r in enumerate(responses):
         resp[i, : len(r)] = torch.tensor(r)
     lp = gather_logprobs(logits, resp.to(dev))
-    return lp, _entropy(logits, 1.0, False)
+    with torch.no_grad():  # a metric, as the other variants' entropy_grad=False
+        return lp, entropy_from_logits(logits.detach())
 
 
 VARIANTS: dict[str, Callable] = {
