@@ -146,6 +146,7 @@ def main() -> None:
             mini_batches=2,
             micro_batch_size=2,
             entropy_coef=0.01,
+            packing=False,  # sp_size=1 too: the padded rows SP slices are its reference
             **fields,  # type: ignore[arg-type]
         )
         model = load_causal_lm(prepare_tiny(), "float32")

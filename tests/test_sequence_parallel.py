@@ -126,6 +126,7 @@ def test_run_with_sp2_on_two_ranks(tmp_path: Path) -> None:
         run,
         "train.backend=fsdp2",
         "train.sp_size=2",
+        "train.packing=false",
         "total_steps=2",
         "kl.mode=loss",
         "kl.coef=0.1",

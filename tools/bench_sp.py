@@ -46,7 +46,7 @@ def worker(out: Path, sp: int, lengths: list[int], runs: int) -> None:
 
     torch.set_num_threads(1)
     dist = init_from_env(require_group=True)
-    cfg = TrainConfig(backend="fsdp2", sp_size=sp)
+    cfg = TrainConfig(backend="fsdp2", sp_size=sp, packing=False)
     engine = TRAIN_ENGINES["fsdp2"](load_causal_lm(prepare_tiny(), "float32"), cfg, dist)
     rng = random.Random(0)
     results: dict[int, list[dict[str, float]]] = {}

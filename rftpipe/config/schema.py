@@ -840,6 +840,14 @@ class TrainConfig:
     (tokens x vocabulary) float32 logits never exist. 0: the whole micro-batch at once.
     Same values as unchunked (fp32: logprobs within 1e-6, gradients within 1e-5 relative)."""
 
+    packing: bool = True
+    """fsdp2/deepspeed: run each micro-batch as one packed sequence (each distinct prompt
+    once, then its rows' responses, under a block-diagonal causal mask, every token at its
+    own row's position) instead of right-padding every row to the longest: no padding
+    reaches the model, a group's prompt is computed once, the same logprobs and gradients
+    (docs/engines.md, "Packing"). Needs a model with sdpa attention and no sliding window.
+    `single` always runs its prefix-sharing forward and ignores this."""
+
     lr: float = 2e-5
     """Peak learning rate of AdamW."""
 
@@ -979,6 +987,13 @@ class TrainConfig:
             raise ValueError(
                 f"sp_size={self.sp_size} needs backend=fsdp2 (sequence parallelism is "
                 f"Ulysses over FSDP2), got backend={self.backend}"
+            )
+        if self.sp_size > 1 and self.packing:
+            # The sequence-parallel forward slices right-padded rows under a causal mask;
+            # a packed sequence's block-diagonal mask would need sharding too.
+            raise ValueError(
+                f"sp_size={self.sp_size} does not compose with packing=true (each slice is "
+                "right-padded); set train.packing=false"
             )
         if self.logprob_chunk_size < 0:
             raise ValueError(f"logprob_chunk_size must be >= 0, got {self.logprob_chunk_size}")

@@ -30,6 +30,13 @@ from rftpipe.engines.train.forward import (
     split_micro_batches,
 )
 from rftpipe.engines.train.offload import OffloadRecord, move_state
+from rftpipe.engines.train.packing import (
+    default_rows,
+    pack_rows,
+    packed_logprobs,
+    packing_refusal,
+)
+from rftpipe.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +200,8 @@ class _EngineBase:
         self.dist = dist
         self.device = next(model.parameters()).device  # inputs follow the model
         self.offload_record = OffloadRecord()
+        if cfg.packing and cfg.backend != "single" and (why := packing_refusal(model)):
+            raise UserError(f"train.packing=true: {why}; set train.packing=false")
         # The entropy needs a graph only when it is part of the loss.
         self._entropy_grad = cfg.entropy_coef != 0
         if cfg.gradient_checkpointing and role == "actor":
@@ -329,6 +338,34 @@ class _EngineBase:
             self._entropy_grad,
             self._chunk,
         )
+
+    def _packed_forward(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows end to end in one sequence (`packing.pack_rows`: no padding, a
+        block-diagonal causal mask), through the runner's own forward as `_padded_forward`.
+        Every response token is a loss token, at positions 0..L-1 of its row."""
+        batch = pack_rows(default_rows(prompts, responses)).to(self.device)
+        return packed_logprobs(
+            self._runner, batch, temperature, with_entropy, self._entropy_grad, self._chunk
+        )
+
+    def _root_forward(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sharded backends' forward: packed or padded by `train.packing`. Either is one
+        forward of the runner per call, so every rank issues the same collectives whatever
+        its rows' lengths."""
+        run = self._packed_forward if self.cfg.packing else self._padded_forward
+        return run(prompts, responses, temperature, with_entropy)
 
     def _micro_batch_count(self, n: int) -> int:
         """How many micro-batches every rank runs when this one has `n` of them

@@ -213,7 +213,7 @@ class DeepSpeedEngine(_EngineBase):
         temperature: float,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._padded_forward(prompts, responses, temperature, with_entropy)
+        return self._root_forward(prompts, responses, temperature, with_entropy)
 
     def backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed averages gradients over data-parallel ranks; the losses are normalised by

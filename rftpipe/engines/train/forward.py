@@ -77,7 +77,7 @@ def build_micro_batch(
     )
 
 
-def _entropy(logits: torch.Tensor, temperature: float, grad: bool) -> torch.Tensor:
+def logits_entropy(logits: torch.Tensor, temperature: float, grad: bool) -> torch.Tensor:
     if grad:
         return entropy_from_logits(logits / temperature)
     # Only a metric: no graph through a (B, T, vocab) softmax that nothing differentiates.
@@ -103,7 +103,7 @@ def _head_logprobs(
         )
     logits = head(hidden).float()
     lp = gather_logprobs(logits, tokens, temperature=temperature)
-    ent = _entropy(logits, temperature, entropy_grad) if with_entropy else None
+    ent = logits_entropy(logits, temperature, entropy_grad) if with_entropy else None
     return lp, ent
 
 
@@ -134,6 +134,11 @@ def _linear(head: torch.nn.Module) -> torch.nn.Linear:
     # `logprob_chunk_size` gave a chunk only for such a head.
     assert isinstance(head, torch.nn.Linear), type(head)
     return head
+
+
+def linear_head(model: torch.nn.Module) -> torch.nn.Linear:
+    """`model`'s LM head, which `logprob_chunk_size` found chunkable."""
+    return _linear(as_causal_lm(model).get_output_embeddings())
 
 
 def logprob_chunk_size(model: torch.nn.Module, requested: int) -> int:
@@ -191,7 +196,7 @@ def root_forward_logprobs(
     idx = index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
     logits = logits.gather(1, idx).float()
     lp = gather_logprobs(logits, mb.response_ids, temperature=temperature)
-    ent = _entropy(logits, temperature, entropy_grad) if with_entropy else None
+    ent = logits_entropy(logits, temperature, entropy_grad) if with_entropy else None
     return lp, ent
 
 

@@ -21,9 +21,11 @@ class FSDP2Engine(_EngineBase):
     (divide factor 1) because the losses are already normalised by global token counts.
     With `cpu_offload=all` the shards, their gradients and AdamW state live in host memory
     (construct it from a model on the compute device: inputs follow the model).
-    Each micro-batch is one full-sequence forward, so every rank issues the same
-    collectives in the same order whatever prompts it holds. With `sp_size` > 1 each
-    forward is sequence-parallel (`ulysses`): the ranks of an SP group pass the same rows.
+    Each micro-batch is one forward of the root module (its rows packed end to end, or
+    right-padded, by `train.packing`), so every rank issues the same collectives in the
+    same order whatever prompts it holds. With `sp_size` > 1 each forward is
+    sequence-parallel (`ulysses`, rows right-padded): the ranks of an SP group pass the
+    same rows.
     """
 
     _sp: SPContext | None = None
@@ -102,7 +104,7 @@ class FSDP2Engine(_EngineBase):
                 self.device,
                 self._chunk,
             )
-        return self._padded_forward(prompts, responses, temperature, with_entropy)
+        return self._root_forward(prompts, responses, temperature, with_entropy)
 
     def compute_logprobs(
         self,
