@@ -9,6 +9,11 @@ run; the rollout's by its generation call (`rollout.groups_per_call` groups). Th
 (the micro-batch set to the whole step) shows that the measurement sees the logits.
 
 Each run is a fresh process (its own resident set); the three run side by side.
+
+At 64 new tokens the bound does not hold yet with `launch.retain_host_memory` on: the
+logits blocks (0.19 GiB a copy) fragment glibc's heap, and the train increment grows with
+the number of micro-batches (+1.23, +1.81, +1.98 GiB at 2, 4, 8 prompts, step 2;
+docs/benchmarks.md). Chunked logprobs remove those blocks; then raise TOKENS to 64.
 """
 
 from __future__ import annotations
