@@ -10,10 +10,11 @@ run; the rollout's by its generation call (`rollout.groups_per_call` groups). Th
 
 Each run is a fresh process (its own resident set); the three run side by side.
 
-At 64 new tokens the bound does not hold yet with `launch.retain_host_memory` on: the
-logits blocks (0.19 GiB a copy) fragment glibc's heap, and the train increment grows with
-the number of micro-batches (+1.23, +1.81, +1.98 GiB at 2, 4, 8 prompts, step 2;
-docs/benchmarks.md). Chunked logprobs remove those blocks; then raise TOKENS to 64.
+The runs use `launch.retain_host_memory=false`. With it on (the default), the bound does
+not hold yet: the logits blocks fragment glibc's never-unmapped heap, and the train
+increment grows with the number of micro-batches (here +0.53 and +1.00 GiB at 2 and 4
+prompts, as much as the canary's +1.01; at 64 tokens +1.20, +1.40 GiB; docs/benchmarks.md).
+Chunked logprobs remove those blocks; then this setting should go.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ def _command(run: Path, model: Path, prompts: int, micro_batch: int) -> list[str
         "train.mini_batches=1",
         f"train.micro_batch_size={micro_batch}",
         "checkpoint.interval=3",  # only the last step's
+        # glibc's own policy: large blocks mapped and unmapped, so the heap holds what the
+        # stages use. The default (retained, never unmapped) heap is fragmented by the
+        # logits blocks and grows with the number of micro-batches (module docstring).
+        "launch.retain_host_memory=false",
     ]
 
 
