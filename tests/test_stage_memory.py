@@ -84,7 +84,7 @@ def _command(run: Path, model: Path, prompts: int, micro_batch: int) -> list[str
         "--config",
         str(TINY),
         f"model.path={model}",
-        "total_steps=2",
+        "total_steps=3",
         f"data.prompts_per_step={prompts}",
         f"rollout.n={N}",
         "rollout.groups_per_call=1",
@@ -92,7 +92,7 @@ def _command(run: Path, model: Path, prompts: int, micro_batch: int) -> list[str
         f"rollout.min_new_tokens={TOKENS}",
         "train.mini_batches=1",
         f"train.micro_batch_size={micro_batch}",
-        "checkpoint.interval=3",  # only the last step's
+        "checkpoint.interval=4",  # only the last step's
         # glibc's own policy: large blocks mapped and unmapped, so the heap holds what the
         # stages use. The default (retained, never unmapped) heap is fragmented by the
         # logits blocks and grows with the number of micro-batches (module docstring).
@@ -151,7 +151,7 @@ def _close(a: float, b: float, rel: float = 0.10) -> bool:
 def test_train_increment_is_set_by_the_micro_batch(increments: dict[str, dict]) -> None:
     small, large = increments["2 prompts"], increments["4 prompts"]
     canary = increments["4 prompts, one micro-batch"]
-    for step in (1, 2):
+    for step in (1, 2, 3):
         a, b, c = small[step, "train"], large[step, "train"], canary[step, "train"]
         # The logits of a 16-row micro-batch alone are 0.1 GiB a copy: the stage is seen.
         assert a > 0.3, a
@@ -165,11 +165,11 @@ def test_train_increment_is_set_by_the_micro_batch(increments: dict[str, dict]) 
 def test_no_stage_grows_over_the_run(increments: dict[str, dict]) -> None:
     for name in ("2 prompts", "4 prompts"):  # a fixed micro-batch
         inc = increments[name]
-        first = max(v for (s, _), v in inc.items() if s == 1)
+        # From step 2 on: step 1's train stage creates AdamW's state (2 x 13 MB) at its end.
+        second = max(v for (s, _), v in inc.items() if s == 2)
         for (step, stage), v in inc.items():
-            # Freed heap memory stays resident (launch.retain_host_memory), so later stages
-            # read the train stage's peak; none may go past it.
-            assert v <= first * 1.10, f"{name}: step {step} {stage} +{v:.3f} > +{first:.3f} GiB"
+            if step >= 2:
+                assert v <= second * 1.10, f"{name}: step {step} {stage} +{v:.3f} GiB"
 
 
 @pytest.mark.slow
