@@ -72,7 +72,7 @@ def build_wide_vocab_model(dest: Path, vocab_size: int = VOCAB) -> Path:
     return dest
 
 
-def _command(run: Path, model: Path, prompts: int, micro_batch: int) -> list[str]:
+def _command(run: Path, model: Path, prompts: int, micro_batch: int, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -93,10 +93,7 @@ def _command(run: Path, model: Path, prompts: int, micro_batch: int) -> list[str
         "train.mini_batches=1",
         f"train.micro_batch_size={micro_batch}",
         "checkpoint.interval=4",  # only the last step's
-        # glibc's own policy: large blocks mapped and unmapped, so the heap holds what the
-        # stages use. The default (retained, never unmapped) heap is fragmented by the
-        # logits blocks and grows with the number of micro-batches (module docstring).
-        "launch.retain_host_memory=false",
+        *extra,
     ]
 
 
@@ -115,10 +112,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("stage_memory")
     model = build_wide_vocab_model(root / "model")
     settings = {
+        # The defaults: chunked logprobs, the retained heap.
         "2 prompts": (2, MICRO_BATCH),
         "4 prompts": (4, MICRO_BATCH),
-        # The canary: the whole step as one micro-batch.
-        "4 prompts, one micro-batch": (4, 4 * N),
+        # The canary: the whole step as one micro-batch, its full logits materialised.
+        "4 prompts, one micro-batch": (4, 4 * N, "train.logprob_chunk_size=0"),
     }
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = {
