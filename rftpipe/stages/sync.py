@@ -12,7 +12,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from rftpipe.config.schema import LoraConfig
 from rftpipe.dist import Dist
+from rftpipe.engines import lora
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.engines.train.base import TrainEngine
 from rftpipe.stages import StageName
@@ -20,15 +22,26 @@ from rftpipe.stages.base import Rows, Runtime, StageOutput, StepPlan
 
 
 def run(
-    engine: RolloutEngine, trainer: TrainEngine, version: int, dist: Dist, via: Path | None
+    engine: RolloutEngine,
+    trainer: TrainEngine,
+    version: int,
+    dist: Dist,
+    via: Path | None,
+    lora_cfg: LoraConfig | None = None,
 ) -> None:
     """After this, samples from `engine` are drawn from the step-`version` weights.
 
     Collective under FSDP2 and ZeRO-3 (the full weights are gathered), so every rank calls
     it. With `via` (rollout.inference.weight_sync=disk) rank 0 writes the weights as a
     safetensors directory there and every engine reloads that directory.
+
+    With LoRA (`lora_cfg`) the HF loop that shares the trainer's module samples from it as
+    it is (the live adapters); every engine that holds its own copy takes the adapters
+    merged into the base weights, under the transformers model's own names.
     """
-    weights = trainer.rollout_weights()
+    weights: torch.nn.Module | Mapping[str, torch.Tensor] = trainer.rollout_weights()
+    if lora_cfg is not None and weights is not getattr(engine, "model", None):
+        weights = lora.merged_weights(weights, lora_cfg)
     if via is None:
         engine.update_weights(weights, version)
         return
@@ -88,4 +101,4 @@ def sync_weights(rt: Runtime, version: int) -> None:
     """The sync stage's work (also a restart's, for the weights it loaded). With
     `weight_sync=disk` the weights go through RUN/sync, transient: a replay writes it again."""
     via = rt.run.root / "sync" if rt.cfg.rollout.inference.weight_sync == "disk" else None
-    run(rt.rollout_engine, rt.train_engine, version, rt.dist, via)
+    run(rt.rollout_engine, rt.train_engine, version, rt.dist, via, rt.cfg.model.lora)
