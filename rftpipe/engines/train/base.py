@@ -322,7 +322,10 @@ class _EngineBase:
         fine-tuning every parameter is trainable and this leaves out nothing)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(ignore_frozen_params=True)
+        # A load of the trainable parameters alone must not miss the frozen ones (their
+        # values are the model files'); with none frozen, every key must be there.
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -332,6 +335,12 @@ class _EngineBase:
         model_sd, optim_sd = get_state_dict(
             self.model, self.optimizer, options=self._state_options()
         )
+        # `ignore_frozen_params` keeps a tied head (a second name of the frozen embedding,
+        # which `named_parameters` lists only once): with LoRA, the largest frozen tensor.
+        trainable = {
+            n for n, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad
+        }
+        model_sd = {k: v for k, v in model_sd.items() if k in trainable}
         return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
 
     def _init_optimizer_state(self) -> None:
