@@ -118,7 +118,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     fields = {k: _value(v) for k, v in (a.split("=", 1) for a in sys.argv[2:])}
     rank = fields.pop("lora", None)
-    lora = None if rank is None else LoraConfig(r=int(str(rank)), alpha=8.0)
+    lora = None if rank is None else LoraConfig(r=int(str(rank)), alpha=8)
     torch.set_num_threads(1)
     cfg = TrainConfig(lr=1e-3, mini_batches=2, micro_batch_size=2, ppo_epochs=2, **fields)
     dist = init_from_env(require_group=cfg.backend != "single")

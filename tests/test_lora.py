@@ -143,7 +143,7 @@ def test_reference_is_the_base_model_with_adapters_off() -> None:
 def test_merged_weights_equal_peft_merge() -> None:
     """What SGLang and a sharded trainer's HF loop load: the transformers model's own names,
     W + alpha/r * B @ A, equal to peft's `merge_and_unload` (and so the same model)."""
-    cfg = LoraConfig(r=2, alpha=3.0, target_modules=("q_proj", "down_proj"))
+    cfg = LoraConfig(r=2, alpha=3, target_modules=("q_proj", "down_proj"))
     model = lora.apply_lora(load_causal_lm(prepare_tiny(), "float32"), cfg, 0, "actor")
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -77,7 +77,7 @@ class LoraConfig:
     r: int = 8
     """Rank of each adapter (the inner size of its two low-rank matrices)."""
 
-    alpha: float = 16.0
+    alpha: int = 16
     """LoRA's alpha: an adapter's update is scaled by alpha / r."""
 
     dropout: float = 0.0

@@ -7,7 +7,7 @@ import ctypes
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -203,11 +203,13 @@ def build_critic(cfg: RunConfig, model_dir: Path, dist: Dist) -> Critic | None:
         return None
     path = models.resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else model_dir
     seed = head_seed(cfg.seed)
-    model = load_value_model(path, cfg.model.dtype, seed)
+    value_model = load_value_model(path, cfg.model.dtype, seed)
     if cfg.model.lora is not None:
-        # Its own adapters on the backbone; the value head (new, so nothing to adapt) trains whole.
-        model.model = lora_mod.apply_lora(model.model, cfg.model.lora, cfg.seed, "critic")
-    model = place_for_engine(model, cfg.train.backend, dist)
+        # Its own adapters on the backbone; the value head (new, so nothing to adapt) trains
+        # whole. A PeftModel forwards every attribute of the model it wraps, hence the Any.
+        backbone = lora_mod.apply_lora(value_model.model, cfg.model.lora, cfg.seed, "critic")
+        value_model.model = cast(Any, backbone)
+    model = place_for_engine(value_model, cfg.train.backend, dist)
     train_cfg = critic_train_config(cfg.train, cfg.critic)
     updates = cfg.total_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
     engine = TRAIN_ENGINES[cfg.train.backend](
@@ -243,7 +245,7 @@ def load_for_engine(
 ) -> torch.nn.Module:
     """The initial weights, with `model.lora`'s adapters (unless `lora` is False: a
     separate reference model), placed for `cfg.train.backend` (`place_for_engine`)."""
-    model = models.load_causal_lm(model_dir, cfg.model.dtype)
+    model: torch.nn.Module = models.load_causal_lm(model_dir, cfg.model.dtype)
     if lora and cfg.model.lora is not None:
         # On the CPU, before any backend wraps or shards it: every backend and rank then
         # starts from the same adapters.
