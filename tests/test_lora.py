@@ -234,3 +234,55 @@ def test_vllm_samples_from_the_adapters_it_is_sent(tmp_path: Path) -> None:
     )
     assert drift > 1e-2, drift
     assert sorted(p.name for p in (run / "sync").iterdir()) == ["lora-v4"]
+
+
+@pytest.mark.slow
+def test_critic_ptx_and_merged_export(tmp_path: Path) -> None:
+    """GAE with a critic (its own adapters on its backbone, its value head whole), the PTX
+    term, and `export_merged`: the checkpoints hold adapters (and the value head) only, the
+    merged export is peft's merge of the exported adapters, and a resume with another LoRA
+    config is refused naming it."""
+    from peft import PeftModel
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ptx = tmp_path / "ptx.jsonl"
+    ptx.write_text(
+        "".join(json.dumps({"prompt": f"{a}+{a}?", "answer": str(2 * a)}) + "\n" for a in range(6))
+    )
+    run = tmp_path / "run"
+    args = (
+        "model.lora={r: 4, alpha: 8, export_merged: true}",
+        "advantage.estimator=gae",
+        "critic.lr=1e-3",
+        "train.ptx.coef=0.5",
+        f"train.ptx.data={{path: '{ptx}'}}",
+        "train.ptx.batch_size=2",
+        "total_steps=2",
+    )
+    out = submit(run, *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["train/ptx_loss"] > 0 and m["critic/vf_loss"] > 0 for m in metrics)
+    keys = FileSystemReader(str(run / "checkpoints" / "step=2")).read_metadata().state_dict_metadata
+    models_ = [k for k in keys if k.startswith(("engine.model.", "critic.model."))]
+    assert sorted(k for k in models_ if ".lora_" not in k) == [
+        "critic.model.value_head.bias",
+        "critic.model.value_head.weight",
+    ]
+    assert any(k.startswith("critic.model.model.base_model.") for k in models_)
+    peft_model = PeftModel.from_pretrained(
+        load_causal_lm(prepare_tiny(), "float32"), run / "export"
+    )
+    want = peft_model.merge_and_unload().state_dict()
+    got = load_causal_lm(run / "export_merged", "float32").state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
+    initial = load_file(prepare_tiny() / "model.safetensors")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert float((got[q] - initial[q]).abs().max()) > 1e-4, "the adapters moved nothing"
+    res = submit(
+        run, *args[:-1], "total_steps=3", "model.lora={r: 8, alpha: 8, export_merged: true}"
+    )
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "model.lora.r" in res.stderr.strip().splitlines()[-1]
