@@ -163,7 +163,9 @@ def test_target_modules_that_match_nothing_exit_2(tmp_path: Path) -> None:
     assert out.returncode == 2
     line = out.stderr.strip().splitlines()[-1]
     assert "model.lora.target_modules" in line and "qkv_proj" in line, out.stderr
+    # Refused before the run recorded anything of its start.
     assert not (tmp_path / "run" / "stages").exists()
+    assert not (tmp_path / "run" / "run.json").exists()
 
 
 @pytest.mark.slow

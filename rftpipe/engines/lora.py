@@ -45,6 +45,16 @@ def check_targets(model: torch.nn.Module, cfg: LoraConfig) -> None:
         )
 
 
+def check_targets_of(model_dir: Path, cfg: LoraConfig) -> None:
+    """`check_targets` on the model at `model_dir`, built on the meta device (no weights
+    read): a run refuses a bad `model.lora` before it writes anything."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        check_targets(AutoModelForCausalLM.from_config(config), cfg)
+
+
 def _is_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.Linear)
 

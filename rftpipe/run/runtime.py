@@ -145,6 +145,8 @@ def build(
     rewards = resolve_all(cfg.reward, prompts.scorer, cfg.rollout.max_new_tokens, dist.device)
     if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
         preflight(cfg, model_dir)
+    if cfg.model.lora is not None:
+        lora_mod.check_targets_of(model_dir, cfg.model.lora)
     model_fp = models.model_fingerprint(model_dir, ref_dir)
     check_fingerprints(run, model_fp, data_fingerprint(prompts, ptx), allow_mismatch, dist)
     if dist.is_main and not run.run_json.exists():
