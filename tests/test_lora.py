@@ -70,6 +70,7 @@ VARIANTS = {
 }
 
 
+@pytest.mark.slow
 def test_single_trains_only_adapters(single: dict) -> None:
     """The base weights come out exactly as loaded, the adapters moved, and the checkpoint
     state of the model is the adapters alone (the optimizer's state keys follow it)."""
