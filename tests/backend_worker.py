@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import torch
+from helpers import exit_rank
 from safetensors.torch import save_file
 
 from rftpipe.config.schema import KLConfig, LoraConfig, TrainConfig
@@ -174,3 +175,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank()

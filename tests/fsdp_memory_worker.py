@@ -22,7 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from helpers import count_calls
+from helpers import count_calls, exit_rank
 from safetensors.torch import save_file
 
 from rftpipe.config.schema import KLConfig, TrainConfig
@@ -121,3 +121,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank()

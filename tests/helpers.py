@@ -172,3 +172,16 @@ def two_ranks_then_one(tmp_path: Path, *overrides: str) -> tuple[Path, Path]:
     assert out.returncode == 0, out.stderr[-3000:]
     assert {e["step"] for e in events(killed) if e["event"] == "replay"} == {3}
     return switched, killed
+
+
+def exit_rank() -> None:
+    """End a multi-process test worker: wait for every rank, then leave without interpreter
+    teardown. Torch's gloo threads (and DeepSpeed's) can abort a rank whose peer has already
+    exited while they are torn down; the CLI worker exits the same way."""
+    import torch.distributed as tdist
+
+    if tdist.is_initialized():
+        tdist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

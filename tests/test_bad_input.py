@@ -143,9 +143,32 @@ FRESH_CASES = {
         ("cpu_offload=all", "ZeRO-2", "zero_stage=3"),
     ),
     "offload_on_single": (("train.cpu_offload=optimizer",), ("cpu_offload", "backend=single")),
+    "sp_without_fsdp2": (("train.sp_size=2",), ("train", "sp_size=2", "backend=fsdp2")),
+    "sp_with_packing": (
+        ("train.backend=fsdp2", "train.sp_size=2"),
+        ("sp_size=2", "packing=true", "train.packing=false"),
+    ),
+    "sp_not_dividing_the_world": (
+        ("train.backend=fsdp2", "train.sp_size=2", "train.packing=false"),
+        ("train.sp_size=2", "world size 1"),
+    ),
+    "sp_with_a_critic": (
+        (
+            "train.backend=fsdp2",
+            "train.sp_size=2",
+            "train.packing=false",
+            "advantage.estimator=gae",
+            "critic.lr=1e-5",
+        ),
+        ("train.sp_size=2", "critic"),
+    ),
     "fsdp2_optimizer_only_offload": (
         ("train.backend=fsdp2", "train.cpu_offload=optimizer"),
         ("cpu_offload=optimizer", "fsdp2", "all"),
+    ),
+    "offload_between_stages_under_cpu_offload": (
+        ("train.backend=fsdp2", "train.cpu_offload=all", "train.offload_between_stages=true"),
+        ("train", "offload_between_stages", "cpu_offload=all"),
     ),
     "unknown_backend": (("train.backend=megatron",), ("train.backend", "deepspeed")),
     "gae_without_critic": (("advantage.estimator=gae",), ("advantage.estimator=gae", "critic")),
@@ -455,4 +478,28 @@ def test_math_verify_not_installed(tmp_path: Path) -> None:
         "reward.functions=[math_verify]",
         env=_without(tmp_path, "math_verify"),
         needles=("reward.functions", "'math_verify'", "pip install math-verify"),
+    )
+
+
+def test_packing_with_a_sliding_window_model(tmp_path: Path) -> None:
+    """train.packing (on by default) with a model whose sliding window a block-diagonal
+    mask would drop: refused when the engine is built, before any stage commits."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from rftpipe.engines.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    model_dir = tmp_path / "mistral"
+    cfg = MistralConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, sliding_window=8,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    MistralForCausalLM(cfg).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    _fresh(
+        tmp_path,
+        "train.backend=fsdp2",
+        f"model.path={model_dir}",
+        needles=("train.packing=true", "sliding-window", "train.packing=false"),
     )

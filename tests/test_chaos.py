@@ -6,6 +6,7 @@ exactly once per epoch, and the event log must show every fault point was hit.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
@@ -70,16 +71,22 @@ def _kill_at_random_instant(
         *overrides,
     ]
     seen = sum(e["event"] == after for e in events(run_dir))
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    log = run_dir.parent / f"kill-{seen}.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
     deadline = time.time() + 120
     while sum(e["event"] == after for e in events(run_dir)) == seen and proc.poll() is None:
         assert time.time() < deadline, f"worker never logged {after}"
         time.sleep(0.05)
     time.sleep(rng.uniform(0.0, 1.5))
-    os.killpg(proc.pid, signal.SIGKILL)
-    return proc.wait()
+    # The whole group may have exited already; the exit code below says whether it finished.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    code = proc.wait()
+    assert code in (0, -signal.SIGKILL), f"resume exited {code}: {log.read_text()[-3000:]}"
+    return code
 
 
 #: Actor-critic PPO: the critic's values are committed columns, its weights and AdamW

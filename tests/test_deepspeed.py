@@ -66,6 +66,10 @@ VARIANTS = {
     "zero3-w2": (2, "backend=deepspeed", "zero_stage=3"),
     "zero2-offload-w2": (2, "backend=deepspeed", "zero_stage=2", "cpu_offload=optimizer"),
     "zero3-offload-w2": (2, "backend=deepspeed", "zero_stage=3", "cpu_offload=all"),
+    # The head returns chunked logprobs from inside the root forward, under FSDP2's root
+    # gather and ZeRO-3's per-module gathers (train.logprob_chunk_size).
+    "fsdp2-chunked-w2": (2, "backend=fsdp2", "logprob_chunk_size=5"),
+    "zero3-chunked-w2": (2, "backend=deepspeed", "zero_stage=3", "logprob_chunk_size=5"),
     "zero3-checkpointing-w2": (
         2,
         "backend=deepspeed",

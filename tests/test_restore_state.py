@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import events, final_weights, submit
+from helpers import events, final_weights, submit, trajectories
 
 pytestmark = pytest.mark.slow
 
@@ -136,3 +136,24 @@ def test_resume_restores_adaptive_kl_controller(kl_reference, tmp_path: Path) ->
     _assert_same_metrics(run, reference)
     _assert_same_weights(run, reference)
     _assert_replays_identical(run)
+
+
+# -- offload between stages -------------------------------------------------------------
+
+
+def test_resume_with_offload_between_stages(lr_reference: Path, tmp_path: Path) -> None:
+    """`train.offload_between_stages`: the step-2 checkpoint is written from the host copy of
+    the optimizer state, and the resume loads it, replays steps 3 and 4 (each train stage
+    bringing the state back and offloading it again) and trains on. The run ends bitwise
+    equal to an uninterrupted one with the option on, and to one with it off."""
+    on = ("train.offload_between_stages=true", *LR_SCHEDULE)
+    run = _run_killed_and_resumed(tmp_path / "run", *on)
+    uninterrupted = _run_uninterrupted(tmp_path / "ref", *on)
+    for reference in (uninterrupted, lr_reference):
+        assert trajectories(run).equals(trajectories(reference))
+        _assert_same_metrics(run, reference)
+        _assert_same_weights(run, reference)
+    _assert_replays_identical(run)
+    # Every train stage moved the actor's AdamW state (2 moments + step per parameter).
+    assert all(m["perf/offload_gib"] > 0 for m in _metrics(run))
+    assert "perf/offload_gib" not in _metrics(lr_reference)[0]

@@ -3,7 +3,8 @@
     python -m tools.bench_forward [--model smollm2|smollm2-shape|tiny] [--groups 4] [--n 8]
                                   [--prompt-tokens 60] [--tokens 16] [--runs 7]
                                   [--threads 2] [--device cpu|cuda] [--checkpointing]
-                                  [--baseline REV_OR_FILE]
+                                  [--baseline REV_OR_FILE|same]
+                                  [--chunk N] [--baseline-chunk N]
 
 Times one forward (logprobs and entropy of every response token) plus the backward of
 their sum on synthetic groups: `--groups` prompts of about `--prompt-tokens` tokens (each
@@ -15,7 +16,10 @@ each, so the machine's drift falls on both alike. Prints the
 median seconds of each and their ratio (current / baseline), the largest logprob
 difference between them, and on CUDA each one's peak memory. `smollm2-shape` is a
 random-init model of SmolLM2-135M's shape (no weights needed); `--checkpointing` turns on
-activation checkpointing for both.
+activation checkpointing for both. `--chunk`/`--baseline-chunk` set each side's
+`train.logprob_chunk_size` (`--baseline same` compares two chunk sizes of the working tree).
+On CPU each side's peak is the resident-set high-water mark over the call's start (reset
+through /proc/self/clear_refs), its first call only, before the allocator holds pages.
 """
 
 from __future__ import annotations
@@ -67,19 +71,32 @@ def synthetic_rows(a: argparse.Namespace, vocab: int) -> tuple[list[list[int]], 
     return prompts, responses
 
 
+def _status_kib(field: str) -> int:
+    line = next(
+        x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field)
+    )
+    return int(line.split()[1])
+
+
 def time_once(fn, model, prompts, responses) -> tuple[float, torch.Tensor, int]:  # noqa: ANN001
-    """Seconds of one forward+backward, its logprobs, and its peak CUDA bytes."""
+    """Seconds of one forward+backward, its logprobs, and its peak bytes over its start
+    (CUDA allocations, or on CPU the resident set)."""
     model.zero_grad(set_to_none=True)
     cuda = model.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        start = _status_kib("VmRSS:")
     t0 = time.perf_counter()
     lp, ent = fn(model, prompts, responses, 1.0, with_entropy=True, entropy_grad=False)
     lp.sum().backward()
     if cuda:
         torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() if cuda else 0
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = (_status_kib("VmHWM:") - start) * 1024
     return time.perf_counter() - t0, lp.detach(), peak
 
 
@@ -87,13 +104,9 @@ def build_model(name: str):  # noqa: ANN201 (a transformers model)
     from rftpipe.engines.models import load_causal_lm, prepare_smollm2, prepare_tiny
 
     if name == "smollm2-shape":
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from tools.mfu import build_model as random_llama
 
-        from tools.bench_train_gpu import SHAPES
-
-        torch.manual_seed(0)
-        shape = dict(SHAPES["smollm2-135m"])
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape))
+        return random_llama("135m")
     return load_causal_lm(prepare_smollm2() if name == "smollm2" else prepare_tiny(), "float32")
 
 
@@ -109,20 +122,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--baseline", default="HEAD")
+    p.add_argument("--chunk", type=int, default=0)
+    p.add_argument("--baseline-chunk", type=int, default=0)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
 
     from rftpipe.engines.train import base
     from rftpipe.engines.train import forward as current
 
-    baseline = load_revision(a.baseline)
+    baseline = current if a.baseline == "same" else load_revision(a.baseline)
     model = build_model(a.model).to(a.device)
     model.config.use_cache = False
     if a.checkpointing:
         base.enable_activation_checkpointing(model)
     model.train()
     prompts, responses = synthetic_rows(a, model.config.vocab_size)
-    impls = {"current": current.grouped_logprobs, "baseline": baseline.grouped_logprobs}
+
+    def with_chunk(fn, chunk: int):  # noqa: ANN001, ANN202
+        return lambda *args, **kw: fn(*args, **kw, **({"chunk": chunk} if chunk else {}))
+
+    impls = {
+        "current": with_chunk(current.grouped_logprobs, a.chunk),
+        "baseline": with_chunk(baseline.grouped_logprobs, a.baseline_chunk),
+    }
     times: dict[str, list[float]] = {k: [] for k in impls}
     out: dict[str, torch.Tensor] = {}
     peak: dict[str, int] = {}
@@ -136,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     where = f"{a.threads} threads" if a.device == "cpu" else torch.cuda.get_device_name()
     ckpt = ", checkpointing" if a.checkpointing else ""
     print(f"{a.model}, {shape}, {where}{ckpt}, median of {a.runs}")
+    print(f"  chunk: current {a.chunk}, baseline {a.baseline_chunk} ({a.baseline})")
     for k in impls:
-        mem = f", peak {peak[k] / 2**20:.0f} MiB" if peak[k] else ""
+        mem = f", peak +{peak[k] / 2**20:.0f} MiB"
         print(f"  {k:8s} {med[k]:.4f} s{mem}  ({', '.join(f'{t:.3f}' for t in times[k])})")
     print(f"  ratio current/baseline: {med['current'] / med['baseline']:.3f}")
     print(

@@ -48,6 +48,9 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "checkpoint.max_interval",
     "launch",
     "eval",
+    # Where the optimizer state waits between train stages, never what an update computes
+    # (bitwise equal with and without: tests/test_offload.py).
+    "train.offload_between_stages",
     # How many rounds a step may over-sample, and what a short step does: committed rounds
     # stay as they are and are always used; a step not yet past its generation follows the
     # new bound (so a run stopped by on_shortfall=fail can go on with a larger one).
@@ -857,10 +860,41 @@ class TrainConfig:
     (deepspeed). all: parameters too (deepspeed ZeRO-3; fsdp2, whose CPUOffloadPolicy offloads
     parameters, gradients and optimizer together). The single backend has none."""
 
+    offload_between_stages: bool = False
+    """Move the optimizer state to host memory when each train stage ends and back when the
+    next one begins (the actor's and the critic's), so rollout, scoring and advantages have
+    its device memory. What moves: AdamW's moments and step (single, fsdp2: this rank's
+    shards), and under deepspeed also the fp32 master partitions; the parameters, DeepSpeed's
+    gradient buffers and the EMA stay. One copy each way per step (metrics
+    perf/offload_gib, perf/offload_s, perf/reload_s); the updates are bitwise unchanged.
+    Not with cpu_offload, which keeps that state in host memory throughout."""
+
+    sp_size: int = 1
+    """Sequence parallelism (backend=fsdp2): ranks per Ulysses group. Each group's ranks hold
+    the same rows and each computes a contiguous 1/sp_size slice of every sequence, exchanging
+    sequence for attention-head shards around attention (all-to-all), so activation memory
+    per rank falls about sp_size times. The world is dp x sp: rows are dealt to the
+    world / sp_size groups. Must divide the world size and the model's attention heads.
+    1: off."""
+
     max_tokens_per_micro_batch: int = 0
     """Split mini-batches into micro-batches by tokens (prompt plus response per row) instead
     of by `micro_batch_size` rows: each micro-batch holds as many rows as fit this budget
     (at least one). 0: use `micro_batch_size`."""
+
+    logprob_chunk_size: int = 0
+    """Positions whose LM-head logits are computed at a time for the response logprobs and
+    entropies (and recomputed, chunk by chunk, in the backward), so a micro-batch's full
+    (tokens x vocabulary) float32 logits never exist. 0: the whole micro-batch at once.
+    Same values as unchunked (fp32: logprobs within 1e-6, gradients within 1e-5 relative)."""
+
+    packing: bool = True
+    """fsdp2/deepspeed: run each micro-batch as one packed sequence (each distinct prompt
+    once, then its rows' responses, under a block-diagonal causal mask, every token at its
+    own row's position) instead of right-padding every row to the longest: no padding
+    reaches the model, a group's prompt is computed once, the same logprobs and gradients
+    (docs/engines.md, "Packing"). Needs a model with sdpa attention and no sliding window.
+    `single` always runs its prefix-sharing forward and ignores this."""
 
     lr: float = 2e-5
     """Peak learning rate of AdamW."""
@@ -990,6 +1024,27 @@ class TrainConfig:
                     "cpu_offload=all offloads parameters, which ZeRO-2 cannot; use zero_stage=3 "
                     "or cpu_offload=optimizer"
                 )
+        if self.offload_between_stages and self.cpu_offload != "none":
+            raise ValueError(
+                f"offload_between_stages: the optimizer state already lives in host memory "
+                f"under cpu_offload={self.cpu_offload}; use one of the two"
+            )
+        if self.sp_size < 1:
+            raise ValueError(f"sp_size must be >= 1, got {self.sp_size}")
+        if self.sp_size > 1 and self.backend != "fsdp2":
+            raise ValueError(
+                f"sp_size={self.sp_size} needs backend=fsdp2 (sequence parallelism is "
+                f"Ulysses over FSDP2), got backend={self.backend}"
+            )
+        if self.sp_size > 1 and self.packing:
+            # The sequence-parallel forward slices right-padded rows under a causal mask;
+            # a packed sequence's block-diagonal mask would need sharding too.
+            raise ValueError(
+                f"sp_size={self.sp_size} does not compose with packing=true (each slice is "
+                "right-padded); set train.packing=false"
+            )
+        if self.logprob_chunk_size < 0:
+            raise ValueError(f"logprob_chunk_size must be >= 0, got {self.logprob_chunk_size}")
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError(
                 f"max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}"
@@ -1291,6 +1346,11 @@ class RunConfig:
             raise ValueError(
                 f"critic is configured but advantage.estimator={estimator.name} does not read "
                 "its values; use an estimator that does (gae) or drop `critic`"
+            )
+        if self.critic is not None and self.train.sp_size > 1:
+            raise ValueError(
+                f"train.sp_size={self.train.sp_size} with a critic: the value model has no "
+                "sequence-parallel forward; set train.sp_size=1 or drop `critic`"
             )
         if (
             self.train.rollout_correction != "none"

@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from rftpipe.errors import UserError
 from rftpipe.faults import slow
+from rftpipe.observe import memory
 from rftpipe.observe.events import events
 from rftpipe.stages.base import Rows, Runtime, Stage, StepPlan, StepState
 from rftpipe.storage.atomic import CorruptionError
@@ -36,10 +37,14 @@ def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None
     rt.stop.check(dist, f"step {step} {stage.name}")
     # Counted by the tests: a stage may run again only if it never committed.
     events().write("stage_begin", step=step, stage=stage.name)
+    memory.reset_peak()
     t0 = time.perf_counter()
     out = stage.run(rt, plan, state.rows)
     slow(stage.name)
     t1 = time.perf_counter()
+    # This rank's peak during the stage (the manifest keeps rank 0's; events every rank's).
+    mem = memory.stage_figures(stage.name)
+    events().write("stage_memory", step=step, stage=stage.name, **mem)
     if out.rows is not None:
         meta = {
             "rftpipe.schema_version": TRAJECTORY_SCHEMA_VERSION,
@@ -48,7 +53,7 @@ def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None
         }
         store.write_shard(step, stage.name, dist.rank, out.rows, meta)
     dist.barrier()
-    manifest = {**out.extra, "seconds": t1 - t0}
+    manifest = {**out.extra, "seconds": t1 - t0, "memory": mem}
     if dist.is_main:
         store.commit(step, stage.name, dist.world, manifest, publish=stage.publish)
     dist.barrier()

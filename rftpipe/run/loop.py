@@ -14,6 +14,7 @@ from rftpipe.config.schema import RunConfig
 from rftpipe.dist import Dist
 from rftpipe.errors import UserError
 from rftpipe.faults import slow
+from rftpipe.observe import memory
 from rftpipe.observe.events import events
 from rftpipe.observe.trackers import (
     JsonlTracker,
@@ -50,6 +51,8 @@ def train_run(
             f"total_steps: {cfg.total_steps} is below the {last_done} steps already committed"
         )
     ckpt_step = resume.prepare(rt, repair)
+    # Every stage's memory increment is measured from here: model, engines and state loaded.
+    memory.mark_baseline()
     if ckpt_step > cfg.total_steps:
         # A checkpoint past every committed step: the steps it saved lost their stage files
         # (the check above sees only those). Nothing is left to run, and its state is not a
@@ -113,7 +116,8 @@ def train_run(
                 bar_update(bar, m, metrics, drift_label(cfg))
     finally:
         # A stop or an error between stages still lets a pending checkpoint commit.
-        rt.ckpt_writer.wait()
+        with memory.measured(cfg.total_steps, "checkpoint_wait"):
+            rt.ckpt_writer.wait()
     finish(rt)
     trackers.close()
     if bar is not None:
@@ -185,5 +189,6 @@ def finish(rt: Runtime) -> None:
     slow("finish")
     if rt.dist.is_main:
         write_summary(rt.store, rt.run.root / "eval.json")
-    export.export_policies(rt)
+    with memory.measured(rt.cfg.total_steps, "export"):
+        export.export_policies(rt)
     rt.dist.barrier()

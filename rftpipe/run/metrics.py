@@ -76,6 +76,7 @@ def eval_metrics(store: StageStore, step: int) -> dict[str, Any]:
         **summarize(rows, manifest["k"]),
         "eval/overlap_with_train": manifest["overlap_with_train"],
         "perf/eval_s": manifest.get("seconds", 0.0),
+        **manifest.get("memory", {}),
     }
 
 
@@ -159,5 +160,7 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
     out["train/kl_coef"] = store.manifest(step, "advantage").get("kl_coef", 0.0)
     for stage in ORDER:
         out[f"perf/{stage}_s"] = generation.stage_seconds(store, step, stage)
+        # Rank 0's peak memory in the stage (the first round's, under dynamic sampling).
+        out.update(store.manifest(step, stage).get("memory", {}))
     out.update(generation.step_summary(store, step))
     return {**out, **evaluated}

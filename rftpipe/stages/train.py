@@ -33,6 +33,7 @@ from rftpipe.data.sampler import rank_slice
 from rftpipe.dist import Dist
 from rftpipe.engines.train.base import TrainEngine
 from rftpipe.engines.train.forward import split_micro_batches
+from rftpipe.engines.train.ulysses import data_view
 from rftpipe.errors import UserError
 from rftpipe.faults import fault
 from rftpipe.observe import perf
@@ -86,7 +87,21 @@ def run(
     seconds = perf.clock(dist.device) - t0
     # Every rank reaches this one extra collective right after the stage's last one.
     work = dist.all_reduce_sum(perf.train_work(engine.model, inp.table, cfg.ppo_epochs))
-    return {**metrics, **perf.throughput(work, seconds)}
+    return {**metrics, **perf.throughput(work, seconds), **_offload_metrics(cfg, engine)}
+
+
+def _offload_metrics(cfg: TrainConfig, engine: TrainEngine) -> dict[str, float]:
+    """This rank's optimizer-state bytes the stage moved to host memory at its end, and the
+    seconds of that offload and of its start's reload (`train.offload_between_stages`;
+    timings and rank-local sizes, hence under perf/, which a replay does not compare)."""
+    if not cfg.offload_between_stages:
+        return {}
+    rec = engine.offload_record
+    return {
+        "perf/offload_gib": rec.bytes / 2**30,
+        "perf/offload_s": rec.offload_s,
+        "perf/reload_s": rec.reload_s,
+    }
 
 
 def _run(
@@ -318,11 +333,13 @@ class TrainStage:
         # The controller's coefficient for this step is the one its advantage stage recorded.
         kl_coef = float(rt.store.manifest(plan.step, "advantage")["kl_coef"])
         n = rt.cfg.rollout.n
+        # ReMax's greedy baseline rows only set the other rows' advantages. Under sequence
+        # parallelism the ranks of an SP group train on their rows together, one data rank.
+        dist, table = data_view(rt.dist, rt.cfg.train.sp_size, without_baseline(rows()))
         inp = TrainInputs(
             step=plan.step,
             run_seed=rt.cfg.seed,
-            # ReMax's greedy baseline rows only set the other rows' advantages.
-            table=without_baseline(rows()),
+            table=table,
             kl_coef=kl_coef,
             global_samples=[(p, k) for p in plan.global_ids for k in range(n)],
             temperature=rt.cfg.rollout.temperature,
@@ -336,7 +353,7 @@ class TrainStage:
         if rt.critic is not None and plan.step <= rt.critic.cfg.warmup_steps:
             # Critic warm-up: the actor waits (no update, no KL-controller input).
             return {"train/kl": 0.0, "train/updates": 0.0, **critic}
-        metrics = run(rt.cfg.train, rt.cfg.kl, rt.train_engine, rt.dist, inp)
+        metrics = run(rt.cfg.train, rt.cfg.kl, rt.train_engine, dist, inp)
         rt.kl_ctrl.update(metrics["train/kl"], n_steps=len(plan.global_ids) * n)
         dtype = perf.compute_dtype(rt.cfg.train.param_dtype, rt.cfg.model.dtype)
         peak = perf.peak_tflops(rt.dist.device, dtype, rt.cfg.launch.peak_tflops)

@@ -10,7 +10,9 @@ checkpoints save. The backends (`single`, `fsdp2`, `deepspeed`) subclass `_Engin
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal, Protocol
@@ -23,9 +25,20 @@ from rftpipe.engines.models import as_decoder_model
 from rftpipe.engines.train.ema import ParameterEMA
 from rftpipe.engines.train.forward import (
     build_micro_batch,
+    logprob_chunk_size,
     root_forward_logprobs,
     split_micro_batches,
 )
+from rftpipe.engines.train.offload import OffloadRecord, move_state
+from rftpipe.engines.train.packing import (
+    default_rows,
+    pack_rows,
+    packed_logprobs,
+    packing_refusal,
+)
+from rftpipe.errors import UserError
+
+log = logging.getLogger(__name__)
 
 # DCP warns on every call that it runs without a process group; single-process runs are
 # intended, so the warning is noise in every log.
@@ -49,9 +62,13 @@ class TrainEngine(Protocol):
     role: Role
     ema: ParameterEMA | None
     """The actor's parameter average (`train.ema_decay`); None when off or not an actor."""
+    offload_record: OffloadRecord
+    """What the last offload and reload moved (`train.offload_between_stages`)."""
 
     def train_mode(self) -> contextlib.AbstractContextManager[None]:
-        """Parameters (and, later, offloaded optimizer state) ready for forward+backward."""
+        """Parameters and optimizer state ready for forward+backward: state offloaded by the
+        previous train stage comes back here, and with `train.offload_between_stages` goes
+        to host memory again when the block ends without an error."""
         ...
 
     def eval_mode(self) -> contextlib.AbstractContextManager[None]:
@@ -99,8 +116,9 @@ class TrainEngine(Protocol):
 
     def state_dict(self) -> dict:
         """The actor's whole training state, as one Stateful: ``model`` and ``optim`` (views
-        of the live, possibly sharded tensors, which DCP writes and reshards) and
-        ``scheduler`` (plain, world-size independent)."""
+        of the live, possibly sharded tensors, which DCP writes and reshards; an offloaded
+        optimizer state is read from its host copy, where it stays) and ``scheduler``
+        (plain, world-size independent)."""
         ...
 
     def load_state_dict(self, state: dict) -> None:
@@ -166,6 +184,8 @@ class _EngineBase:
     role: Role
     optimizer: torch.optim.Optimizer
     ema: ParameterEMA | None = None
+    _offloaded: bool = False
+    """The optimizer state is in host memory (`offload`) until the next `train_mode`."""
 
     def __init__(
         self,
@@ -179,6 +199,9 @@ class _EngineBase:
         self.cfg = cfg
         self.dist = dist
         self.device = next(model.parameters()).device  # inputs follow the model
+        self.offload_record = OffloadRecord()
+        if cfg.packing and cfg.backend != "single" and (why := packing_refusal(model)):
+            raise UserError(f"train.packing=true: {why}; set train.packing=false")
         # The entropy needs a graph only when it is part of the loss.
         self._entropy_grad = cfg.entropy_coef != 0
         if cfg.gradient_checkpointing and role == "actor":
@@ -186,6 +209,8 @@ class _EngineBase:
             # checkpointed forward, so the recompute does not gather the parameters twice.
             enable_activation_checkpointing(model)
         self.model = self._prepare(model)
+        # The head's logits a chunk at a time, where this model's head allows it.
+        self._chunk = logprob_chunk_size(self.model, cfg.logprob_chunk_size)
         self._init_role(role, total_updates)
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -218,13 +243,63 @@ class _EngineBase:
 
     @contextlib.contextmanager
     def train_mode(self) -> Iterator[None]:
-        # The place where offloaded parameters and optimizer state come back to the device.
+        # The place where offloaded optimizer state comes back to the device.
         self._require_actor("train_mode")
+        self.reload()
         self._runner.train()
         try:
             yield
         finally:
             self._runner.eval()
+        # Not after an error: the run stops, and a retry would find the state on the host.
+        if self.cfg.offload_between_stages:
+            self.offload()
+
+    # -- offload between stages (`train.offload_between_stages`) -------------------------
+
+    def _move_optimizer_state(self, to_host: bool) -> int:
+        """Move what `offload` moves to host memory (or back to the device); returns the
+        bytes. Here: AdamW's moments and step for every parameter (plain tensors, or DTensor
+        shards under FSDP2); the parameters stay, since the advantage and sync stages (and
+        under `single` the HF rollout engine) use them between train stages."""
+        return move_state(self.optimizer.state, torch.device("cpu") if to_host else self.device)
+
+    def offload(self) -> None:
+        """Move the optimizer state to a separate host copy, freeing its device memory until
+        the next `train_mode` (or `reload`). Checkpoint saves read the host copy."""
+        if self.role != "actor" or self._offloaded:
+            return
+        t0 = time.perf_counter()
+        moved = self._move_optimizer_state(to_host=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the rollout engine allocates outside torch's cache
+        self._offloaded = True
+        self.offload_record.bytes = moved
+        self.offload_record.offload_s = time.perf_counter() - t0
+        log.info(
+            "optimizer state offloaded: %.3f GiB to host memory in %.3f s",
+            moved / 2**30,
+            self.offload_record.offload_s,
+        )
+
+    def reload(self) -> None:
+        """Bring offloaded optimizer state back to the engine's device (a no-op otherwise)."""
+        if not self._offloaded:
+            return
+        t0 = time.perf_counter()
+        self._move_optimizer_state(to_host=False)
+        self._offloaded = False
+        self.offload_record.reload_s = time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _resident(self) -> Iterator[None]:
+        """The optimizer state on the device for the block, offloaded again after it if it
+        was (a load replaces or writes the live state, wherever it is)."""
+        was = self._offloaded
+        self.reload()
+        yield
+        if was:
+            self.offload()
 
     @contextlib.contextmanager
     def eval_mode(self) -> Iterator[None]:
@@ -256,8 +331,41 @@ class _EngineBase:
         hooks (FSDP2's unit gathers, DeepSpeed's ZeRO-3 gathers and bf16 copy) must run."""
         mb = build_micro_batch(prompts, responses, pad_id=0).to(self.device)
         return root_forward_logprobs(
-            self._runner, mb, temperature, with_entropy, self._entropy_grad
+            self._runner,
+            mb,
+            temperature,
+            with_entropy,
+            self._entropy_grad,
+            self._chunk,
         )
+
+    def _packed_forward(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows end to end in one sequence (`packing.pack_rows`: no padding, a
+        block-diagonal causal mask), through the runner's own forward as `_padded_forward`.
+        Every response token is a loss token, at positions 0..L-1 of its row."""
+        batch = pack_rows(default_rows(prompts, responses)).to(self.device)
+        return packed_logprobs(
+            self._runner, batch, temperature, with_entropy, self._entropy_grad, self._chunk
+        )
+
+    def _root_forward(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sharded backends' forward: packed or padded by `train.packing`. Either is one
+        forward of the runner per call, so every rank issues the same collectives whatever
+        its rows' lengths."""
+        run = self._packed_forward if self.cfg.packing else self._padded_forward
+        return run(prompts, responses, temperature, with_entropy)
 
     def _micro_batch_count(self, n: int) -> int:
         """How many micro-batches every rank runs when this one has `n` of them
@@ -376,7 +484,10 @@ class _EngineBase:
         if "model" in state:
             set_model_state_dict(self.model, state["model"], options=options)
         if "optim" in state:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=options)
+            with self._resident():  # the optimizer's load replaces its state on the device
+                set_optimizer_state_dict(
+                    self.model, self.optimizer, state["optim"], options=options
+                )
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
 
@@ -396,6 +507,7 @@ class AdaptersOffReference:
     def __init__(self, actor: TrainEngine) -> None:
         self.actor = actor
         self.model = actor.model
+        self.offload_record = OffloadRecord()  # a reference has no optimizer state to move
 
     def _off(self) -> contextlib.AbstractContextManager[None]:
         from rftpipe.engines.lora import adapters_disabled

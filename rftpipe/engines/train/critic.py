@@ -82,7 +82,8 @@ def load_value_model(path: Path, dtype: str, seed: int) -> ValueModel:
 
 def critic_train_config(train: TrainConfig, critic: CriticConfig) -> TrainConfig:
     """The actor's train config with the critic's optimizer settings: same backend,
-    micro-batching, epochs, mini-batches and loss aggregation; no entropy term."""
+    micro-batching, epochs, mini-batches and loss aggregation; no entropy term, and no
+    packing (the value model runs its own padded forward, `run_module`)."""
     return dataclasses.replace(
         train,
         lr=critic.lr,
@@ -91,6 +92,7 @@ def critic_train_config(train: TrainConfig, critic: CriticConfig) -> TrainConfig
         weight_decay=critic.weight_decay,
         grad_clip=critic.grad_clip,
         entropy_coef=0.0,
+        packing=False,
     )
 
 

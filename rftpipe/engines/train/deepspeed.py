@@ -33,6 +33,7 @@ from rftpipe.engines.train.base import (
     adamw,
     lr_lambda,
 )
+from rftpipe.engines.train.offload import move_data, move_state
 from rftpipe.errors import UserError
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -47,6 +48,15 @@ class _ZeroOptimizer(Protocol):
     """ZeRO-3: this rank's fp32 partition of each sub-group."""
     single_partition_of_fp32_groups: list[torch.Tensor]
     """ZeRO-2: this rank's fp32 partition of each param group."""
+    _hp_optimizer_states_linked: bool
+    """ZeRO-2: whether each parameter's mapping holds views of the AdamW moments."""
+
+    def _clear_hp_buffer_references(self) -> None:
+        """ZeRO-2: drop the per-parameter views of the fp32 partitions and AdamW moments
+        (and the partitions' spent gradients), which would keep their device memory."""
+
+    def _link_all_hp_params(self) -> None:
+        """ZeRO-2: map every parameter to its slice of the fp32 partitions again."""
 
     def get_full_hp_param(
         self, param: torch.nn.Parameter, optim_state_key: str | None = None
@@ -203,7 +213,7 @@ class DeepSpeedEngine(_EngineBase):
         temperature: float,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._padded_forward(prompts, responses, temperature, with_entropy)
+        return self._root_forward(prompts, responses, temperature, with_entropy)
 
     def backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed averages gradients over data-parallel ranks; the losses are normalised by
@@ -269,6 +279,10 @@ class DeepSpeedEngine(_EngineBase):
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         self._require_actor("load_state_dict")
+        with self._resident():
+            self._load(state)
+
+    def _load(self, state: dict) -> None:
         named = self._named()
         if "model" in state:
             for n, p in named:
@@ -292,6 +306,23 @@ class DeepSpeedEngine(_EngineBase):
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self._fresh = False
+
+    def _move_optimizer_state(self, to_host: bool) -> int:
+        """The fp32 master partitions and the AdamW moments and step that the inner AdamW
+        keeps for them. The module's parameters (ZeRO-3: this rank's partitions) and
+        DeepSpeed's gradient buffers stay on the device."""
+        device = torch.device("cpu") if to_host else self.device
+        flats = self._flat_partitions()
+        if to_host and not self._stage3:
+            self._zero._clear_hp_buffer_references()
+        for flat in flats:
+            flat.grad = None  # spent by the step; ZeRO makes a new one at the next
+        moved = move_state(self._inner.state, device) + move_data(flats, device)
+        if not to_host and not self._stage3:
+            self._zero._link_all_hp_params()
+            # The moments' per-parameter views are linked again at the next step.
+            self._zero._hp_optimizer_states_linked = False
+        return moved
 
     def _flat_partitions(self) -> list[torch.Tensor]:
         """The fp32 partitions the inner AdamW steps (its param groups hold them only

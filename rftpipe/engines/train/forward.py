@@ -7,6 +7,7 @@ forwards that turn them into (B, T) logprobs (and entropies) of the response tok
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,6 +16,13 @@ import torch
 from rftpipe.algos.losses import entropy_from_logits, gather_logprobs
 from rftpipe.config.schema import TrainConfig
 from rftpipe.engines.models import as_causal_lm, as_decoder_model
+from rftpipe.engines.train.chunked_head import (
+    chunkable,
+    chunked_head_logprobs,
+    head_returns_logprobs,
+)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,7 +77,7 @@ def build_micro_batch(
     )
 
 
-def _entropy(logits: torch.Tensor, temperature: float, grad: bool) -> torch.Tensor:
+def logits_entropy(logits: torch.Tensor, temperature: float, grad: bool) -> torch.Tensor:
     if grad:
         return entropy_from_logits(logits / temperature)
     # Only a metric: no graph through a (B, T, vocab) softmax that nothing differentiates.
@@ -84,16 +92,27 @@ def _head_logprobs(
     temperature: float,
     with_entropy: bool,
     entropy_grad: bool = True,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """lm_head on just the positions that predict response tokens, then logprobs/entropy."""
-    logits = as_causal_lm(model).get_output_embeddings()(hidden).float()
+    """lm_head on just the positions that predict response tokens, then logprobs/entropy;
+    `chunk` positions of logits at a time when it is set (`train.logprob_chunk_size`)."""
+    head = as_causal_lm(model).get_output_embeddings()
+    if chunk:
+        return chunked_head_logprobs(
+            _linear(head), hidden, tokens, temperature, chunk, with_entropy, entropy_grad
+        )
+    logits = head(hidden).float()
     lp = gather_logprobs(logits, tokens, temperature=temperature)
-    ent = _entropy(logits, temperature, entropy_grad) if with_entropy else None
+    ent = logits_entropy(logits, temperature, entropy_grad) if with_entropy else None
     return lp, ent
 
 
 def response_logprobs(
-    model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    temperature: float,
+    with_entropy: bool,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) logprobs of the response tokens under logits / T from one full-sequence forward."""
     decoder = as_decoder_model(model).get_decoder()
@@ -101,7 +120,45 @@ def response_logprobs(
         input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
     ).last_hidden_state
     idx = mb.response_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-    return _head_logprobs(model, hidden.gather(1, idx), mb.response_ids, temperature, with_entropy)
+    return _head_logprobs(
+        model, hidden.gather(1, idx), mb.response_ids, temperature, with_entropy, chunk=chunk
+    )
+
+
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""Model-config fields under which a causal LM's forward changes the head's logits after
+`lm_head` (Gemma 2's soft-capping, Cohere's and Granite's scaling)."""
+
+
+def _linear(head: torch.nn.Module) -> torch.nn.Linear:
+    # `logprob_chunk_size` gave a chunk only for such a head.
+    assert isinstance(head, torch.nn.Linear), type(head)
+    return head
+
+
+def linear_head(model: torch.nn.Module) -> torch.nn.Linear:
+    """`model`'s LM head, which `logprob_chunk_size` found chunkable."""
+    return _linear(as_causal_lm(model).get_output_embeddings())
+
+
+def logprob_chunk_size(model: torch.nn.Module, requested: int) -> int:
+    """`train.logprob_chunk_size` where `model`'s head can be chunked, else 0 (logged): the
+    chunked head reproduces a plain linear `lm_head` whose logits the model's forward uses
+    as they are, nothing else."""
+    if not requested:
+        return 0
+    lm = as_causal_lm(model)
+    config = lm.config.to_dict()
+    transforms = [n for n in _LOGIT_TRANSFORMS if config.get(n) not in (None, 1, 1.0)]
+    if chunkable(lm.get_output_embeddings()) and not transforms:
+        return requested
+    logger.warning(
+        "train.logprob_chunk_size=%d ignored: %s's head is not a plain linear layer%s",
+        requested,
+        type(lm).__name__,
+        f" ({', '.join(transforms)})" if transforms else "",
+    )
+    return 0
 
 
 def root_forward_logprobs(
@@ -110,25 +167,36 @@ def root_forward_logprobs(
     temperature: float,
     with_entropy: bool,
     entropy_grad: bool = True,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Like `response_logprobs`, but through the root module's own forward.
 
     Sharding wrappers (FSDP2) hook the root forward to gather the root-level parameters
     (embeddings, final norm, the tied head) and to reduce their gradients, so calling the
     decoder directly would bypass them. `logits_to_keep` still limits the head to the
-    positions from the earliest response start on.
+    positions from the earliest response start on; with `chunk` the head itself returns
+    the logprobs and entropies (`head_returns_logprobs`), so no full logits exist.
     """
     first = int(mb.response_index.min())
-    logits = model(
-        input_ids=mb.input_ids,
-        attention_mask=mb.attention_mask,
-        use_cache=False,
-        logits_to_keep=mb.input_ids.shape[1] - first,
-    ).logits
-    idx = (mb.response_index - first).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    index = mb.response_index - first
+    head = as_causal_lm(model).get_output_embeddings()
+    inputs = {
+        "input_ids": mb.input_ids,
+        "attention_mask": mb.attention_mask,
+        "use_cache": False,
+        "logits_to_keep": mb.input_ids.shape[1] - first,
+    }
+    if chunk:
+        with head_returns_logprobs(
+            _linear(head), index, mb.response_ids, temperature, chunk, with_entropy, entropy_grad
+        ):
+            out = model(**inputs).logits
+        return out[..., 0], (out[..., 1] if with_entropy else None)
+    logits = model(**inputs).logits
+    idx = index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
     logits = logits.gather(1, idx).float()
     lp = gather_logprobs(logits, mb.response_ids, temperature=temperature)
-    ent = _entropy(logits, temperature, entropy_grad) if with_entropy else None
+    ent = logits_entropy(logits, temperature, entropy_grad) if with_entropy else None
     return lp, ent
 
 
@@ -197,6 +265,7 @@ def grouped_logprobs(
     temperature: float,
     with_entropy: bool,
     entropy_grad: bool = True,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) logprobs for rows in any order: rows sharing a prompt share its forward.
 
@@ -226,7 +295,9 @@ def grouped_logprobs(
     ).last_hidden_state
     # Padding slots point at position 0: finite, and masked out by the caller.
     hidden = hidden.flatten(0, 1)[forest.gather.to(device)]
-    return _head_logprobs(model, hidden, resp.to(device), temperature, with_entropy, entropy_grad)
+    return _head_logprobs(
+        model, hidden, resp.to(device), temperature, with_entropy, entropy_grad, chunk
+    )
 
 
 def split_micro_batches(

@@ -11,6 +11,7 @@ import torch
 
 from rftpipe.engines.models import as_decoder_model
 from rftpipe.engines.train.base import _EngineBase
+from rftpipe.engines.train.ulysses import SPContext, gather_rows, install, sp_context, sp_forward
 
 
 class FSDP2Engine(_EngineBase):
@@ -20,9 +21,14 @@ class FSDP2Engine(_EngineBase):
     (divide factor 1) because the losses are already normalised by global token counts.
     With `cpu_offload=all` the shards, their gradients and AdamW state live in host memory
     (construct it from a model on the compute device: inputs follow the model).
-    Each micro-batch is one full-sequence forward, so every rank issues the same
-    collectives in the same order whatever prompts it holds.
+    Each micro-batch is one forward of the root module (its rows packed end to end, or
+    right-padded, by `train.packing`), so every rank issues the same collectives in the
+    same order whatever prompts it holds. With `sp_size` > 1 each forward is
+    sequence-parallel (`ulysses`, rows right-padded): the ranks of an SP group pass the
+    same rows.
     """
+
+    _sp: SPContext | None = None
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import (
@@ -35,6 +41,9 @@ class FSDP2Engine(_EngineBase):
         # fully_shard moves the parameters to the process group's device (cuda:local_rank
         # under NCCL), so the model's device before sharding says nothing about the inputs'.
         self.device = self.dist.device
+        if self.cfg.sp_size > 1:
+            self._sp = sp_context(self.dist, self.cfg.sp_size)
+            install(model, self.cfg.sp_size)
         # bf16 compute with fp32 master weights, fp32 gradient reduction and fp32 AdamW state.
         mp = MixedPrecisionPolicy(
             param_dtype=getattr(torch, self.cfg.param_dtype), reduce_dtype=torch.float32
@@ -83,7 +92,33 @@ class FSDP2Engine(_EngineBase):
         temperature: float,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._padded_forward(prompts, responses, temperature, with_entropy)
+        if self._sp is not None:
+            return sp_forward(
+                self._runner,
+                self._sp,
+                prompts,
+                responses,
+                temperature,
+                with_entropy,
+                self._entropy_grad,
+                self.device,
+                self._chunk,
+            )
+        return self._root_forward(prompts, responses, temperature, with_entropy)
+
+    def compute_logprobs(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+    ) -> list[list[float]]:
+        if self._sp is None:
+            return super().compute_logprobs(prompts, responses, temperature)
+        # Ranks of an SP group score different rows here (the advantage stage's and the
+        # reference's own shares): the group scores all of them together, in micro-batches.
+        every_prompt, every_response, mine = gather_rows(self._sp, prompts, responses)
+        out = super().compute_logprobs(every_prompt, every_response, temperature)
+        return out[mine.start : mine.stop]
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights on every rank, for the rollout engine's own copy."""

@@ -39,7 +39,13 @@ class SingleDeviceEngine(_EngineBase):
             self.device.type, dtype=torch.bfloat16, enabled=self.cfg.param_dtype == "bfloat16"
         ):
             return grouped_logprobs(
-                self.model, prompts, responses, temperature, with_entropy, self._entropy_grad
+                self.model,
+                prompts,
+                responses,
+                temperature,
+                with_entropy,
+                self._entropy_grad,
+                self._chunk,
             )
 
     def run_module(self, **inputs: torch.Tensor) -> torch.Tensor:
