@@ -1,6 +1,7 @@
 """One rank of the backend-equivalence test: the train stage alone on fixed rows.
 
-    python tests/backend_worker.py OUT_DIR key=value ...   (TrainConfig fields)
+    python tests/backend_worker.py OUT_DIR key=value ...   (TrainConfig fields; `lora=R`
+                                                            puts rank-R adapters on the model)
 
 Trains the tiny model for two steps on a fixed, seeded advantage table (4 prompt groups of
 4 samples; this rank takes its share of the groups), then checks the checkpoint state
@@ -21,9 +22,10 @@ import torch
 from helpers import exit_rank
 from safetensors.torch import save_file
 
-from rftpipe.config.schema import KLConfig, TrainConfig
+from rftpipe.config.schema import KLConfig, LoraConfig, TrainConfig
 from rftpipe.data.sampler import rank_slice
 from rftpipe.dist import init_from_env
+from rftpipe.engines.lora import apply_lora
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train import TRAIN_ENGINES
 from rftpipe.engines.train.base import TrainEngine
@@ -116,6 +118,8 @@ def saved_activations(engine: TrainEngine, table: pa.Table) -> int:
 def main() -> None:
     out = Path(sys.argv[1])
     fields = {k: _value(v) for k, v in (a.split("=", 1) for a in sys.argv[2:])}
+    rank = fields.pop("lora", None)
+    lora = None if rank is None else LoraConfig(r=int(str(rank)), alpha=8)
     torch.set_num_threads(1)
     cfg = TrainConfig(lr=1e-3, mini_batches=2, micro_batch_size=2, ppo_epochs=2, **fields)
     dist = init_from_env(require_group=cfg.backend != "single")
@@ -127,6 +131,8 @@ def main() -> None:
 
     def new_engine() -> TrainEngine:
         model = load_causal_lm(prepare_tiny(), "float32")
+        if lora is not None:
+            model = apply_lora(model, lora, run_seed=0, role="actor")
         return TRAIN_ENGINES[cfg.backend](model, cfg, dist, total_updates=12)
 
     def step(engine: TrainEngine, n: int) -> dict[str, float]:
@@ -138,7 +144,10 @@ def main() -> None:
     engine = new_engine()
     metrics = [step(engine, n) for n in (1, 2)]
     weights = full_weights(engine)
-    saved = _detached(engine.state_dict())
+    state = engine.state_dict()
+    # What a checkpoint holds of the model: with LoRA the adapters alone.
+    roundtrip_keys = sorted(state["model"])
+    saved = _detached(state)
     fresh = new_engine()
     target = fresh.state_dict()
     _copy_into(target, saved)
@@ -160,6 +169,7 @@ def main() -> None:
         (out / "metrics.json").write_text(json.dumps(metrics))
         (out / "roundtrip.json").write_text(json.dumps(roundtrip))
         (out / "saved_activations.json").write_text(json.dumps(saved))
+        (out / "state_keys.json").write_text(json.dumps(roundtrip_keys))
         save_file(weights, out / "weights.safetensors")
 
 

@@ -39,6 +39,13 @@ CONFIGS: list[tuple[str, str, tuple[str, ...]]] = [
     ("zero3", "CPU offload (all)", ("--cpu-offload", "all")),
 ]
 
+#: `--lora`: full fine-tuning against LoRA (rank 16 on every linear layer), per backend.
+LORA_CONFIGS: list[tuple[str, str, tuple[str, ...]]] = [
+    (backend, label, flags)
+    for backend in ("single", "fsdp2", "zero2", "zero3")
+    for label, flags in (("full", ()), ("LoRA r=16", ("--lora", "16")))
+]
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -77,12 +84,13 @@ def run_one(a: argparse.Namespace, backend: str, flags: tuple[str, ...], dtype: 
             str(a.warmup),
             "--out",
             str(out),
+            *(("--model", a.model) if a.model else ()),
             *(f.format(budget=budget) for f in flags),
         ]
         threads = max(1, (os.cpu_count() or 1) // world)
         env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(_free_port()),
@@ -109,7 +117,7 @@ def run_one(a: argparse.Namespace, backend: str, flags: tuple[str, ...], dtype: 
 def measure(a: argparse.Namespace) -> list[dict]:
     rows = []
     for dtype in a.dtypes:
-        for backend, label, flags in CONFIGS:
+        for backend, label, flags in LORA_CONFIGS if a.lora else CONFIGS:
             if a.backends and backend not in a.backends:
                 continue
             r = run_one(a, backend, flags, dtype)
@@ -144,6 +152,8 @@ def summarize(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.bench_memory", description=__doc__)
     p.add_argument("--shape", default="135m", help="tools.mfu shape: tiny, 135m, 0.5b")
+    p.add_argument("--model", default="", help="a model.path value (real weights) instead")
+    p.add_argument("--lora", action="store_true", help="full fine-tuning vs LoRA rows instead")
     p.add_argument("--backends", nargs="*", default=[], help="subset of single fsdp2 zero2 zero3")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--ranks", type=int, default=2, help="processes for the sharded backends")

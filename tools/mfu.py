@@ -33,8 +33,10 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from rftpipe.config.schema import KLConfig, TrainConfig
+from rftpipe.config.schema import KLConfig, LoraConfig, TrainConfig
 from rftpipe.dist import Dist, init_from_env
+from rftpipe.engines import models
+from rftpipe.engines.lora import apply_lora
 from rftpipe.engines.train import TRAIN_ENGINES
 from rftpipe.observe import perf
 from rftpipe.run.runtime import place_for_engine
@@ -144,9 +146,18 @@ def measure(name: str, a: argparse.Namespace, dist: Dist) -> dict:
         lr=1e-6,
         micro_batch_size=a.micro_batch,
     )
-    model = place_for_engine(build_model(a.shape), backend, dist)
+    if a.model:
+        # Real weights (a `model.path` value), loaded as the pipeline loads them.
+        model = models.load_causal_lm(models.resolve_model_path(a.model), "float32")
+    else:
+        model = build_model(a.shape)
+    if a.lora:
+        model = apply_lora(model, LoraConfig(r=a.lora, alpha=2 * a.lora), run_seed=0, role="actor")
+    model = place_for_engine(model, backend, dist)
     shape = perf.model_shape(model)
     engine = TRAIN_ENGINES[backend](model, cfg, dist, role="actor", total_updates=a.steps)
+    # Of this rank's module (a shard of it under ZeRO-3).
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     rows = synthetic_rows(a, shape.vocab)
     # This rank's share of whole groups, as the rollout stage deals them.
     mine = [r for r in rows if r["prompt_id"] % dist.world == dist.rank]
@@ -172,7 +183,9 @@ def measure(name: str, a: argparse.Namespace, dist: Dist) -> dict:
     peak = perf.peak_tflops(dist.device, dtype, a.peak_tflops)
     return {
         "backend": name,
-        "shape": a.shape,
+        "shape": a.model or a.shape,
+        "lora_r": a.lora,
+        "trainable_params": trainable,
         "device": torch.cuda.get_device_name(dist.device) if cuda else "cpu",
         "world": dist.world,
         "dtype": a.dtype,
@@ -238,6 +251,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="token budget (0: --micro-batch rows)",
     )
+    p.add_argument(
+        "--model", default="", help="a model.path value (real weights) instead of --shape"
+    )
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank on every linear layer (0: full)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="leading steps left out of the median")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="override the device's peak")

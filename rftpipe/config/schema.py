@@ -72,6 +72,49 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, through `peft`) on the policy, and on the critic's backbone
+    when there is one: only the adapters (and the critic's value head) train, so AdamW holds
+    their state alone and checkpoints hold only them. QLoRA is out of scope."""
+
+    r: int = 8
+    """Rank of each adapter (the inner size of its two low-rank matrices)."""
+
+    alpha: int = 16
+    """LoRA's alpha: an adapter's update is scaled by alpha / r."""
+
+    dropout: float = 0.0
+    """Dropout on the adapters' inputs while training (seeded per train step from the run
+    seed, so a resumed run is bitwise equal; with it on, 1 and N ranks draw different masks)."""
+
+    target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    """Names of the linear layers that get adapters (a module matches when its dotted name
+    ends with one); each must match a module of the loaded model."""
+
+    export_merged: bool = False
+    """Besides the adapters (RUN/export, peft format), export the policy with the adapters
+    merged into its weights (RUN/export_merged, HF format)."""
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError("r must be at least 1")
+        if not self.alpha > 0:
+            raise ValueError("alpha must be positive")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError("dropout must be in [0, 1)")
+        if not self.target_modules or any(not m for m in self.target_modules):
+            raise ValueError("target_modules must name at least one module, none empty")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     path: str = "builtin:smollm2-135m-instruct"
     """Policy weights: a local HF directory, or `builtin:smollm2-135m-instruct` / `builtin:tiny`."""
@@ -95,6 +138,11 @@ class ModelConfig:
     local HF directory or a `builtin:` name, as `path`, loaded the same way (`dtype`,
     `train.backend`); its tokenizer must have the policy's vocabulary. Needs a KL term
     (`kl.mode` loss or reward)."""
+
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of every weight (null: full fine-tuning). With a KL term
+    and no `reference`, the reference is the base model with the adapters disabled (no
+    second copy of the weights)."""
 
     def __post_init__(self) -> None:
         if self.reference == "":

@@ -10,12 +10,15 @@ from pathlib import Path
 
 import torch
 
-from rftpipe.engines import models
+from rftpipe.config.schema import LoraConfig
+from rftpipe.engines import lora, models
 from rftpipe.engines.train.ema import ParameterEMA
 from rftpipe.stages.base import Runtime
 from rftpipe.storage.atomic import atomic_write_json, read_json
 
 EXPORT_MARKER = "rftpipe_export.json"
+
+WeightsLike = torch.nn.Module | Mapping[str, torch.Tensor]
 
 
 def export_policies(rt: Runtime) -> None:
@@ -24,17 +27,51 @@ def export_policies(rt: Runtime) -> None:
     # The trainer's full weights, whatever the rollout engine holds (a serving engine's
     # copy is not a transformers module): the module itself on one device, gathered from
     # the shards otherwise.
+    if (lora_cfg := rt.cfg.model.lora) is not None:
+        _export_lora(rt, lora_cfg)
+        return
     _export_once(rt, rt.run.root / "export", rt.train_engine.rollout_weights)
     if (ema := rt.train_engine.ema) is not None:
         _export_once(rt, rt.run.root / "export_ema", lambda: _ema_weights(rt, ema))
 
 
+def _export_lora(rt: Runtime, cfg: LoraConfig) -> None:
+    """With `model.lora`: the adapters in peft's format (RUN/export, RUN/export_ema for
+    their average), and with `export_merged` the policy with them merged in, HF format
+    (RUN/export_merged). The base weights are `model.path`'s, which the adapter config
+    names."""
+    base = str(rt.model_dir)
+
+    _export_once(
+        rt,
+        rt.run.root / "export",
+        rt.train_engine.rollout_weights,
+        write=lambda tmp, state: lora.save_adapter(state, cfg, base, tmp),
+    )
+    if cfg.export_merged:
+        _export_once(
+            rt,
+            rt.run.root / "export_merged",
+            lambda: lora.merged_weights(rt.train_engine.rollout_weights(), cfg),
+        )
+    if (ema := rt.train_engine.ema) is not None:
+        # The average of the trainable parameters: of the adapters alone.
+        _export_once(
+            rt,
+            rt.run.root / "export_ema",
+            ema.full_params,
+            write=lambda tmp, state: lora.save_adapter(state, cfg, base, tmp),
+        )
+
+
 def _export_once(
     rt: Runtime,
     final: Path,
-    weights: Callable[[], torch.nn.Module | Mapping[str, torch.Tensor]],
+    weights: Callable[[], WeightsLike],
+    write: Callable[[Path, WeightsLike], None] | None = None,
 ) -> None:
-    """`export_final(final, weights())`, unless `final` already holds the last step's."""
+    """`export_final(final, weights())`, unless `final` already holds the last step's;
+    `write` (into the export's temporary directory) replaces the HF-format model files."""
     marker = final / EXPORT_MARKER
     # Re-exported when a run is extended past the step its export was taken at. Rank 0
     # decides for all: gathering sharded weights is collective.
@@ -44,7 +81,7 @@ def _export_once(
     if rt.dist.any(stale):
         state = weights()
         if rt.dist.is_main:
-            export_final(rt, final, state)
+            export_final(rt, final, state, write)
 
 
 def _ema_weights(rt: Runtime, ema: ParameterEMA) -> torch.nn.Module | Mapping[str, torch.Tensor]:
@@ -62,17 +99,24 @@ def _ema_weights(rt: Runtime, ema: ParameterEMA) -> torch.nn.Module | Mapping[st
 
 
 def export_final(
-    rt: Runtime, final: Path, weights: torch.nn.Module | Mapping[str, torch.Tensor]
+    rt: Runtime,
+    final: Path,
+    weights: WeightsLike,
+    write: Callable[[Path, WeightsLike], None] | None = None,
 ) -> None:
-    """HF-format export of a policy (RUN/export, RUN/export_ema), published by a dir rename."""
+    """HF-format export of a policy (RUN/export, RUN/export_ema), or what `write` puts in
+    the directory instead (LoRA adapters), published by a dir rename."""
     tmp = rt.run.root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    if isinstance(weights, torch.nn.Module):
-        model = weights
+    if write is not None:
+        write(tmp, weights)
     else:
-        model = models.load_causal_lm(rt.model_dir, rt.cfg.model.dtype)
-        model.load_state_dict(weights)
-    models.as_causal_lm(model).save_pretrained(tmp)
+        if isinstance(weights, torch.nn.Module):
+            model = weights
+        else:
+            model = models.load_causal_lm(rt.model_dir, rt.cfg.model.dtype)
+            model.load_state_dict(weights)
+        models.as_causal_lm(model).save_pretrained(tmp)
     rt.tokenizer.save_pretrained(tmp)
     atomic_write_json(tmp / EXPORT_MARKER, {"step": rt.cfg.total_steps})
     old = rt.run.root / f".tmp-old-{final.name}"

@@ -7,7 +7,7 @@ import ctypes
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -18,12 +18,13 @@ from rftpipe.config.schema import RunConfig
 from rftpipe.data.prompts import load_prompts, split_held_out
 from rftpipe.data.ptx import data_fingerprint, load_ptx_examples
 from rftpipe.dist import Dist
+from rftpipe.engines import lora as lora_mod
 from rftpipe.engines import models
 from rftpipe.engines.rollout import ROLLOUT_ENGINES
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train import TRAIN_ENGINES
-from rftpipe.engines.train.base import TrainEngine
+from rftpipe.engines.train.base import AdaptersOffReference, TrainEngine
 from rftpipe.engines.train.critic import Critic, critic_train_config, head_seed, load_value_model
 from rftpipe.errors import UserError
 from rftpipe.rewards import check_coverage, resolve_all
@@ -144,6 +145,8 @@ def build(
     rewards = resolve_all(cfg.reward, prompts.scorer, cfg.rollout.max_new_tokens, dist.device)
     if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
         preflight(cfg, model_dir)
+    if cfg.model.lora is not None:
+        lora_mod.check_targets_of(model_dir, cfg.model.lora)
     model_fp = models.model_fingerprint(model_dir, ref_dir)
     check_fingerprints(run, model_fp, data_fingerprint(prompts, ptx), allow_mismatch, dist)
     if dist.is_main and not run.run_json.exists():
@@ -157,13 +160,7 @@ def build(
             },
         )
     engine, rollout = build_actor(cfg, model_dir, dist, tokenizer)
-    reference = (
-        TRAIN_ENGINES[cfg.train.backend](
-            load_for_engine(cfg, ref_dir or model_dir, dist), cfg.train, dist, role="reference"
-        )
-        if cfg.kl.mode != "none"
-        else None
-    )
+    reference = build_reference(cfg, engine, ref_dir or model_dir, dist)
     return Runtime(
         cfg=cfg,
         run=run,
@@ -186,6 +183,21 @@ def build(
     )
 
 
+def build_reference(
+    cfg: RunConfig, actor: TrainEngine, ref_dir: Path, dist: Dist
+) -> TrainEngine | None:
+    """The KL term's frozen reference (None without one): `model.reference`'s weights, else
+    the policy's initial ones; with LoRA and no `model.reference`, the actor's own module
+    with its adapters disabled (the base weights never change, so no second copy)."""
+    if cfg.kl.mode == "none":
+        return None
+    if cfg.model.lora is not None and cfg.model.reference is None:
+        return AdaptersOffReference(actor)
+    return TRAIN_ENGINES[cfg.train.backend](
+        load_for_engine(cfg, ref_dir, dist, lora=False), cfg.train, dist, role="reference"
+    )
+
+
 def build_critic(cfg: RunConfig, model_dir: Path, dist: Dist) -> Critic | None:
     """The value model at its initial weights (backbone from `critic.model.path`, else the
     actor's `model_dir`; head from the run seed), trained by an engine of the actor's backend."""
@@ -193,7 +205,13 @@ def build_critic(cfg: RunConfig, model_dir: Path, dist: Dist) -> Critic | None:
         return None
     path = models.resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else model_dir
     seed = head_seed(cfg.seed)
-    model = place_for_engine(load_value_model(path, cfg.model.dtype, seed), cfg.train.backend, dist)
+    value_model = load_value_model(path, cfg.model.dtype, seed)
+    if cfg.model.lora is not None:
+        # Its own adapters on the backbone; the value head (new, so nothing to adapt) trains
+        # whole. A PeftModel forwards every attribute of the model it wraps, hence the Any.
+        backbone = lora_mod.apply_lora(value_model.model, cfg.model.lora, cfg.seed, "critic")
+        value_model.model = cast(Any, backbone)
+    model = place_for_engine(value_model, cfg.train.backend, dist)
     train_cfg = critic_train_config(cfg.train, cfg.critic)
     updates = cfg.total_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
     engine = TRAIN_ENGINES[cfg.train.backend](
@@ -224,11 +242,17 @@ def build_actor(
     return engine, rollout
 
 
-def load_for_engine(cfg: RunConfig, model_dir: Path, dist: Dist) -> torch.nn.Module:
-    """The initial weights, placed for `cfg.train.backend` (`place_for_engine`)."""
-    return place_for_engine(
-        models.load_causal_lm(model_dir, cfg.model.dtype), cfg.train.backend, dist
-    )
+def load_for_engine(
+    cfg: RunConfig, model_dir: Path, dist: Dist, *, lora: bool = True
+) -> torch.nn.Module:
+    """The initial weights, with `model.lora`'s adapters (unless `lora` is False: a
+    separate reference model), placed for `cfg.train.backend` (`place_for_engine`)."""
+    model: torch.nn.Module = models.load_causal_lm(model_dir, cfg.model.dtype)
+    if lora and cfg.model.lora is not None:
+        # On the CPU, before any backend wraps or shards it: every backend and rank then
+        # starts from the same adapters.
+        model = lora_mod.apply_lora(model, cfg.model.lora, cfg.seed, "actor")
+    return place_for_engine(model, cfg.train.backend, dist)
 
 
 def place_for_engine(model: torch.nn.Module, backend: str, dist: Dist) -> torch.nn.Module:
@@ -253,6 +277,8 @@ def rebuild_actor(rt: Runtime) -> None:
     rt.train_engine, rt.rollout_engine = build_actor(
         rt.cfg, rt.model_dir, rt.dist, rt.tokenizer, rt.rollout_engine
     )
+    if isinstance(rt.reference, AdaptersOffReference):
+        rt.reference = AdaptersOffReference(rt.train_engine)
     rt.kl_ctrl = new_kl_controller(rt.cfg)
     rt.critic = build_critic(rt.cfg, rt.model_dir, rt.dist)
     rt.ckpt_schedule = make_schedule(rt.cfg.checkpoint, rt.run.events_path)

@@ -9,6 +9,7 @@ all-reduced, so the update is the same on any number of ranks and any micro-batc
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -133,3 +134,14 @@ def mini_batches(
                 [local[i] for i in chunks[c]] if c < len(chunks) else [] for c in range(n_chunks)
             ]
             yield MiniBatch(epoch=epoch, index=m, counts=counts[m], micro=micro)
+
+
+@contextlib.contextmanager
+def seeded_rng(run_seed: int, step: int, stage: str, device: torch.device) -> Iterator[None]:
+    """Torch's global RNG seeded from (run seed, step, stage) inside, restored after: what
+    a stochastic layer draws while training (LoRA's `model.lora.dropout`) is then the same
+    on a replay after a restart as in the uninterrupted run."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(derive_seed(run_seed, step, stage, 0))
+        yield

@@ -12,7 +12,7 @@ from rftpipe.algos.losses import AGGREGATIONS
 from rftpipe.algos.value import clipped_value_loss
 from rftpipe.dist import Dist
 from rftpipe.engines.train.critic import Critic
-from rftpipe.stages.batching import TrainInputs, mini_batches, pad_ragged
+from rftpipe.stages.batching import TrainInputs, mini_batches, pad_ragged, seeded_rng
 
 #: Stand-in row for a rank with no rows left in a micro-batch slot (its loss weight is 0).
 _PADDING_ROW = {
@@ -31,7 +31,7 @@ def run(critic: Critic, dist: Dist, inp: TrainInputs) -> dict[str, float]:
     sums = dict.fromkeys(_SUMS, 0.0)
     grad_norm, updates = 0.0, 0
     lr = critic.engine.current_lr()
-    with critic.engine.train_mode():
+    with critic.engine.train_mode(), seeded_rng(inp.run_seed, inp.step, "critic", dist.device):
         for mb in mini_batches(cfg, dist, inp, rows):
             for chunk in mb.micro:
                 _micro_step(critic, dist, chunk, mb.counts, inp.response_budget, sums)

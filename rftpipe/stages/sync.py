@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,36 +12,77 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from rftpipe.config.schema import LoraConfig
 from rftpipe.dist import Dist
+from rftpipe.engines import lora
 from rftpipe.engines.rollout.base import RolloutEngine
+from rftpipe.engines.rollout.vllm import VLLMEngine
 from rftpipe.engines.train.base import TrainEngine
 from rftpipe.stages import StageName
 from rftpipe.stages.base import Rows, Runtime, StageOutput, StepPlan
 
 
 def run(
-    engine: RolloutEngine, trainer: TrainEngine, version: int, dist: Dist, via: Path | None
+    engine: RolloutEngine,
+    trainer: TrainEngine,
+    version: int,
+    dist: Dist,
+    via: Path | None,
+    lora_cfg: LoraConfig | None = None,
+    lora_dir: Path | None = None,
 ) -> None:
     """After this, samples from `engine` are drawn from the step-`version` weights.
 
     Collective under FSDP2 and ZeRO-3 (the full weights are gathered), so every rank calls
     it. With `via` (rollout.inference.weight_sync=disk) rank 0 writes the weights as a
     safetensors directory there and every engine reloads that directory.
+
+    With LoRA (`lora_cfg`) the HF loop that shares the trainer's module samples from it as
+    it is (the live adapters); every engine that holds its own copy takes the adapters
+    merged into the base weights, under the transformers model's own names; vLLM takes
+    only the adapters, saved under `via` (or `lora_dir`) by rank 0, as a LoRA request.
     """
-    weights = trainer.rollout_weights()
+    weights: torch.nn.Module | Mapping[str, torch.Tensor] = trainer.rollout_weights()
+    if lora_cfg is not None and isinstance(engine, VLLMEngine):
+        # Only what changed: the adapters, as a LoRA request on the base weights vLLM
+        # loaded at start (always through a directory: vLLM loads adapters from one).
+        parent = via or lora_dir
+        assert parent is not None, "vLLM takes LoRA adapters from a directory"
+        target = parent / f"lora-v{version}"
+        if dist.is_main:
+            _publish(target, lambda tmp: lora.save_adapter(weights, lora_cfg, "", tmp))
+        dist.barrier()
+        engine.update_adapter(target, version)
+        return
+    if lora_cfg is not None and weights is not getattr(engine, "model", None):
+        weights = lora.merged_weights(weights, lora_cfg)
     if via is None:
         engine.update_weights(weights, version)
         return
     target = via / f"v{version}"
     if dist.is_main:
-        _write(weights, target)
+        _publish(target, lambda tmp: _write(weights, tmp))
     dist.barrier()
     engine.update_weights(target, version)
 
 
-def _write(weights: torch.nn.Module | Mapping[str, torch.Tensor], target: Path) -> None:
-    """Replace every older version under `target.parent` with `target`, written whole
-    before it appears under its name (a reader never sees half a directory)."""
+def _publish(target: Path, write: Callable[[Path], None]) -> None:
+    """Replace every older version under `target.parent` with `target`, written whole (by
+    `write`, into a temporary directory) before it appears under its name (a reader never
+    sees half a directory)."""
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    # The engines loaded every older version before this step's collective began.
+    for old in parent.iterdir():
+        shutil.rmtree(old)
+    tmp = parent / f".{target.name}.tmp"
+    tmp.mkdir()
+    write(tmp)
+    tmp.rename(target)
+
+
+def _write(weights: torch.nn.Module | Mapping[str, torch.Tensor], tmp: Path) -> None:
+    """The weights as one safetensors file in `tmp`."""
     state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
     # safetensors refuses tensors that share storage: a tied lm_head is the embedding
     # again, and loaders of tied models skip it.
@@ -53,16 +94,8 @@ def _write(weights: torch.nn.Module | Mapping[str, torch.Tensor], target: Path) 
             continue
         seen.add(ptr)
         tensors[name] = tensor.detach().to("cpu").contiguous()
-    parent = target.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    # The engines loaded every older version before this step's collective began.
-    for old in parent.iterdir():
-        shutil.rmtree(old)
-    tmp = parent / f".{target.name}.tmp"
-    tmp.mkdir()
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "index.json").write_text(json.dumps({"tensors": len(tensors)}))
-    tmp.rename(target)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,4 +121,12 @@ def sync_weights(rt: Runtime, version: int) -> None:
     """The sync stage's work (also a restart's, for the weights it loaded). With
     `weight_sync=disk` the weights go through RUN/sync, transient: a replay writes it again."""
     via = rt.run.root / "sync" if rt.cfg.rollout.inference.weight_sync == "disk" else None
-    run(rt.rollout_engine, rt.train_engine, version, rt.dist, via)
+    run(
+        rt.rollout_engine,
+        rt.train_engine,
+        version,
+        rt.dist,
+        via,
+        rt.cfg.model.lora,
+        lora_dir=rt.run.root / "sync",
+    )

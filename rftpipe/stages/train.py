@@ -40,7 +40,7 @@ from rftpipe.observe import perf
 from rftpipe.observe.events import events
 from rftpipe.stages import StageName, critic_train
 from rftpipe.stages.base import Rows, Runtime, StageOutput, StepPlan
-from rftpipe.stages.batching import TrainInputs, mini_batches, pad_ragged
+from rftpipe.stages.batching import TrainInputs, mini_batches, pad_ragged, seeded_rng
 from rftpipe.storage.atomic import CorruptionError
 from rftpipe.storage.baseline_rows import without_baseline
 
@@ -82,7 +82,7 @@ def run(
     cfg: TrainConfig, kl: KLConfig, engine: TrainEngine, dist: Dist, inp: TrainInputs
 ) -> dict[str, float]:
     t0 = perf.clock(dist.device)
-    with engine.train_mode():
+    with engine.train_mode(), seeded_rng(inp.run_seed, inp.step, "train", dist.device):
         metrics = _run(cfg, kl, engine, dist, inp)
     seconds = perf.clock(dist.device) - t0
     # Every rank reaches this one extra collective right after the stage's last one.

@@ -55,6 +55,7 @@ def engine_spec(cfg: RunConfig, model_dir: Path, tokenizer: Any) -> Any:
         pad_id=tokenizer.pad_token_id,
         seed=cfg.seed,
         max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+        lora_rank=cfg.model.lora.r if cfg.model.lora is not None else None,
     )
 
 

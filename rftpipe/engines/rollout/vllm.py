@@ -58,6 +58,13 @@ class EngineSpec:
     """The run seed: vLLM's own global seed (unused by seeded requests, set for the rest)."""
     max_model_len: int
     """Longest prompt plus `max_new_tokens`: sizes the KV cache's per-sequence need."""
+    lora_rank: int | None = None
+    """`model.lora.r` (None: no LoRA): the engine then serves the base weights with the
+    trainer's adapters as a LoRA request (`update_adapter`)."""
+
+
+# The ranks vLLM's LoRA config takes (`vllm.config.lora.MaxLoRARanks`).
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def import_vllm() -> Any:
@@ -163,6 +170,17 @@ class VLLMEngine:
             "enforce_eager": not self._on_gpu,
             "enable_sleep_mode": self._on_gpu and inf.sleep_level > 0,
         }
+        self._lora: Any = None
+        """The LoRA request every generation carries (None: the base weights alone)."""
+        if spec.lora_rank is not None:
+            ranks = [r for r in _VLLM_LORA_RANKS if r >= spec.lora_rank]
+            if not ranks:
+                raise UserError(
+                    f"model.lora.r={spec.lora_rank}: vLLM serves LoRA ranks up to "
+                    f"{_VLLM_LORA_RANKS[-1]}; use rollout.engine=hf or a smaller rank"
+                )
+            # One adapter at a time: the current step's.
+            kwargs.update(enable_lora=True, max_lora_rank=ranks[0], max_loras=1)
         if dist.world > 1:
             # Reuse the trainer's process group: each tensor-parallel group of ranks holds
             # one engine, and the groups generate independently (vLLM's "external DP").
@@ -263,7 +281,7 @@ class VLLMEngine:
             self._params(seed, max_tokens, greedy=seed is None) for _, max_tokens, seed in batch
         ]
         with _keep_torch_threads():
-            outs = self.llm.generate(requests, params, use_tqdm=False)
+            outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora)
         k = distinct.index(asks[me])
         start = sum(len(_samples(a)) for a in distinct[:k])
         return outs[start : start + len(_samples(mine))]
@@ -327,6 +345,19 @@ class VLLMEngine:
         self.weight_version = version
         self.last_sync_s = time.perf_counter() - t0
         log.debug("vLLM weights v%d loaded in %.2f s", version, self.last_sync_s)
+
+    def update_adapter(self, path: Path, version: int) -> None:
+        """Sample from the base weights plus the LoRA adapters saved (peft format) at
+        `path` from now on: a new LoRA request, whose id is new for every version so that
+        vLLM loads it instead of reusing its cached predecessor."""
+        if self._asleep:
+            self.wake()
+        from vllm.lora.request import LoRARequest
+
+        self._lora = LoRARequest(f"rftpipe-v{version}", version + 1, str(path))
+        # Cached prefixes were computed with the old adapters.
+        self.llm.reset_prefix_cache()
+        self.weight_version = version
 
     def sleep(self) -> None:
         """Free the engine's GPU memory for the trainer (`inference.sleep_level`); on a CPU

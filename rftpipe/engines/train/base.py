@@ -424,12 +424,31 @@ class _EngineBase:
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def _state_options(self):  # -> StateDictOptions
+        """Trainable parameters only: with LoRA the frozen base weights are the model's
+        files, not training state, so checkpoints hold the adapters alone (with full
+        fine-tuning every parameter is trainable and this leaves out nothing)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # A load of the trainable parameters alone must not miss the frozen ones (their
+        # values are the model files'); with none frozen, every key must be there.
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self._require_actor("state_dict")
         self._init_optimizer_state()
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(
+            self.model, self.optimizer, options=self._state_options()
+        )
+        # `ignore_frozen_params` keeps a tied head (a second name of the frozen embedding,
+        # which `named_parameters` lists only once): with LoRA, the largest frozen tensor.
+        trainable = {
+            n for n, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad
+        }
+        model_sd = {k: v for k, v in model_sd.items() if k in trainable}
         return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
 
     def _init_optimizer_state(self) -> None:
@@ -461,10 +480,88 @@ class _EngineBase:
         )
 
         self._require_actor("load_state_dict")
+        options = self._state_options()
         if "model" in state:
-            set_model_state_dict(self.model, state["model"])
+            set_model_state_dict(self.model, state["model"], options=options)
         if "optim" in state:
             with self._resident():  # the optimizer's load replaces its state on the device
-                set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+                set_optimizer_state_dict(
+                    self.model, self.optimizer, state["optim"], options=options
+                )
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+class AdaptersOffReference:
+    """The KL reference of a LoRA actor with no `model.reference`: the actor's own module
+    with its adapters disabled (peft's `disable_adapter`), which is exactly the initial
+    policy (the base weights are frozen) without a second copy of the weights.
+
+    It scores through the actor's engine, so the backend's hooks (FSDP2's unit gathers,
+    ZeRO-3's parameter gathers) run as for the actor; it never trains.
+    """
+
+    role: Role = "reference"
+    ema: ParameterEMA | None = None
+
+    def __init__(self, actor: TrainEngine) -> None:
+        self.actor = actor
+        self.model = actor.model
+        self.offload_record = OffloadRecord()  # a reference has no optimizer state to move
+
+    def _off(self) -> contextlib.AbstractContextManager[None]:
+        from rftpipe.engines.lora import adapters_disabled
+
+        return adapters_disabled(self.actor.model)
+
+    def train_mode(self) -> contextlib.AbstractContextManager[None]:
+        raise RuntimeError("train_mode on a reference engine")
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        with self._off(), self.actor.eval_mode():
+            yield
+
+    def forward(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with self._off():
+            return self.actor.forward(prompts, responses, temperature, with_entropy)
+
+    def compute_logprobs(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+    ) -> list[list[float]]:
+        with self._off():
+            return self.actor.compute_logprobs(prompts, responses, temperature)
+
+    def run_module(self, **inputs: torch.Tensor) -> torch.Tensor:
+        with self._off():
+            return self.actor.run_module(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise RuntimeError("backward on a reference engine")
+
+    def optimizer_step(self) -> float:
+        raise RuntimeError("optimizer_step on a reference engine")
+
+    def lr_scheduler_step(self) -> None:
+        raise RuntimeError("lr_scheduler_step on a reference engine")
+
+    def current_lr(self) -> float:
+        raise RuntimeError("current_lr on a reference engine")
+
+    def rollout_weights(self) -> torch.nn.Module | dict[str, torch.Tensor]:
+        raise RuntimeError("rollout_weights on a reference engine")
+
+    def state_dict(self) -> dict:
+        raise RuntimeError("state_dict on a reference engine")
+
+    def load_state_dict(self, state: dict) -> None:
+        raise RuntimeError("load_state_dict on a reference engine")

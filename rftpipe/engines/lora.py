@@ -1,0 +1,174 @@
+"""LoRA adapters through `peft` (`model.lora`): applied to a loaded model before a training
+backend wraps it, and the forms the rollout engines and the export take them in.
+
+A LoRA model is a `peft.PeftModel` around the transformers model: its frozen base weights
+are named ``base_model.model.<hf name with .base_layer>`` and its adapters
+``base_model.model.<hf module>.lora_A.default.weight`` (and ``lora_B``). Only the adapters
+require gradients, so every backend's AdamW (built from the trainable parameters) holds
+their state alone, and checkpoints (trainable parameters only) hold only them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from rftpipe.errors import UserError
+from rftpipe.seeding import derive_seed
+
+if TYPE_CHECKING:
+    from rftpipe.config.schema import LoraConfig
+
+ADAPTER = "default"
+"""peft's name of the one adapter a model has."""
+PREFIX = "base_model.model."
+"""What `peft.PeftModel` puts before the wrapped model's own parameter names."""
+
+
+def check_targets(model: torch.nn.Module, cfg: LoraConfig) -> None:
+    """Refuse target module names that match no module of `model` (a typo would otherwise
+    train nothing of what the user meant, or, when none matches, fail deep inside peft)."""
+    names = [n for n, _ in model.named_modules()]
+    missing = [
+        t for t in cfg.target_modules if not any(n == t or n.endswith(f".{t}") for n in names)
+    ]
+    if missing:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_linear(m)})
+        raise UserError(
+            f"model.lora.target_modules: {', '.join(missing)} match no module of the model "
+            f"(its linear layers are named {', '.join(leaves) or 'nothing'})"
+        )
+
+
+def check_targets_of(model_dir: Path, cfg: LoraConfig) -> None:
+    """`check_targets` on the model at `model_dir`, built on the meta device (no weights
+    read): a run refuses a bad `model.lora` before it writes anything."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        check_targets(AutoModelForCausalLM.from_config(config), cfg)
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear)
+
+
+def apply_lora(
+    model: torch.nn.Module, cfg: LoraConfig, run_seed: int, role: str
+) -> torch.nn.Module:
+    """`model` (on the CPU, before any backend wraps it) with LoRA adapters on
+    `cfg.target_modules`, its own weights frozen.
+
+    The adapters' initial values (peft draws A, B starts at zero) come from a generator
+    seeded by (run seed, `role`), the same on every rank and every restart, and the
+    process's global RNG is left as it was.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    check_targets(model, cfg)
+    peft_cfg = PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        bias="none",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(run_seed, 0, f"lora/{role}", 0))
+        return cast(torch.nn.Module, get_peft_model(cast(Any, model), peft_cfg))
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """Whether `model` is a peft model (as `apply_lora` returns)."""
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """The base model: `model`'s forwards run without the adapters (peft's
+    `disable_adapter`), through whatever wraps its layers (FSDP2, DeepSpeed)."""
+    with cast(Any, model).disable_adapter():
+        yield
+
+
+def scaling(cfg: LoraConfig) -> float:
+    """What an adapter's B @ A is multiplied by (peft's plain LoRA: alpha / r)."""
+    return cfg.alpha / cfg.r
+
+
+def merged_weights(
+    weights: torch.nn.Module | Mapping[str, torch.Tensor], cfg: LoraConfig
+) -> dict[str, torch.Tensor]:
+    """The transformers model's own state dict (its names, adapters merged into their base
+    weights: ``W + alpha / r * B @ A``) from a peft model's full state (a module, or its
+    gathered state dict as the sharded backends' `rollout_weights` give it): what engines
+    that hold their own plain copy of the weights load (SGLang, the HF loop beside a
+    sharded trainer). Merged in float32, then cast back to the base weight's dtype."""
+    state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+    scale = scaling(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name:
+            continue
+        key = name.removeprefix(PREFIX)
+        if ".base_layer." in key:
+            module, leaf = key.split(".base_layer.", 1)
+            key = f"{module}.{leaf}"
+            if leaf == "weight":
+                prefix = name[: name.index(".base_layer.")]
+                a = state[f"{prefix}.lora_A.{ADAPTER}.weight"].float()
+                b = state[f"{prefix}.lora_B.{ADAPTER}.weight"].float()
+                tensor = (tensor.float() + scale * (b @ a)).to(tensor.dtype)
+        out[key] = tensor.detach()
+    return out
+
+
+def adapter_weights(
+    weights: torch.nn.Module | Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """The adapters alone, named as peft's saved adapter files name them
+    (``base_model.model.<module>.lora_A.weight``: no adapter name)."""
+    state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+    return {
+        name.replace(f".{ADAPTER}.", "."): tensor.detach()
+        for name, tensor in state.items()
+        if f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+    }
+
+
+def save_adapter(
+    weights: torch.nn.Module | Mapping[str, torch.Tensor],
+    cfg: LoraConfig,
+    base_model: str,
+    target: Path,
+) -> None:
+    """Write the adapters to `target` in peft's format (adapter_config.json and
+    adapter_model.safetensors), which `peft.PeftModel.from_pretrained` and vLLM's LoRA
+    requests load."""
+    from peft import LoraConfig as PeftLoraConfig
+    from safetensors.torch import save_file
+
+    target.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.to("cpu").contiguous() for k, v in adapter_weights(weights).items()}
+    save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
+    peft_cfg = PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=sorted(cfg.target_modules),
+        bias="none",
+        base_model_name_or_path=base_model,
+    )
+    config = peft_cfg.to_dict()
+    # Sets are not JSON; peft writes its own config the same way.
+    config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+    (target / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))
