@@ -97,7 +97,7 @@ def _head_logprobs(
     """lm_head on just the positions that predict response tokens, then logprobs/entropy;
     `chunk` positions of logits at a time when it is set (`train.logprob_chunk_size`)."""
     head = as_causal_lm(model).get_output_embeddings()
-    if chunk:
+    if chunk and tokens.numel() > chunk:
         return chunked_head_logprobs(
             _linear(head), hidden, tokens, temperature, chunk, with_entropy, entropy_grad
         )
@@ -186,7 +186,7 @@ def root_forward_logprobs(
         "use_cache": False,
         "logits_to_keep": mb.input_ids.shape[1] - first,
     }
-    if chunk:
+    if chunk and mb.response_ids.numel() > chunk:
         with head_returns_logprobs(
             _linear(head), index, mb.response_ids, temperature, chunk, with_entropy, entropy_grad
         ):

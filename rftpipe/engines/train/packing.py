@@ -211,7 +211,7 @@ def packed_logprobs(
         "logits_to_keep": batch.target_index,
     }
     ent: torch.Tensor | None
-    if chunk:
+    if chunk and batch.target_ids.shape[0] > chunk:
         # The head sees only the kept positions, (1, K, H): every one of them is a target.
         keep = torch.arange(batch.target_ids.shape[0], device=batch.target_ids.device)[None]
         with head_returns_logprobs(
