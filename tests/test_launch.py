@@ -167,10 +167,11 @@ import resource, sys, torch
 from rftpipe.run.runtime import retain_host_memory
 if sys.argv[1] == "retain":
     assert retain_host_memory()
-x = torch.ones(25_000_000)  # 100 MB
+first, second = int(sys.argv[2]), int(sys.argv[3])
+x = torch.ones(first // 4)
 del x
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-y = torch.ones(12_500_000)  # 50 MB: above glibc's largest mmap threshold (32 MB)
+y = torch.ones(second // 4)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
@@ -179,14 +180,19 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"), reason="glibc only"
 )
 def test_retained_host_memory_is_reused_without_page_faults() -> None:
-    """A freed 100 MB tensor's pages serve the next 50 MB one; by default they are unmapped
-    and the next tensor faults ~12k fresh pages in."""
+    """A freed 12 MB tensor's pages serve the next 8 MB one; by default glibc maps the first
+    afresh and unmaps it, and the next one faults ~2k fresh pages in. Blocks above
+    `RETAINED_BLOCK_BYTES` (16 MiB) are mapped per use either way."""
 
-    def faults(mode: str) -> int:
+    def faults(mode: str, first: int, second: int) -> int:
         out = subprocess.run(
-            [sys.executable, "-c", _REFAULT, mode], capture_output=True, text=True, check=True
+            [sys.executable, "-c", _REFAULT, mode, str(first), str(second)],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         return int(out.stdout.split()[-1])
 
-    assert faults("default") > 10_000
-    assert faults("retain") < 1_000
+    assert faults("default", 12_000_000, 8_000_000) > 1_500
+    assert faults("retain", 12_000_000, 8_000_000) < 500
+    assert faults("retain", 100_000_000, 50_000_000) > 10_000

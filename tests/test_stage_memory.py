@@ -10,11 +10,12 @@ run; the rollout's by its generation call (`rollout.groups_per_call` groups). Th
 
 Each run is a fresh process (its own resident set); the three run side by side.
 
-The runs use `launch.retain_host_memory=false`. With it on (the default), the bound does
-not hold yet: the logits blocks fragment glibc's never-unmapped heap, and the train
-increment grows with the number of micro-batches (here +0.53 and +1.00 GiB at 2 and 4
-prompts, as much as the canary's +1.01; at 64 tokens +1.20, +1.40 GiB; docs/benchmarks.md).
-Chunked logprobs remove those blocks; then this setting should go.
+The fixed-micro-batch runs use the defaults: chunked logprobs (`train.logprob_chunk_size`)
+and the retained heap (`launch.retain_host_memory`, blocks under 16 MiB). Measured on
+2026-11-25: train +0.375 / +0.387 GiB at 2 / 4 prompts, +0.404 to +0.448 at steps 2-3;
+the canary +1.05. Before (full logits, every block retained): +0.437 / +0.766 GiB at
+step 1, growing to +0.719 / +0.908 by step 3 (the logits blocks fragmented a heap that
+never unmapped them).
 """
 
 from __future__ import annotations

@@ -45,17 +45,22 @@ def configure_threads(cfg: RunConfig, dist: Dist) -> None:
 
 
 #: glibc mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+RETAINED_BLOCK_BYTES = 16 * 2**20
+"""Blocks below this come from the retained heap; larger ones are mapped and unmapped."""
 
 
 def retain_host_memory() -> bool:
     """Make glibc malloc keep freed memory for reuse; False where the C library is not glibc.
 
-    By default glibc serves every block above its mmap threshold (at most 32 MB) with a fresh
-    mapping and unmaps it on free, so the same large tensors re-fault their pages in at every
-    step. Without mmap, large blocks come from the heap and return to it; a huge trim
-    threshold stops the heap top from shrinking. Thread arenas still fall back to mmap for
-    blocks larger than their heaps, so no allocation can fail because of this.
+    By default glibc serves every block above its mmap threshold (which it raises as large
+    blocks are freed, up to 32 MiB) with a fresh mapping and unmaps it on free, so the same
+    activation-sized tensors re-fault their pages in at every step. A fixed threshold of
+    `RETAINED_BLOCK_BYTES` and a huge trim threshold keep those in the heap. Larger blocks
+    (a chunk of logits, a full-vocabulary gradient) stay mapped per use: in the heap their
+    varying sizes fragmented it, and a train stage's resident set grew with its number of
+    micro-batches and over the run (tests/test_stage_memory.py).
     """
     try:
         if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
@@ -63,7 +68,7 @@ def retain_host_memory() -> bool:
     except (ValueError, OSError):
         return False
     libc = ctypes.CDLL(None)
-    ok = libc.mallopt(_M_MMAP_MAX, 0) == 1
+    ok = libc.mallopt(_M_MMAP_THRESHOLD, RETAINED_BLOCK_BYTES) == 1
     return ok and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
 
 
