@@ -82,8 +82,9 @@ def load_value_model(path: Path, dtype: str, seed: int) -> ValueModel:
 
 def critic_train_config(train: TrainConfig, critic: CriticConfig) -> TrainConfig:
     """The actor's train config with the critic's optimizer settings: same backend,
-    micro-batching, epochs, mini-batches and loss aggregation; no entropy term, and no
-    packing (the value model runs its own padded forward, `run_module`)."""
+    micro-batching, epochs, mini-batches and loss aggregation; no entropy term, no packing
+    and no chunked LM head (the value model has no LM head: it runs its own padded
+    forward, `run_module`)."""
     return dataclasses.replace(
         train,
         lr=critic.lr,
@@ -93,6 +94,7 @@ def critic_train_config(train: TrainConfig, critic: CriticConfig) -> TrainConfig
         grad_clip=critic.grad_clip,
         entropy_coef=0.0,
         packing=False,
+        logprob_chunk_size=0,
     )
 
 
