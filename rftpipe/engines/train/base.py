@@ -10,6 +10,7 @@ checkpoints save. The backends (`single`, `fsdp2`, `deepspeed`) subclass `_Engin
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -209,9 +210,14 @@ class _EngineBase:
             # checkpointed forward, so the recompute does not gather the parameters twice.
             enable_activation_checkpointing(model)
         self.model = self._prepare(model)
-        # The head's logits a chunk at a time, where this model's head allows it.
-        self._chunk = logprob_chunk_size(self.model, cfg.logprob_chunk_size)
         self._init_role(role, total_updates)
+
+    @functools.cached_property
+    def _chunk(self) -> int:
+        """The LM head's logits a chunk at a time, where this model's head allows it; asked
+        at the first response forward, which only a causal LM's engine runs (a value model
+        has no head to ask)."""
+        return logprob_chunk_size(self.model, self.cfg.logprob_chunk_size)
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """The backend's wrapping (sharding) of the module, before the optimizer sees it."""
