@@ -59,6 +59,20 @@ def _is_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.Linear)
 
 
+def _peft_config(cfg: LoraConfig, **extra: Any) -> Any:
+    """peft's LoraConfig for `cfg`: the one the model is built with and the one exported."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=sorted(cfg.target_modules),
+        bias="none",
+        **extra,
+    )
+
+
 def apply_lora(
     model: torch.nn.Module, cfg: LoraConfig, run_seed: int, role: str
 ) -> torch.nn.Module:
@@ -69,17 +83,10 @@ def apply_lora(
     seeded by (run seed, `role`), the same on every rank and every restart, and the
     process's global RNG is left as it was.
     """
-    from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
     check_targets(model, cfg)
-    peft_cfg = PeftLoraConfig(
-        r=cfg.r,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules),
-        bias="none",
-    )
+    peft_cfg = _peft_config(cfg)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(run_seed, 0, f"lora/{role}", 0))
         return cast(torch.nn.Module, get_peft_model(cast(Any, model), peft_cfg))
@@ -154,20 +161,12 @@ def save_adapter(
     """Write the adapters to `target` in peft's format (adapter_config.json and
     adapter_model.safetensors), which `peft.PeftModel.from_pretrained` and vLLM's LoRA
     requests load."""
-    from peft import LoraConfig as PeftLoraConfig
     from safetensors.torch import save_file
 
     target.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to("cpu").contiguous() for k, v in adapter_weights(weights).items()}
     save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
-    peft_cfg = PeftLoraConfig(
-        r=cfg.r,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=sorted(cfg.target_modules),
-        bias="none",
-        base_model_name_or_path=base_model,
-    )
+    peft_cfg = _peft_config(cfg, base_model_name_or_path=base_model)
     config = peft_cfg.to_dict()
     # Sets are not JSON; peft writes its own config the same way.
     config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
