@@ -16,18 +16,15 @@ from torch import Tensor
 
 from rftpipe.algos.advantage import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
 from rftpipe.algos.correction import (
-    ROLLOUT_CORRECTIONS,
-    RolloutCorrectionName,
+    correction_weights,
     icepop_weights,
     seq_tis_weights,
     tis_weights,
     token_mask_weights,
 )
 from rftpipe.algos.kl_controller import (
-    KL_CONTROLLERS,
     AdaptiveKLController,
     FixedKLController,
-    KLControllerName,
     make_kl_controller,
 )
 from rftpipe.algos.losses import (
@@ -40,8 +37,13 @@ from rftpipe.algos.losses import (
     kl_estimate,
     ppo_clip_loss,
 )
+from rftpipe.algos.registry import UnknownVariantError
 from rftpipe.algos.variants import (
+    KL_CONTROLLERS,
+    ROLLOUT_CORRECTIONS,
+    AdaptiveKLSettings,
     DrGRPOSettings,
+    FixedKLSettings,
     GRPOSettings,
     K1Settings,
     K3Settings,
@@ -224,12 +226,10 @@ def _settings(name: str, **settings: float) -> Any:
     return entry.settings(**{k: v for k, v in settings.items() if k in names})
 
 
-def test_registries_cover_their_literal_names() -> None:
-    # The three variant registries hold their own names (rftpipe.algos.variants); these
-    # tables still have Literal names.
+def test_aggregations_cover_their_literal_names() -> None:
+    # The variant registries hold their own names (rftpipe.algos.variants); the aggregation
+    # table, whose entries have no settings, is keyed by a Literal.
     assert set(AGGREGATIONS) == set(get_args(AggregationName))
-    assert set(KL_CONTROLLERS) == set(get_args(KLControllerName))
-    assert set(ROLLOUT_CORRECTIONS) == set(get_args(RolloutCorrectionName))
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
@@ -468,6 +468,12 @@ _MASK = torch.tensor([[True, True, True, False], [True] * 4, [True] * 4])
 CORR = {"cap": 2.0, "low": 0.5, "high": 2.0}
 
 
+def _corr(name: str) -> Any:
+    """The rollout correction ``name`` with those of CORR's settings it has."""
+    entry = ROLLOUT_CORRECTIONS[name]
+    return entry.settings(**{k: v for k, v in CORR.items() if k in entry.setting_names()})
+
+
 def _corr_inputs(dtype: torch.dtype = F64) -> tuple[Tensor, Tensor]:
     """(old, rollout) with old - rollout = _LOG_RATIO and nontrivial rollout values."""
     rollout = -torch.arange(1, 13, dtype=dtype).reshape(3, 4) / 4
@@ -479,7 +485,7 @@ def _corr_inputs(dtype: torch.dtype = F64) -> tuple[Tensor, Tensor]:
 
 def test_tis_truncates_per_token() -> None:
     old, rollout = _corr_inputs()
-    out = tis_weights(old, rollout, _MASK, **CORR)
+    out = tis_weights(old, rollout, _MASK, _corr("tis"))
     e = math.e
     # min(ratio, 2); padding 1 whatever its garbage; exp(800) never formed, exp(-800) -> 0.
     _close(
@@ -494,7 +500,7 @@ def test_tis_truncates_per_token() -> None:
 
 def test_icepop_keeps_ratio_inside_band_and_drops_outside() -> None:
     old, rollout = _corr_inputs()
-    out = icepop_weights(old, rollout, _MASK, **CORR)
+    out = icepop_weights(old, rollout, _MASK, _corr("icepop"))
     e = math.e
     _close(out.weight, [[1.0, 0.0, 0.0, 1.0], [1.5, 0.6, 0.0, 0.0], [0.55, 1.9, e**0.25, e**-0.25]])
     assert out.masked.tolist() == [
@@ -506,14 +512,16 @@ def test_icepop_keeps_ratio_inside_band_and_drops_outside() -> None:
 
 def test_token_mask_is_one_inside_band_and_zero_outside() -> None:
     old, rollout = _corr_inputs()
-    out = token_mask_weights(old, rollout, _MASK, **CORR)
+    out = token_mask_weights(old, rollout, _MASK, _corr("token_mask"))
     _close(out.weight, [[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
-    assert out.masked.tolist() == icepop_weights(old, rollout, _MASK, **CORR).masked.tolist()
+    assert (
+        out.masked.tolist() == icepop_weights(old, rollout, _MASK, _corr("icepop")).masked.tolist()
+    )
 
 
 def test_seq_tis_truncates_the_product_over_each_response() -> None:
     old, rollout = _corr_inputs()
-    out = seq_tis_weights(old, rollout, _MASK, **CORR)
+    out = seq_tis_weights(old, rollout, _MASK, _corr("tis"))
     # Row 0: 1 * e * e^-1 = 1 (padding excluded); row 1: 1.5 * 0.6 * e^800 * e^-800 = 0.9;
     # row 2: 0.55 * 1.9 * e^0.25 * e^-0.25 = 1.045. Nothing truncated...
     _close(out.weight, [[1.0] * 4, [0.9] * 4, [1.045] * 4], tol=1e-9)
@@ -521,25 +529,25 @@ def test_seq_tis_truncates_the_product_over_each_response() -> None:
     # ...until a response's product passes the cap: every token of it is cut to 2.
     big = torch.tensor([[5.0, 5.0, 0.0], [0.1, 0.2, -3.0]], dtype=F64)
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    out = seq_tis_weights(big, torch.zeros_like(big), mask, **CORR)
+    out = seq_tis_weights(big, torch.zeros_like(big), mask, _corr("seq_tis"))
     _close(out.weight, [[2.0, 2.0, 1.0], [math.exp(-2.7)] * 3], tol=1e-12)
     assert out.masked.tolist() == [[True, True, False], [False, False, False]]
 
 
 def test_no_correction_is_one() -> None:
     old, rollout = _corr_inputs()
-    out = ROLLOUT_CORRECTIONS["none"](old, rollout, _MASK, **CORR)
+    out = correction_weights(old, rollout, _MASK, _corr("none"))
     _close(out.weight, [[1.0] * 4] * 3)
     assert not out.masked.any()
 
 
 @pytest.mark.parametrize("name", sorted(ROLLOUT_CORRECTIONS))
-def test_correction_weights_are_detached_and_finite(name: RolloutCorrectionName) -> None:
+def test_correction_weights_are_detached_and_finite(name: str) -> None:
     for dtype in (torch.float32, F64):
         old, rollout = _corr_inputs(dtype)
         old.requires_grad_(True)
         rollout.requires_grad_(True)
-        out = ROLLOUT_CORRECTIONS[name](old, rollout, _MASK, **CORR)
+        out = correction_weights(old, rollout, _MASK, _corr(name))
         assert out.weight.dtype == dtype and out.weight.shape == old.shape
         assert not out.weight.requires_grad and out.weight.grad_fn is None
         assert torch.isfinite(out.weight).all()
@@ -729,7 +737,7 @@ def test_logit_utilities_upcast_half_precision() -> None:
 
 
 def test_adaptive_kl_controller_sequence() -> None:
-    ctl = make_kl_controller("adaptive", init_coef=0.1, target=6.0, horizon=10_000)
+    ctl = make_kl_controller(AdaptiveKLSettings(target=6.0, horizon=10_000), init_coef=0.1)
     assert isinstance(ctl, AdaptiveKLController)
     # (kl, n_steps, coef after): error clipped to +0.2, zero, clipped to -0.2, unclipped +0.1.
     steps = [
@@ -758,11 +766,13 @@ def test_kl_controller_state_dict_round_trip() -> None:
 
 
 def test_fixed_kl_controller() -> None:
-    ctl = make_kl_controller("fixed", init_coef=0.02, target=6.0, horizon=10_000)
+    ctl = make_kl_controller(FixedKLSettings(), init_coef=0.02)
     assert isinstance(ctl, FixedKLController)
     ctl.update(100.0, 1000)
     assert ctl.coef == 0.02
     ctl.load_state_dict({"coef": 0.5})
     assert ctl.state_dict() == {"coef": 0.5}
-    with pytest.raises(ValueError):
-        make_kl_controller("pid", init_coef=0.1, target=1.0, horizon=1.0)  # type: ignore[arg-type]
+    with pytest.raises(UnknownVariantError, match="pid"):
+        KL_CONTROLLERS["pid"]
+    with pytest.raises(ValueError, match="horizon"):
+        AdaptiveKLSettings(horizon=0)

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from rftpipe.algos.advantage import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
-from rftpipe.algos.correction import ROLLOUT_CORRECTIONS
-from rftpipe.algos.kl_controller import KL_CONTROLLERS, make_kl_controller
+from rftpipe.algos.correction import correction_weights
+from rftpipe.algos.kl_controller import make_kl_controller
 from rftpipe.algos.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -32,6 +32,8 @@ from rftpipe.algos.losses import (
     policy_loss,
 )
 from rftpipe.algos.variants import (
+    KL_CONTROLLERS,
+    ROLLOUT_CORRECTIONS,
     AdvantageSettings,
     GPGAdvantageSettings,
     GRPOSettings,
@@ -709,9 +711,10 @@ def test_rollout_correction_reference(name: str) -> None:
     mask = _mask(CORR_LEN)
     rollout = torch.full((2, 5), -3.0, dtype=F64)
     old = rollout + torch.tensor(CORR_LR, dtype=F64)
-    out = ROLLOUT_CORRECTIONS[name](  # type: ignore[index]
-        old, rollout, mask, cap=2.0, low=0.5, high=2.0
-    )
+    entry = ROLLOUT_CORRECTIONS[name]
+    band = {"cap": 2.0, "low": 0.5, "high": 2.0}
+    settings = entry.settings(**{k: v for k, v in band.items() if k in entry.setting_names()})
+    out = correction_weights(old, rollout, mask, settings)
     for row, m, want in zip(
         out.weight.tolist(), mask.tolist(), CORRECTION_CASES[name], strict=True
     ):
@@ -735,7 +738,10 @@ CONTROLLER_CASES: dict[str, tuple[list[tuple[float, int]], float]] = {
 @pytest.mark.parametrize("name", sorted(CONTROLLER_CASES))
 def test_kl_controller_reference(name: str) -> None:
     updates, expected = CONTROLLER_CASES[name]
-    ctl = make_kl_controller(name, init_coef=0.1, target=6.0, horizon=10_000)  # type: ignore[arg-type]
+    entry = KL_CONTROLLERS[name]
+    horizon = {"target": 6.0, "horizon": 10_000}
+    settings = entry.settings(**{k: v for k, v in horizon.items() if k in entry.setting_names()})
+    ctl = make_kl_controller(settings, init_coef=0.1)
     for kl, n in updates:
         ctl.update(kl, n)
     assert math.isclose(ctl.coef, expected, rel_tol=1e-12)

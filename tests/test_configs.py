@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from jobs.submit import parse_args
+from rftpipe.algos.variants import AdaptiveKLSettings, IcePopSettings
 from rftpipe.config.loader import ConfigError, field_docs, iter_fields, load_config
 from rftpipe.config.schema import RunConfig, old_logprobs_source
 
@@ -56,19 +57,45 @@ def test_correction_without_actor_old_logprobs_is_refused(old: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "override",
+    ("override", "named"),
     [
-        "train.correction_cap=0",
-        "train.correction_cap=.inf",
-        "train.correction_low=-0.1",
-        "train.correction_low=1.5",
-        "train.correction_high=0.9",
-        "train.rollout_correction=is",
+        ("train.rollout_correction={type: tis, cap: 0}", "train.rollout_correction': cap"),
+        ("train.rollout_correction={type: seq_tis, cap: .inf}", "train.rollout_correction': cap"),
+        ("train.rollout_correction={type: icepop, low: -0.1}", "train.rollout_correction"),
+        ("train.rollout_correction={type: token_mask, low: 1.5}", "train.rollout_correction"),
+        ("train.rollout_correction={type: icepop, high: 0.9}", "train.rollout_correction"),
+        ("train.rollout_correction={type: tis, low: 0.5}", "train.rollout_correction.low"),
+        ("train.rollout_correction=is", "train.rollout_correction"),
+        ("train.correction_cap=3", "train.rollout_correction.cap"),
+        ("kl.controller={type: adaptive, horizon: 0}", "kl.controller': horizon"),
+        ("kl.controller={type: fixed, target: 0.2}", "kl.controller.target"),
+        ("kl.target=0.2", "kl.controller.target"),
     ],
 )
-def test_bad_correction_settings_are_refused(override: str) -> None:
-    with pytest.raises(ConfigError, match=override.split("=")[0].split(".")[1]):
+def test_bad_correction_and_controller_settings_are_refused(override: str, named: str) -> None:
+    with pytest.raises(ConfigError) as info:
         load_config(RunConfig, None, ["train.old_logprobs=actor", override])
+    msg = str(info.value)
+    assert "\n" not in msg and named in msg, msg
+
+
+def test_correction_and_controller_settings_reach_their_variant() -> None:
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            "train.old_logprobs=actor",
+            "train.rollout_correction={type: icepop, low: 0.25}",
+            "kl.mode=loss",
+            "kl.controller=adaptive",
+            "kl.controller.horizon=64",
+        ],
+    )
+    assert cfg.train.rollout_correction == IcePopSettings(low=0.25, high=2.0)
+    assert cfg.kl.controller == AdaptiveKLSettings(target=0.1, horizon=64)
+    # A fixed coefficient of 0 with a KL term is refused; an adaptive one may start at 0.
+    with pytest.raises(ConfigError, match="controller=fixed"):
+        load_config(RunConfig, None, ["kl.mode=loss"])
 
 
 def test_boolean_model_reference_is_refused_with_its_new_meaning(tmp_path: Path) -> None:

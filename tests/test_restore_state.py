@@ -28,7 +28,7 @@ BASE = ("total_steps=6", "checkpoint.interval=2")
 LR_SCHEDULE = ("train.lr_schedule=cosine", "train.warmup_steps=4")
 # 16 samples per step against a 32-sample horizon: the coefficient moves by up to 10 % a
 # step. Observed KL grows from ~0.002 to ~0.02 across this target, so it falls, then rises.
-ADAPTIVE_KL = ("kl.controller=adaptive", "kl.coef=0.1", "kl.target=0.01", "kl.horizon=32")
+ADAPTIVE_KL = ("kl.controller={type: adaptive, target: 0.01, horizon: 32}", "kl.coef=0.1")
 # stage_after_commit fires 5 times a step (rollout, score, advantage, train, sync); hit 19
 # is step 4's train commit: the step-2 checkpoint is committed, step 4's is not yet.
 KILL_AFTER_STEP_4_TRAIN = {"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "18"}

@@ -3,7 +3,7 @@ own settings class) and its reference numbers.
 
 - A policy loss defined entirely in this file (function, entry, settings class) is selected
   by a YAML config with a custom setting and trained through the real train stage.
-- Every entry of the three variant registries has a documented frozen settings class, a
+- Every entry of the five variant registries has a documented frozen settings class, a
   function, a row in docs/algorithms.md naming its keys, and reference numbers.
 - The config shape: a name or `{type, ...settings}`, nested overrides, one-line errors, and
   old flat keys (refused from users, migrated in a run's saved config, where the migrated
@@ -26,26 +26,41 @@ import pytest
 import torch
 
 # The reference numbers, by registered name (tests/ is on sys.path, as for `helpers`).
-from test_algos_reference import ADVANTAGE_CASES, KL_CASES, LOSS_CASES
+from test_algos_reference import (
+    ADVANTAGE_CASES,
+    CONTROLLER_CASES,
+    CORRECTION_CASES,
+    KL_CASES,
+    LOSS_CASES,
+)
 from torch import Tensor
 
 from jobs.submit import parse_args, resolve_config
 from rftpipe.algos import advantage as _advantage_functions  # noqa: F401 (attaches them)
+from rftpipe.algos import correction as _correction_functions  # noqa: F401 (attaches them)
+from rftpipe.algos import kl_controller as _controller_functions  # noqa: F401 (attaches them)
 from rftpipe.algos import losses as _loss_functions  # noqa: F401 (attaches them)
 from rftpipe.algos.losses import PolicyLossOutputs
 from rftpipe.algos.registry import Registry
 from rftpipe.algos.variants import (
     ADVANTAGE_ESTIMATORS,
+    KL_CONTROLLERS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    ROLLOUT_CORRECTIONS,
+    AdaptiveKLSettings,
     ClipCovSettings,
+    FixedKLSettings,
     GAESettings,
     GRPOSettings,
     K2Settings,
     KLCovSettings,
+    NoCorrectionSettings,
     PolicyLossSettings,
     PPOClipSettings,
     SAPOSettings,
+    SeqTISSettings,
+    TokenMaskSettings,
 )
 from rftpipe.config.loader import (
     ConfigError,
@@ -58,7 +73,13 @@ from rftpipe.config.loader import (
     to_dict,
 )
 from rftpipe.config.reference import render
-from rftpipe.config.schema import RESUME_SAFE_KEYS, AdvantageConfig, RunConfig, TrainConfig
+from rftpipe.config.schema import (
+    RESUME_SAFE_KEYS,
+    AdvantageConfig,
+    KLConfig,
+    RunConfig,
+    TrainConfig,
+)
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train.single import SingleDeviceEngine
@@ -215,6 +236,8 @@ FAMILIES: dict[str, tuple[Registry, str, dict[str, Any]]] = {
     "advantage estimators": (ADVANTAGE_ESTIMATORS, "advantage estimators", ADVANTAGE_CASES),
     "policy losses": (POLICY_LOSSES, "policy losses", LOSS_CASES),
     "KL estimators": (KL_ESTIMATORS, "KL estimators", KL_CASES),
+    "KL controllers": (KL_CONTROLLERS, "KL controllers", CONTROLLER_CASES),
+    "rollout corrections": (ROLLOUT_CORRECTIONS, "rollout corrections", CORRECTION_CASES),
 }
 
 
@@ -335,8 +358,10 @@ def _moved(section: type) -> list[tuple[str, str, MovedKey]]:
     ]
 
 
-OLD_KEYS = [("train", *m) for m in _moved(TrainConfig)] + [
-    ("advantage", *m) for m in _moved(AdvantageConfig)
+OLD_KEYS = [
+    *[("train", *m) for m in _moved(TrainConfig)],
+    *[("advantage", *m) for m in _moved(AdvantageConfig)],
+    *[("kl", *m) for m in _moved(KLConfig)],
 ]
 
 
@@ -372,6 +397,8 @@ def test_the_old_run_config_migrates_to_its_new_form(tmp_path: Path) -> None:
     assert old.train.policy_loss == SAPOSettings(tau_pos=1.2, tau_neg=1.05)  # no dual clip
     assert old.advantage.estimator == GRPOSettings(eps=1e-6)  # gamma and lam: not grpo's
     assert old.kl.estimator == K2Settings()
+    assert old.kl.controller == FixedKLSettings()  # target and horizon: not fixed's
+    assert old.train.rollout_correction == NoCorrectionSettings()  # cap, low, high dropped
     new = tmp_path / "new.yaml"
     new.write_text(
         (OLD_RUN / "config.yaml")
@@ -382,7 +409,7 @@ def test_the_old_run_config_migrates_to_its_new_form(tmp_path: Path) -> None:
     for key in ("clip_low", "clip_high", "dual_clip", "sapo_tau_pos", "sapo_tau_neg"):
         text = re.sub(rf"\n  {key}: .*", "", text)
     text = re.sub(r"\n  (clip_cov|kl_cov)_\w+: .*", "", text)
-    text = re.sub(r"\n  (eps|gamma|lam): .*", "", text)
+    text = re.sub(r"\n  (eps|gamma|lam|target|horizon|correction_\w+): .*", "", text)
     new.write_text(text)
     fresh = load_config(RunConfig, new)
     assert fresh == old
@@ -408,6 +435,24 @@ def test_migration_keeps_each_old_key_only_for_the_variant_that_read_it(tmp_path
         .replace("critic: null\n", "critic:\n  lr: 1.0e-5\n")
     )
     assert load_config(RunConfig, path, saved=True).advantage.estimator == GAESettings(lam=0.9)
+    path = tmp_path / "controller.yaml"
+    path.write_text(
+        old.replace("  controller: fixed\n", "  controller: adaptive\n")
+        .replace("  horizon: 10000\n", "  horizon: 64\n")
+        .replace("  rollout_correction: none\n", "  rollout_correction: seq_tis\n")
+        .replace("  correction_cap: 2.0\n", "  correction_cap: 3.0\n")
+        .replace("  old_logprobs: auto\n", "  old_logprobs: actor\n")
+    )
+    migrated = load_config(RunConfig, path, saved=True)
+    assert migrated.kl.controller == AdaptiveKLSettings(horizon=64)
+    assert migrated.train.rollout_correction == SeqTISSettings(cap=3.0)
+    path.write_text(
+        path.read_text().replace(
+            "  rollout_correction: seq_tis\n", "  rollout_correction: token_mask\n"
+        )
+    )
+    migrated = load_config(RunConfig, path, saved=True)
+    assert migrated.train.rollout_correction == TokenMaskSettings(low=0.5, high=2.0)
 
 
 def test_resuming_the_old_run_sees_no_config_change(tmp_path: Path) -> None:

@@ -6,7 +6,9 @@ weights (``pi_old``, recomputed by the actor before the step's first update). PP
 then uses ``pi_old`` and these corrections reweight each token's policy loss by a function
 of ``pi_old / pi_rollout``, treating the rollout engine as a behaviour policy.
 
-Variants are looked up by name in :data:`ROLLOUT_CORRECTIONS`. Inputs and outputs are
+Each variant is an entry of :data:`~rftpipe.algos.variants.ROLLOUT_CORRECTIONS` (its name
+and settings class there) whose function is attached here; :func:`correction_weights` runs
+the one a settings instance selects. Inputs and outputs are
 ``(B, T)`` tensors with a bool mask that is True on valid response tokens; the weights are
 computed under no gradient (they are constants of the loss, like the advantages).
 """
@@ -15,19 +17,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-# The names live in the torch-free `variants` module so the config schema can import them.
-from rftpipe.algos.variants import RolloutCorrectionName
+from rftpipe.algos.variants import (
+    ROLLOUT_CORRECTIONS,
+    BandSettings,
+    IcePopSettings,
+    NoCorrectionSettings,
+    RolloutCorrectionSettings,
+    SeqTISSettings,
+    TISSettings,
+    TokenMaskSettings,
+)
 
 __all__ = [
-    "ROLLOUT_CORRECTIONS",
     "CorrectionOutputs",
     "RolloutCorrection",
-    "RolloutCorrectionName",
+    "correction_weights",
     "icepop_weights",
     "no_correction",
     "seq_tis_weights",
@@ -52,17 +61,14 @@ class CorrectionOutputs:
 
 
 class RolloutCorrection(Protocol):
-    """Signature shared by all entries of :data:`ROLLOUT_CORRECTIONS`."""
+    """Signature shared by all functions of :data:`ROLLOUT_CORRECTIONS`."""
 
     def __call__(
         self,
         old_logprobs: Tensor,
         rollout_logprobs: Tensor,
         mask: Tensor,
-        *,
-        cap: float,
-        low: float,
-        high: float,
+        settings: Any,
     ) -> CorrectionOutputs: ...
 
 
@@ -71,29 +77,19 @@ def _log_ratio(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> 
     return torch.where(mask, old_logprobs.detach() - rollout_logprobs.detach(), 0.0)
 
 
+@ROLLOUT_CORRECTIONS.implements("none")
 def no_correction(
-    old_logprobs: Tensor,
-    rollout_logprobs: Tensor,
-    mask: Tensor,
-    *,
-    cap: float,
-    low: float,
-    high: float,
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, settings: NoCorrectionSettings
 ) -> CorrectionOutputs:
     """Weight 1 everywhere: the rollout logprobs are taken as the actor's own."""
     ones = torch.ones_like(old_logprobs.detach())
     return CorrectionOutputs(weight=ones, masked=torch.zeros_like(mask))
 
 
+@ROLLOUT_CORRECTIONS.implements("tis")
 @torch.no_grad()
 def tis_weights(
-    old_logprobs: Tensor,
-    rollout_logprobs: Tensor,
-    mask: Tensor,
-    *,
-    cap: float,
-    low: float,
-    high: float,
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, settings: TISSettings
 ) -> CorrectionOutputs:
     """Truncated importance sampling: ``w = min(pi_old / pi_rollout, cap)`` per token.
 
@@ -104,28 +100,23 @@ def tis_weights(
     ratio never overflows. ``masked``: tokens where the cap was active.
     """
     log_ratio = _log_ratio(old_logprobs, rollout_logprobs, mask)
-    weight = torch.where(mask, torch.exp(log_ratio.clamp(max=math.log(cap))), 1.0)
-    return CorrectionOutputs(weight=weight, masked=(log_ratio > math.log(cap)) & mask)
+    weight = torch.where(mask, torch.exp(log_ratio.clamp(max=math.log(settings.cap))), 1.0)
+    return CorrectionOutputs(weight=weight, masked=(log_ratio > math.log(settings.cap)) & mask)
 
 
 def _band(
-    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, low: float, high: float
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, band: BandSettings
 ) -> tuple[Tensor, Tensor]:
     """The per-token ratio ``pi_old / pi_rollout`` (1 at padding) and the valid tokens
     outside ``[low, high]``."""
     ratio = torch.exp(_log_ratio(old_logprobs, rollout_logprobs, mask))
-    return ratio, ((ratio < low) | (ratio > high)) & mask
+    return ratio, ((ratio < band.low) | (ratio > band.high)) & mask
 
 
+@ROLLOUT_CORRECTIONS.implements("icepop")
 @torch.no_grad()
 def icepop_weights(
-    old_logprobs: Tensor,
-    rollout_logprobs: Tensor,
-    mask: Tensor,
-    *,
-    cap: float,
-    low: float,
-    high: float,
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, settings: IcePopSettings
 ) -> CorrectionOutputs:
     """IcePop: ``w = pi_old / pi_rollout`` where that ratio lies in ``[low, high]``, else 0.
 
@@ -137,20 +128,15 @@ def icepop_weights(
     gradient instead of reweighted, so the mismatch cannot compound over long rollouts;
     inside it the token keeps its importance weight. ``masked``: the dropped tokens.
     """
-    ratio, outside = _band(old_logprobs, rollout_logprobs, mask, low, high)
+    ratio, outside = _band(old_logprobs, rollout_logprobs, mask, settings)
     weight = torch.where(outside, torch.zeros_like(ratio), ratio)
     return CorrectionOutputs(weight=weight, masked=outside)
 
 
+@ROLLOUT_CORRECTIONS.implements("token_mask")
 @torch.no_grad()
 def token_mask_weights(
-    old_logprobs: Tensor,
-    rollout_logprobs: Tensor,
-    mask: Tensor,
-    *,
-    cap: float,
-    low: float,
-    high: float,
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, settings: TokenMaskSettings
 ) -> CorrectionOutputs:
     """Token-level rejection: weight 1 where ``low <= pi_old / pi_rollout <= high``, else 0.
 
@@ -160,20 +146,15 @@ def token_mask_weights(
     ``rollout_rs=token``). Kept tokens enter the loss unweighted; ``masked``: the rejected
     ones.
     """
-    ratio, outside = _band(old_logprobs, rollout_logprobs, mask, low, high)
+    ratio, outside = _band(old_logprobs, rollout_logprobs, mask, settings)
     weight = torch.where(outside, torch.zeros_like(ratio), torch.ones_like(ratio))
     return CorrectionOutputs(weight=weight, masked=outside)
 
 
+@ROLLOUT_CORRECTIONS.implements("seq_tis")
 @torch.no_grad()
 def seq_tis_weights(
-    old_logprobs: Tensor,
-    rollout_logprobs: Tensor,
-    mask: Tensor,
-    *,
-    cap: float,
-    low: float,
-    high: float,
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, settings: SeqTISSettings
 ) -> CorrectionOutputs:
     """Sequence-level truncated IS: every token of a response gets
     ``min(prod_t pi_old / pi_rollout, cap)`` over that response's tokens.
@@ -184,15 +165,17 @@ def seq_tis_weights(
     ``masked``: all valid tokens of responses whose product was truncated.
     """
     seq = _log_ratio(old_logprobs, rollout_logprobs, mask).sum(dim=-1, keepdim=True)
-    weight = torch.exp(seq.clamp(max=math.log(cap))).expand_as(old_logprobs)
+    weight = torch.exp(seq.clamp(max=math.log(settings.cap))).expand_as(old_logprobs)
     weight = torch.where(mask, weight, 1.0)
-    return CorrectionOutputs(weight=weight, masked=(seq > math.log(cap)) & mask)
+    return CorrectionOutputs(weight=weight, masked=(seq > math.log(settings.cap)) & mask)
 
 
-ROLLOUT_CORRECTIONS: dict[RolloutCorrectionName, RolloutCorrection] = {
-    "none": no_correction,
-    "tis": tis_weights,
-    "icepop": icepop_weights,
-    "token_mask": token_mask_weights,
-    "seq_tis": seq_tis_weights,
-}
+def correction_weights(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor,
+    settings: RolloutCorrectionSettings,
+) -> CorrectionOutputs:
+    """The per-token weights of the correction ``settings`` selects (`train.rollout_correction`)."""
+    fn: RolloutCorrection = ROLLOUT_CORRECTIONS.function(settings)
+    return fn(old_logprobs, rollout_logprobs, mask, settings)

@@ -1,6 +1,7 @@
 """Controllers for the KL penalty coefficient (beta).
 
-Controllers are looked up by name in :data:`KL_CONTROLLERS`; build one with
+Each controller is an entry of :data:`~rftpipe.algos.variants.KL_CONTROLLERS` (its name and
+settings class there) whose factory is attached here; build one with
 :func:`make_kl_controller`. Their state is a plain ``{"coef": float}`` dict so it can be
 checkpointed alongside the trainer.
 """
@@ -9,15 +10,17 @@ from __future__ import annotations
 
 from typing import Protocol
 
-# The names live in the torch-free `variants` module so the config schema can import them.
-from rftpipe.algos.variants import KLControllerName
+from rftpipe.algos.variants import (
+    KL_CONTROLLERS,
+    AdaptiveKLSettings,
+    FixedKLSettings,
+    KLControllerSettings,
+)
 
 __all__ = [
-    "KL_CONTROLLERS",
     "AdaptiveKLController",
     "FixedKLController",
     "KLController",
-    "KLControllerName",
     "make_kl_controller",
 ]
 
@@ -90,31 +93,17 @@ class AdaptiveKLController:
         self._coef = float(state["coef"])
 
 
-def _make_fixed(*, init_coef: float, target: float, horizon: float) -> KLController:
-    # target and horizon only matter to adaptive control; accepted for a uniform signature.
+@KL_CONTROLLERS.implements("fixed")
+def _make_fixed(init_coef: float, settings: FixedKLSettings) -> KLController:
     return FixedKLController(init_coef)
 
 
-def _make_adaptive(*, init_coef: float, target: float, horizon: float) -> KLController:
-    return AdaptiveKLController(init_coef, target, horizon)
+@KL_CONTROLLERS.implements("adaptive")
+def _make_adaptive(init_coef: float, settings: AdaptiveKLSettings) -> KLController:
+    return AdaptiveKLController(init_coef, settings.target, settings.horizon)
 
 
-class KLControllerFactory(Protocol):
-    """Signature shared by all entries of :data:`KL_CONTROLLERS`."""
-
-    def __call__(self, *, init_coef: float, target: float, horizon: float) -> KLController: ...
-
-
-KL_CONTROLLERS: dict[KLControllerName, KLControllerFactory] = {
-    "fixed": _make_fixed,
-    "adaptive": _make_adaptive,
-}
-
-
-def make_kl_controller(
-    name: KLControllerName, *, init_coef: float, target: float, horizon: float
-) -> KLController:
-    """Build the controller registered under ``name`` (``target``/``horizon`` unused by fixed)."""
-    if name not in KL_CONTROLLERS:
-        raise ValueError(f"unknown KL controller {name!r}; known: {list(KL_CONTROLLERS)}")
-    return KL_CONTROLLERS[name](init_coef=init_coef, target=target, horizon=horizon)
+def make_kl_controller(settings: KLControllerSettings, *, init_coef: float) -> KLController:
+    """Build the controller ``settings`` selects (`kl.controller`), starting at ``init_coef``."""
+    controller: KLController = KL_CONTROLLERS.function(settings)(init_coef, settings)
+    return controller

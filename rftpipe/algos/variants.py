@@ -1,16 +1,18 @@
 """The built-in algorithm variants: registry entries, settings classes and traits.
 
-Advantage estimators (`advantage.estimator`), policy losses (`train.policy_loss`) and KL
-estimators (`kl.estimator`) are each a :class:`~rftpipe.algos.registry.Registry`. A variant
+Advantage estimators (`advantage.estimator`), policy losses (`train.policy_loss`), KL
+estimators (`kl.estimator`), KL controllers (`kl.controller`) and rollout corrections
+(`train.rollout_correction`) are each a :class:`~rftpipe.algos.registry.Registry`. A variant
 is one entry here (its name, its settings class, its traits) plus its function, attached in
-the torch module of its family (:mod:`rftpipe.algos.advantage`, :mod:`rftpipe.algos.losses`)
-with ``@REGISTRY.implements(name)``. The config holds an instance of the chosen variant's
+the torch module of its family (:mod:`rftpipe.algos.advantage`, :mod:`rftpipe.algos.losses`,
+:mod:`rftpipe.algos.kl_controller`, :mod:`rftpipe.algos.correction`) with
+``@REGISTRY.implements(name)``. The config holds an instance of the chosen variant's
 settings class and the function receives that instance unchanged; the defaults are the
 settings class's own. Kept free of torch so the config schema (and the launch layer) can
 import them on a login node.
 
-Aggregations, KL controllers and rollout corrections are still plain named tables in their
-torch modules; their typed names are here.
+Aggregations (`train.loss_agg`) have no settings of their own: they are a table keyed by the
+typed name below, in :mod:`rftpipe.algos.losses`.
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ from rftpipe.algos.registry import Registry
 AggregationName = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
-KLControllerName = Literal["fixed", "adaptive"]
-RolloutCorrectionName = Literal["none", "tis", "icepop", "token_mask", "seq_tis"]
 
 
 def _check_unit(name: str, value: float) -> None:
@@ -489,3 +489,157 @@ class AbsSTSettings(KLEstimatorSettings):
 
 
 KL_ESTIMATORS.register("abs_st", settings=AbsSTSettings)
+
+
+# ---------------------------------------------------------------------------------------------
+# KL controllers (functions: rftpipe/algos/kl_controller.py)
+# ---------------------------------------------------------------------------------------------
+
+
+class KLControllerSettings:
+    """Base of the settings class of every KL coefficient controller (`kl.controller`)."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KLControllerTraits:
+    """What a KL controller needs from the rest of the config, checked at load."""
+
+    adapts: bool = True
+    """The coefficient moves during the run, so `kl.coef` may start at 0; a controller that
+    never moves it with `kl.coef` 0 and a KL `mode` is refused (the KL would weigh nothing)."""
+
+
+KL_CONTROLLERS: Registry[KLControllerSettings, KLControllerTraits, Callable[..., Any]] = Registry(
+    "KL controller", base=KLControllerSettings, traits=KLControllerTraits
+)
+"""`kl.controller`: every controller maps ``(init_coef, settings)`` to a
+:class:`~rftpipe.algos.kl_controller.KLController` whose state is checkpointed."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FixedKLSettings(KLControllerSettings):
+    """The coefficient stays `kl.coef`. No settings."""
+
+
+KL_CONTROLLERS.register("fixed", settings=FixedKLSettings, traits=KLControllerTraits(adapts=False))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdaptiveKLSettings(KLControllerSettings):
+    """Ziegler et al. 2019: after each step, coef *= 1 + clip(kl / target - 1, +-0.2) *
+    samples / horizon."""
+
+    target: float = 0.1
+    """The KL the coefficient steers towards: the step's `train/kl`, the estimator's per-token
+    value averaged over the tokens the step trained on."""
+
+    horizon: int = 10000
+    """Samples over which a full proportional correction is applied."""
+
+    def __post_init__(self) -> None:
+        _check_positive("target", self.target)
+        _check_positive("horizon", self.horizon)
+
+
+KL_CONTROLLERS.register("adaptive", settings=AdaptiveKLSettings)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout corrections (functions: rftpipe/algos/correction.py)
+# ---------------------------------------------------------------------------------------------
+
+
+class RolloutCorrectionSettings:
+    """Base of the settings class of every rollout correction (`train.rollout_correction`)."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutCorrectionTraits:
+    """What a rollout correction needs from the rest of the config, checked at load."""
+
+    reads_ratio: bool = True
+    """It weighs tokens by pi_old / pi_rollout, so the old logprobs must be the actor's own
+    (`train.old_logprobs` resolving to `actor`): with the rollout's, the ratio is 1."""
+
+
+ROLLOUT_CORRECTIONS: Registry[
+    RolloutCorrectionSettings, RolloutCorrectionTraits, Callable[..., Any]
+] = Registry("rollout correction", base=RolloutCorrectionSettings, traits=RolloutCorrectionTraits)
+"""`train.rollout_correction`: every correction maps ``(old_logprobs, rollout_logprobs, mask,
+settings)`` to detached per-token weights on the policy loss (see
+:mod:`rftpipe.algos.correction`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NoCorrectionSettings(RolloutCorrectionSettings):
+    """Weight 1 on every token. No settings."""
+
+
+ROLLOUT_CORRECTIONS.register(
+    "none", settings=NoCorrectionSettings, traits=RolloutCorrectionTraits(reads_ratio=False)
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CapSettings(RolloutCorrectionSettings):
+    """Shared by the truncated importance-sampling corrections."""
+
+    cap: float = 2.0
+    """Truncation C: weights above it are cut to it."""
+
+    def __post_init__(self) -> None:
+        _check_positive("cap", self.cap)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TISSettings(CapSettings):
+    """Truncated importance sampling: min(ratio, cap) per token."""
+
+
+ROLLOUT_CORRECTIONS.register("tis", settings=TISSettings)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SeqTISSettings(CapSettings):
+    """Sequence-level truncated IS: min(product of a response's ratios, cap) on its tokens."""
+
+
+ROLLOUT_CORRECTIONS.register("seq_tis", settings=SeqTISSettings)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BandSettings(RolloutCorrectionSettings):
+    """Shared by the corrections that drop tokens whose ratio leaves a band."""
+
+    low: float = 0.5
+    """Lowest ratio whose token is kept."""
+
+    high: float = 2.0
+    """Highest ratio whose token is kept."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.low <= 1 <= self.high < math.inf):
+            raise ValueError(
+                f"low and high must satisfy 0 <= low <= 1 <= high < inf, got {self.low} "
+                f"and {self.high}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IcePopSettings(BandSettings):
+    """IcePop: the ratio inside [low, high], 0 outside."""
+
+
+ROLLOUT_CORRECTIONS.register("icepop", settings=IcePopSettings)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenMaskSettings(BandSettings):
+    """Token-level rejection: 1 inside [low, high], 0 outside."""
+
+
+ROLLOUT_CORRECTIONS.register("token_mask", settings=TokenMaskSettings)

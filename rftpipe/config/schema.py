@@ -19,16 +19,20 @@ from typing import Any, Literal
 
 from rftpipe.algos.variants import (
     ADVANTAGE_ESTIMATORS,
+    KL_CONTROLLERS,
     POLICY_LOSSES,
+    ROLLOUT_CORRECTIONS,
     AdvantageSettings,
     AggregationName,
+    FixedKLSettings,
     GRPOSettings,
     K3Settings,
-    KLControllerName,
+    KLControllerSettings,
     KLEstimatorSettings,
+    NoCorrectionSettings,
     PolicyLossSettings,
     PPOClipSettings,
-    RolloutCorrectionName,
+    RolloutCorrectionSettings,
 )
 from rftpipe.config.loader import MovedKey
 from rftpipe.errors import UserError
@@ -785,20 +789,22 @@ class KLConfig:
     coef: float = 0.0
     """Initial KL coefficient beta."""
 
-    controller: KLControllerName = "fixed"
-    """Fixed coefficient, or adaptive towards `target`."""
-
-    target: float = 0.1
-    """Target KL of the adaptive controller."""
-
-    horizon: int = 10000
-    """Horizon (in samples) of the adaptive controller."""
+    controller: KLControllerSettings = field(
+        default_factory=FixedKLSettings,
+        # Until issue 22 flat kl settings, read by the adaptive controller.
+        metadata={"moved": {"target": MovedKey("target"), "horizon": MovedKey("horizon")}},
+    )
+    """How the coefficient moves: its name (`fixed`), or a mapping of its `type` and settings
+    (`{type: adaptive, target: 0.1, horizon: 10000}`); see "Variants" below."""
 
     def __post_init__(self) -> None:
         if self.coef < 0:
             raise ValueError(f"coef must be >= 0, got {self.coef}")
-        if self.mode != "none" and self.coef == 0 and self.controller == "fixed":
-            raise ValueError(f"mode is '{self.mode}' but coef is 0 with a fixed controller")
+        controller = KL_CONTROLLERS.of(self.controller)
+        if self.mode != "none" and self.coef == 0 and not controller.traits.adapts:
+            raise ValueError(
+                f"mode is '{self.mode}' but coef is 0 with controller={controller.name}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -973,22 +979,21 @@ class TrainConfig:
     `auto`, `actor` for rollout.engine vllm/sglang (whose kernels differ numerically from
     the trainer's) and `rollout` for hf (the trainer's own module)."""
 
-    rollout_correction: RolloutCorrectionName = "none"
+    rollout_correction: RolloutCorrectionSettings = field(
+        default_factory=NoCorrectionSettings,
+        # Until issue 22 flat train settings, each read by some of the corrections.
+        metadata={
+            "moved": {
+                "correction_cap": MovedKey("cap"),
+                "correction_low": MovedKey("low"),
+                "correction_high": MovedKey("high"),
+            }
+        },
+    )
     """Per-token weight on the policy loss from the ratio actor-old / rollout logprobs
-    (rftpipe/algos/correction.py): `none`; `tis`, truncated importance sampling
-    min(ratio, correction_cap); `icepop`, the ratio inside [correction_low,
-    correction_high] and 0 outside; `token_mask`, 1 inside and 0 outside; `seq_tis`,
-    min(product of a response's ratios, correction_cap) on all its tokens. Needs
+    (rftpipe/algos/correction.py): its name (`tis`), or a mapping of its `type` and settings
+    (`{type: icepop, low: 0.5, high: 2.0}`); see "Variants" below. Every one but `none` needs
     old_logprobs resolving to `actor`."""
-
-    correction_cap: float = 2.0
-    """Truncation C of `tis` and `seq_tis`: weights above it are cut to it."""
-
-    correction_low: float = 0.5
-    """`icepop` / `token_mask`: lowest ratio whose token is kept."""
-
-    correction_high: float = 2.0
-    """`icepop` / `token_mask`: highest ratio whose token is kept."""
 
     ema_decay: float = 0.0
     """Keep an exponential moving average of the actor's parameters, updated after every
@@ -1061,21 +1066,12 @@ class TrainConfig:
                 f"policy_loss={loss.name} is a per-response loss and needs "
                 f"loss_agg=seq-mean-token-mean, got {self.loss_agg}"
             )
-        if not (math.isfinite(self.correction_cap) and self.correction_cap > 0):
-            raise ValueError(
-                f"correction_cap must be a finite number > 0, got {self.correction_cap}"
-            )
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
         if self.ema_decay and self.backend == "deepspeed":
             raise ValueError(
                 "ema_decay is not available with backend=deepspeed (it keeps its parameters "
                 "in flat partitions of its own); use backend=single or fsdp2"
-            )
-        if not (0 <= self.correction_low <= 1 <= self.correction_high < math.inf):
-            raise ValueError(
-                "correction_low and correction_high must satisfy 0 <= correction_low <= 1 <= "
-                f"correction_high < inf, got {self.correction_low} and {self.correction_high}"
             )
 
 
@@ -1357,12 +1353,13 @@ class RunConfig:
                 f"train.sp_size={self.train.sp_size} with a critic: the value model has no "
                 "sequence-parallel forward; set train.sp_size=1 or drop `critic`"
             )
+        correction = ROLLOUT_CORRECTIONS.of(self.train.rollout_correction)
         if (
-            self.train.rollout_correction != "none"
+            correction.traits.reads_ratio
             and old_logprobs_source(self.train, self.rollout) != "actor"
         ):
             raise ValueError(
-                f"train.rollout_correction={self.train.rollout_correction} needs "
+                f"train.rollout_correction={correction.name} needs "
                 f"train.old_logprobs=actor (it is {self.train.old_logprobs} with "
                 f"rollout.engine={self.rollout.engine}, so the old logprobs are the rollout's "
                 "own and the correction ratio would be 1)"

@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import torch
 
-from rftpipe.algos.kl_controller import make_kl_controller
+from rftpipe.algos.kl_controller import KLController, make_kl_controller
 from rftpipe.checkpoint import writer
 from rftpipe.checkpoint.policy import make_schedule
 from rftpipe.config.schema import RunConfig
@@ -271,9 +271,8 @@ def place_for_engine(model: torch.nn.Module, backend: str, dist: Dist) -> torch.
     return model.to(dist.device) if backend == "single" else model
 
 
-def new_kl_controller(cfg: RunConfig) -> Any:
-    k = cfg.kl
-    return make_kl_controller(k.controller, init_coef=k.coef, target=k.target, horizon=k.horizon)
+def new_kl_controller(cfg: RunConfig) -> KLController:
+    return make_kl_controller(cfg.kl.controller, init_coef=cfg.kl.coef)
 
 
 def rebuild_actor(rt: Runtime) -> None:

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from rftpipe.algos.correction import ROLLOUT_CORRECTIONS
+from rftpipe.algos.correction import correction_weights
 from rftpipe.algos.losses import AGGREGATIONS, entropy_top_mask, kl_estimate, policy_loss
-from rftpipe.algos.variants import K3Settings
+from rftpipe.algos.variants import ROLLOUT_CORRECTIONS, K3Settings
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.data.ptx import PTXExample, ptx_batch
 from rftpipe.data.sampler import rank_slice
@@ -107,9 +107,10 @@ def _offload_metrics(cfg: TrainConfig, engine: TrainEngine) -> dict[str, float]:
 def _run(
     cfg: TrainConfig, kl: KLConfig, engine: TrainEngine, dist: Dist, inp: TrainInputs
 ) -> dict[str, float]:
-    if cfg.rollout_correction != "none" and "old_logprobs" not in inp.table.column_names:
+    correction = ROLLOUT_CORRECTIONS.of(cfg.rollout_correction)
+    if correction.traits.reads_ratio and "old_logprobs" not in inp.table.column_names:
         raise ValueError(
-            f"train.rollout_correction={cfg.rollout_correction} needs the actor's "
+            f"train.rollout_correction={correction.name} needs the actor's "
             "old_logprobs column (train.old_logprobs=actor)"
         )
     rows = inp.table.to_pylist()
@@ -125,7 +126,7 @@ def _run(
         sums["updates"] += 1
         engine.lr_scheduler_step()
         fault("train_mid_step")
-    metrics = _finish_metrics(sums, dist, cfg.rollout_correction != "none")
+    metrics = _finish_metrics(sums, dist, correction.traits.reads_ratio)
     return {**metrics, **_ptx_metrics(sums, dist, cfg), "train/lr": lr}
 
 
@@ -217,14 +218,7 @@ def _micro_step(
     # The high-entropy token mask narrows only the policy loss; KL and entropy keep all tokens.
     pg_mask = entropy_top_mask(ent, mask, cfg.entropy_mask_top)
     out = policy_loss(lp, old, adv, pg_mask, cfg.policy_loss)
-    corr = ROLLOUT_CORRECTIONS[cfg.rollout_correction](
-        old,
-        rollout.to(lp.device),
-        mask,
-        cap=cfg.correction_cap,
-        low=cfg.correction_low,
-        high=cfg.correction_high,
-    )
+    corr = correction_weights(old, rollout.to(lp.device), mask, cfg.rollout_correction)
     # `none` weighs every token exactly 1.0, which leaves the loss bit for bit as it is.
     pg_tok = out.loss * corr.weight
     agg = AGGREGATIONS[cfg.loss_agg]
