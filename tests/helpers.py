@@ -185,3 +185,44 @@ def exit_rank() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def launch_ranks(
+    script: str, world: int, *args: str, timeout: float = 600, env: dict | None = None
+) -> None:
+    """`tests/<script> ARGS` as `world` gloo ranks on this machine (a port free now, one
+    thread each); asserts every rank exits 0."""
+    from jobs.submit import free_port
+
+    base = {
+        **os.environ,
+        # The caller's path after the checkout's and tests/ (where peft may come from).
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")])
+        ),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    cmd = [sys.executable, str(ROOT / "tests" / script), *args]
+    procs = [
+        subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+        for r in range(world)
+    ]
+    assert [p.wait(timeout=timeout) for p in procs] == [0] * world, (script, args)
+
+
+def backend_workers(out: Path, world: int, *fields: str) -> dict:
+    """tests/backend_worker.py on `world` ranks with the TrainConfig `fields`; what rank 0
+    wrote: step metrics, the save/load round trip, final weights, the checkpoint state's
+    keys and the saved-activation count."""
+    launch_ranks("backend_worker.py", world, str(out), *fields)
+    return {
+        "metrics": json.loads((out / "metrics.json").read_text()),
+        "roundtrip": json.loads((out / "roundtrip.json").read_text()),
+        "weights": load_file(out / "weights.safetensors"),
+        "saved": json.loads((out / "saved_activations.json").read_text()),
+        "state_keys": json.loads((out / "state_keys.json").read_text()),
+    }

@@ -3,15 +3,11 @@ the checkpoint state round trip, SIGKILL resume and resume on fewer ranks."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, events, final_weights, submit, trajectories
+from helpers import backend_workers, events, final_weights, submit, trajectories
 from safetensors.torch import load_file
 
 from rftpipe.engines.models import prepare_tiny
@@ -27,29 +23,6 @@ parameters are cut. Measured with tiny-v2 on this 2-core machine: 1.3e-6 (zero2,
 differences, and the CI machine's kernels exceeded 2e-6 once. 1e-5 is ~0.1% of the move."""
 LOSS_REL_TOL = 1e-5
 """Relative agreement of the step metrics (measured at most 2.0e-7, grad_norm)."""
-
-
-def _workers(out: Path, world: int, *fields: str) -> dict:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(29400 + hash((out.name, world)) % 500),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [sys.executable, str(ROOT / "tests" / "backend_worker.py"), str(out), *fields]
-    procs = [
-        subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-        for r in range(world)
-    ]
-    assert [p.wait(timeout=600) for p in procs] == [0] * world, fields
-    return {
-        "metrics": json.loads((out / "metrics.json").read_text()),
-        "roundtrip": json.loads((out / "roundtrip.json").read_text()),
-        "weights": load_file(out / "weights.safetensors"),
-        "saved": json.loads((out / "saved_activations.json").read_text()),
-    }
 
 
 def _max_abs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -81,13 +54,13 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _workers(tmp_path_factory.mktemp("single"), 1, "backend=single")
+    return backend_workers(tmp_path_factory.mktemp("single"), 1, "backend=single")
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_backend_matches_single_device(single: dict, variant: str, tmp_path: Path) -> None:
     world, *fields = VARIANTS[variant]
-    res = _workers(tmp_path, world, *fields)
+    res = backend_workers(tmp_path, world, *fields)
     for a, b in zip(single["metrics"], res["metrics"], strict=True):
         for key in ("train/pg_loss", "train/kl", "train/entropy", "train/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=LOSS_REL_TOL, abs=1e-9), (variant, key)
@@ -103,7 +76,7 @@ def test_backend_matches_single_device(single: dict, variant: str, tmp_path: Pat
 
 
 def test_zero3_bf16_mixed_precision(single: dict, tmp_path: Path) -> None:
-    res = _workers(tmp_path, 2, "backend=deepspeed", "zero_stage=3", "param_dtype=bfloat16")
+    res = backend_workers(tmp_path, 2, "backend=deepspeed", "zero_stage=3", "param_dtype=bfloat16")
     diff = _max_abs(single["weights"], res["weights"])
     # bf16 compute really happened (fp32 agrees to 6e-7), and stays close to fp32.
     assert 1e-5 < diff < 2e-2, diff

@@ -128,12 +128,15 @@ def test_sampling_filters_and_draws_in_proportion(tiny) -> None:
     k2 = HFGenerateEngine(model, RolloutConfig(top_k=3), eos_id=0, pad_id=3)
     assert k2._filter(probs.log()[None], t=0)[0].isfinite().tolist() == [True] * 3 + [False]
     gen = torch.Generator().manual_seed(0)
-    draws = _sample(probs.expand(20000, 4), gen)
+    draws = _sample(
+        probs.expand(20000, 4), torch.rand(20000, 1, generator=gen, dtype=torch.float64)
+    )
     freq = torch.bincount(draws, minlength=4) / 20000
     assert (freq - probs).abs().max() < 0.015, freq
     gen = torch.Generator().manual_seed(0)
     zeroed = torch.tensor([0.0, 0.6, 0.0, 0.4]).expand(5000, 4)
-    assert set(_sample(zeroed, gen).tolist()) == {1, 3}
+    u = torch.rand(5000, 1, generator=gen, dtype=torch.float64)
+    assert set(_sample(zeroed, u).tolist()) == {1, 3}
 
 
 def test_min_new_tokens_holds_eos_back(tiny) -> None:
@@ -340,3 +343,19 @@ def test_restart_loads_optimizer_state_later_and_verifies_it(tmp_path) -> None:
     with pytest.raises(CorruptionError, match=data.name):
         later.wait()
     assert later.wait() == 0.0  # reported once
+
+
+def test_generate_rows_seeds_each_row_alone_and_cuts_at_its_limit(tiny) -> None:
+    """A multi-turn episode's turns: row r's draws come from its own seed, so the other
+    rows' seeds never change it; each row stops at its own token limit."""
+    model, tok = tiny
+    engine = HFGenerateEngine(model, RolloutConfig(max_new_tokens=8), eos_id=0, pad_id=3)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    a = engine.generate_rows(prompts, [1, 2, 3], [8, 5, 0])
+    b = engine.generate_rows(prompts, [1, 7, 9], [8, 5, 0])
+    assert a[0] == b[0] and a[1] != b[1]
+    assert [len(s.tokens) for s in a] == [8, 5, 0]
+    assert [s.finish_reason for s in a] == ["length"] * 3
+    assert all(len(s.logprobs) == len(s.tokens) for s in a)
+    assert all(lp <= 0 for s in a for lp in s.logprobs)
+    assert engine.generate_rows(prompts, [1, 2, 3], [8, 5, 0]) == a  # reproducible

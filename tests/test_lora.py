@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, events, submit, trajectories
+from helpers import backend_workers, events, submit, trajectories
 from safetensors.torch import load_file
 
 from rftpipe.config.schema import LoraConfig
@@ -32,27 +29,7 @@ LORA = ("model.lora={r: 4, alpha: 8}",)
 
 def _workers(out: Path, world: int, *fields: str) -> dict:
     """tests/backend_worker.py on `world` gloo ranks with rank-4 adapters."""
-    env = {
-        **os.environ,
-        # The caller's path after the checkout's (where peft may come from).
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        "WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(29900 + hash((out.name, world)) % 90),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [sys.executable, str(ROOT / "tests" / "backend_worker.py"), str(out), "lora=4", *fields]
-    procs = [
-        subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-        for r in range(world)
-    ]
-    assert [p.wait(timeout=600) for p in procs] == [0] * world, fields
-    return {
-        "metrics": json.loads((out / "metrics.json").read_text()),
-        "roundtrip": json.loads((out / "roundtrip.json").read_text()),
-        "weights": load_file(out / "weights.safetensors"),
-        "state_keys": json.loads((out / "state_keys.json").read_text()),
-    }
+    return backend_workers(out, world, "lora=4", *fields)
 
 
 def _adapters(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import launch_ranks
 from offload_worker import config, run
 
-from jobs.submit import free_port
 from rftpipe.dist import Dist
 
 ALL_TRUE = {
@@ -60,19 +56,7 @@ if importlib.util.find_spec("deepspeed") is not None:  # installed by tools/setu
 def test_sharded_offload_moves_the_state_and_trains_bitwise(tmp_path: Path) -> None:
     """FSDP2 (AdamW's DTensor shards) and DeepSpeed ZeRO-2/3 (the fp32 master partitions
     and their AdamW state) on 2 gloo ranks, in one pair of processes."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-        "WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [sys.executable, str(ROOT / "tests" / "offload_worker.py"), str(tmp_path), *SHARDED]
-    procs = [
-        subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)
-    ]
-    assert [p.wait(timeout=500) for p in procs] == [0, 0]
+    launch_ranks("offload_worker.py", 2, str(tmp_path), *SHARDED, timeout=500)
     results = json.loads((tmp_path / "result.json").read_text())
     assert sorted(results) == sorted(SHARDED)
     for spec in SHARDED:

@@ -5,17 +5,14 @@ mask and explicit position ids, and refuses a model it cannot run."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import launch_ranks
 
 from rftpipe.config.schema import TrainConfig
-from rftpipe.dist import Dist, _free_port
+from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train.fsdp2 import FSDP2Engine
 from rftpipe.engines.train.packing import PackRow, pack_rows, packed_logprobs
@@ -159,21 +156,9 @@ def test_models_packing_cannot_run_are_refused(change: dict, needle: str) -> Non
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_packed_equals_padded_on_sharded_backends(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "OMP_NUM_THREADS": "1",
-    }
     specs = ["fsdp2", "deepspeed:2", "deepspeed:3"]
     pytest.importorskip("deepspeed", reason="DeepSpeed is installed by tools/setup.sh")
-    cmd = [sys.executable, str(ROOT / "tests" / "packing_worker.py"), str(tmp_path), *specs]
-    procs = [
-        subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)
-    ]
-    assert [p.wait(timeout=280) for p in procs] == [0, 0]
+    launch_ranks("packing_worker.py", 2, str(tmp_path), *specs, timeout=280)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results.keys() == set(specs)
     for spec, r in results.items():

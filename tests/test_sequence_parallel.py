@@ -5,18 +5,14 @@ peak memory on a long sequence, and a whole run through jobs.submit."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.compute as pc
 import pytest
 import torch
-from helpers import ROOT, submit, trajectories
+from helpers import launch_ranks, submit, trajectories
 from safetensors.torch import load_file
 
-from jobs.submit import free_port
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train.ulysses import install
 from rftpipe.errors import UserError
@@ -34,23 +30,10 @@ TOKENS = 4096
 
 
 def _launch(out: Path, world: int, *args: str) -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        # A port free now, not a fixed one another test on the machine may hold.
-        "MASTER_PORT": str(free_port()),
-        "OMP_NUM_THREADS": "1",
-        # Large blocks are unmapped when freed, so the resident set follows live memory.
-        "MALLOC_MMAP_THRESHOLD_": "65536",
-    }
-    cmd = [sys.executable, str(ROOT / "tests" / "sp_worker.py"), str(out), *args]
-    procs = [
-        subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-        for r in range(world)
-    ]
-    assert [p.wait(timeout=500) for p in procs] == [0] * world, args
+    # Large blocks are unmapped when freed, so the resident set follows live memory.
+    launch_ranks(
+        "sp_worker.py", world, str(out), *args, timeout=500, env={"MALLOC_MMAP_THRESHOLD_": "65536"}
+    )
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,17 @@ class GroupOutput:
     finish_reasons: list[FinishReason]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SampleOutput:
+    """One sample of one prompt (a multi-turn episode's turn)."""
+
+    tokens: list[int]
+    """Sampled token ids, EOS included when generated."""
+    logprobs: list[float]
+    """log softmax(logits / T) of each sampled token."""
+    finish_reason: FinishReason
+
+
 class RolloutEngine(Protocol):
     weight_version: int
     """The train step whose weights the engine samples from (0: the initial ones)."""

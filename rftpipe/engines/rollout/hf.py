@@ -11,7 +11,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.engines.models import as_causal_lm
-from rftpipe.engines.rollout.base import FinishReason, GroupOutput, split_groups
+from rftpipe.engines.rollout.base import FinishReason, GroupOutput, SampleOutput, split_groups
 
 
 class HFGenerateEngine:
@@ -67,14 +67,54 @@ class HFGenerateEngine:
     def generate_groups(
         self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]
     ) -> list[GroupOutput]:
-        cfg = self.cfg
         # One generator per call: the call's groups are fixed by the global prompt order.
-        seed = seeds[0]
+        device = next(self.model.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(seeds[0])
+
+        def draw(rows: int) -> torch.Tensor:
+            return torch.rand(rows, 1, generator=gen, dtype=torch.float64, device=device)
+
+        limits = [self.cfg.max_new_tokens] * (len(prompts) * n)
+        tokens, logprobs, reasons = self._decode(prompts, n, draw, limits)
+        return split_groups(tokens, logprobs, reasons, n)
+
+    @torch.no_grad()
+    def generate_rows(
+        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new: Sequence[int]
+    ) -> list[SampleOutput]:
+        """One sample of each prompt, row r drawn from its own generator seeded `seeds[r]`
+        and cut at `max_new[r]` new tokens: a multi-turn episode's next turn, whose draws
+        then depend on its own (run seed, step, prompt id, sample, turn) alone."""
+        if not prompts:
+            return []
+        device = next(self.model.parameters()).device
+        gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+        def draw(rows: int) -> torch.Tensor:
+            return torch.cat(
+                [torch.rand(1, 1, generator=g, dtype=torch.float64, device=device) for g in gens]
+            )
+
+        tokens, logprobs, reasons = self._decode(prompts, 1, draw, max_new)
+        return [
+            SampleOutput(tokens=t, logprobs=lp, finish_reason=r)
+            for t, lp, r in zip(tokens, logprobs, reasons, strict=True)
+        ]
+
+    def _decode(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        draw: Callable[[int], torch.Tensor],
+        limits: Sequence[int],
+    ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
+        """n samples of each prompt, row-major; `draw(rows)` gives each decode step's
+        uniform draws, and row r stops with "length" after `limits[r]` new tokens."""
+        cfg = self.cfg
         device = next(self.model.parameters()).device
         # Left padding; a single group has none, so its numerics never see padding.
         ids, mask = (t.to(device) for t in _left_pad(prompts, self.pad_id))
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        gen = torch.Generator(device=device).manual_seed(seed)
         was_training = self.model.training
         self.model.eval()
         # Each distinct prompt is prefilled once; its n samples then share that KV cache
@@ -88,12 +128,14 @@ class HFGenerateEngine:
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-        cache.batch_repeat_interleave(n)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
         logits = logits.repeat_interleave(n, dim=0)
         mask = mask.repeat_interleave(n, dim=0)
         pos = pos[:, -1:].repeat_interleave(n, dim=0)
         rows = logits.shape[0]
         done = torch.zeros(rows, dtype=torch.bool, device=device)
+        limit = torch.tensor(list(limits), device=device)
         eos = torch.tensor(self.eos_ids, device=device)
         # Per row, its length once it ended (EOS or stop string), None while it runs.
         ends: list[int | None] = [None] * rows
@@ -102,9 +144,10 @@ class HFGenerateEngine:
             texts = _StopText(self.decode, cfg.stop, rows)
         new_tokens: list[torch.Tensor] = []
         new_lps: list[torch.Tensor] = []
-        for t in range(cfg.max_new_tokens):
+        steps = max(limits, default=0)
+        for t in range(steps):
             scaled = logits.float() / cfg.temperature
-            tok = _sample(torch.softmax(self._filter(scaled, t), dim=-1), gen)
+            tok = _sample(torch.softmax(self._filter(scaled, t), dim=-1), draw(rows))
             tok = torch.where(done, self.pad_id, tok)
             new_tokens.append(tok)
             new_lps.append(torch.log_softmax(scaled, dim=-1).gather(-1, tok[:, None]).squeeze(1))
@@ -115,8 +158,9 @@ class HFGenerateEngine:
                 )
             for r in hit.nonzero().flatten().tolist():
                 ends[r] = t + 1
-            done |= hit
-            if bool(done.all()) or t == cfg.max_new_tokens - 1:
+            # A row at its own limit stops with "length" (its end stays None).
+            done |= hit | (limit <= t + 1)
+            if bool(done.all()) or t == steps - 1:
                 break
             mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
             pos = pos + 1
@@ -131,13 +175,20 @@ class HFGenerateEngine:
         tokens: list[list[int]] = []
         logprobs: list[list[float]] = []
         reasons: list[FinishReason] = []
-        for row, row_lp, end in zip(
-            torch.stack(new_tokens, 1).tolist(), torch.stack(new_lps, 1).tolist(), ends, strict=True
+        if not new_tokens:  # every limit 0: nothing generated
+            return [[] for _ in range(rows)], [[] for _ in range(rows)], ["length"] * rows
+        for row, row_lp, end, lim in zip(
+            torch.stack(new_tokens, 1).tolist(),
+            torch.stack(new_lps, 1).tolist(),
+            ends,
+            limits,
+            strict=True,
         ):
-            tokens.append(row[:end])
-            logprobs.append(row_lp[:end])
+            cut = lim if end is None else end
+            tokens.append(row[:cut])
+            logprobs.append(row_lp[:cut])
             reasons.append("length" if end is None else "stop")
-        return split_groups(tokens, logprobs, reasons, n)
+        return tokens, logprobs, reasons
 
     def _filter(self, scaled: torch.Tensor, t: int) -> torch.Tensor:
         """What sampling draws from at new-token index t: EOS masked before min_new_tokens,
@@ -274,15 +325,14 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tens
     return ids, mask
 
 
-def _sample(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One token per row by inverse-CDF sampling: one uniform draw per row.
+def _sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverse-CDF sampling from `u`, one uniform draw per row (rows, 1).
 
     `torch.multinomial` on CPU draws an exponential per vocabulary entry (rows x 49k per
     token), about a seventh of the whole decode loop on the benchmark batch. The cumulative
     sum is in float64 so the tail of a 49k-entry vocabulary keeps its mass.
     """
     cdf = probs.double().cumsum(dim=-1)
-    u = torch.rand(probs.shape[0], 1, generator=gen, dtype=torch.float64, device=probs.device)
     # The first index whose cumulative mass exceeds u * total: never a zero-probability
     # (filtered) token, because the cdf does not rise there.
     tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
