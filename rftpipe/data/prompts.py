@@ -37,6 +37,9 @@ class Prompt:
     metadata: dict[str, Any]
     data_source: str = ""
     """The row's data source, which routes it to reward functions."""
+    messages: tuple[dict[str, str], ...] = ()
+    """The chat messages `token_ids` templates (system prompt included): where a
+    multi-turn episode's conversation starts (`rollout.env`)."""
 
 
 class PromptSet:
@@ -58,7 +61,8 @@ class PromptSet:
         self.sizes = [0] * len(self.weights)
         """Prompts kept per dataset; the prompt list holds them dataset after dataset."""
         for i, row in enumerate(rows):
-            ids = template_prompt(tokenizer, cfg.system_prompt, row.text, row.messages)
+            messages = prompt_messages(cfg.system_prompt, row.text, row.messages)
+            ids = template_prompt(tokenizer, cfg.system_prompt, row.text, messages)
             if len(ids) > cfg.max_prompt_tokens:
                 if cfg.overlong == "error":
                     raise UserError(
@@ -76,6 +80,7 @@ class PromptSet:
                     answer=row.answer,
                     metadata=row.metadata,
                     data_source=row.data_source,
+                    messages=tuple(dict(m) for m in messages),
                 )
             )
             self.sizes[row.source] += 1
@@ -132,20 +137,27 @@ class PromptSet:
         return h.hexdigest()
 
 
+def prompt_messages(
+    system_prompt: str | None, text: str, messages: Sequence[Message] | None = None
+) -> list[Message]:
+    """The chat messages of a prompt row: its own `messages`, or `text` as the user's; the
+    `system_prompt` goes first only when they have no system message of their own (the
+    dataset's per-row choice wins over the config's default)."""
+    if messages is None:
+        messages = [{"role": "user", "content": text}]
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return list(messages)
+
+
 def template_prompt(
     tokenizer: Any,
     system_prompt: str | None,
     text: str,
     messages: Sequence[Message] | None = None,
 ) -> list[int]:
-    """Chat-templated prompt tokens with the generation prompt. Chat `messages` are
-    templated as they are; `system_prompt` goes first only when they have no system
-    message of their own (the dataset's per-row choice wins over the config's default)."""
-    if messages is None:
-        messages = [{"role": "user", "content": text}]
-    has_system = any(m["role"] == "system" for m in messages)
-    if system_prompt and not has_system:
-        messages = [{"role": "system", "content": system_prompt}, *messages]
+    """Chat-templated prompt tokens with the generation prompt, of `prompt_messages`."""
+    messages = prompt_messages(system_prompt, text, messages)
     out = tokenizer.apply_chat_template(
         list(messages), add_generation_prompt=True, return_dict=True
     )

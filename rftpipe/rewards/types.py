@@ -25,6 +25,9 @@ class RewardSample:
     metadata: dict[str, Any]
     response_token_ids: list[int]
     finish_reason: str
+    messages: list[dict[str, Any]] | None = None
+    """A multi-turn episode's whole conversation (`rollout.env`), whose last assistant
+    message is `response`; None for a single-turn row."""
 
     @property
     def where(self) -> str:

@@ -15,7 +15,7 @@ from rftpipe.algos.losses import kl_estimate
 from rftpipe.config.schema import AdvantageConfig, KLConfig, old_logprobs_source
 from rftpipe.stages import StageName
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
-from rftpipe.stages.batching import pad_ragged
+from rftpipe.stages.batching import model_token_mask, pad_ragged
 from rftpipe.storage.baseline_rows import baseline_flags
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
@@ -60,7 +60,11 @@ def run(
     """
     prompts = scored.column("prompt_token_ids").to_pylist()
     responses = scored.column("response_token_ids").to_pylist()
-    _, mask = pad_ragged(scored.column("logprobs").to_pylist(), torch.float64)
+    _, padded = pad_ragged(scored.column("logprobs").to_pylist(), torch.float64)
+    # Multi-turn rows: the environment's tokens get no advantage, KL penalty or value
+    # target (they are cut back to full length with `padded`).
+    losses = scored.column("loss_mask").to_pylist() if "loss_mask" in scored.column_names else []
+    mask = model_token_mask(losses or [None] * len(prompts), padded)
     # ReMax's greedy rows (`is_baseline`) are scored but never trained on.
     is_baseline = torch.tensor(baseline_flags(scored), dtype=torch.bool)
     out = scored
@@ -110,13 +114,13 @@ def run(
     adv = compute_advantages(cfg.advantage.estimator, inputs, reduce_sum=reduce_sum)
     table = out.append_column(
         pa.field("advantages", pa.list_(pa.float32())),
-        pa.array(unpad(adv, mask), pa.list_(pa.float32())),
+        pa.array(unpad(adv, padded), pa.list_(pa.float32())),
     )
     if values is not None:
         returns = gae_returns(inputs, cfg.advantage.estimator)
         table = table.append_column(
             pa.field("returns", pa.list_(pa.float32())),
-            pa.array(unpad(returns, mask), pa.list_(pa.float32())),
+            pa.array(unpad(returns, padded), pa.list_(pa.float32())),
         )
         metrics = {**metrics, **_value_metrics(values, returns, mask, reduce_sum)}
     return table, metrics

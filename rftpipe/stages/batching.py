@@ -80,6 +80,30 @@ def _minibatch_bounds(keyed: Sequence[tuple[int, int]], mini_batches: int) -> li
     return [(m * groups // parts) * per_group for m in range(parts + 1)]
 
 
+def model_tokens(row: dict[str, Any]) -> int:
+    """How many of a row's response tokens the model sampled: all of them, except in a
+    multi-turn episode (`loss_mask`), whose environment tokens are not trained on."""
+    mask = row.get("loss_mask")
+    return row["response_length"] if mask is None else int(sum(mask))
+
+
+def model_token_mask(
+    loss_masks: Sequence[Sequence[int] | None], mask: torch.Tensor
+) -> torch.Tensor:
+    """`mask` (B, T) narrowed to the tokens the model sampled: multi-turn rows' `loss_mask`
+    is 0 on the environment's tokens (a row without one keeps all of its tokens). The
+    policy loss, KL, entropy, critic and the token counts all use the narrowed mask."""
+    if all(m is None for m in loss_masks):
+        return mask
+    own = torch.zeros_like(mask)
+    for i, m in enumerate(loss_masks):
+        if m is None:
+            own[i] = mask[i]
+        else:
+            own[i, : len(m)] = torch.tensor(list(m), dtype=torch.bool)
+    return mask & own
+
+
 def pad_ragged(
     rows: Sequence[Sequence[float]], dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +142,7 @@ def mini_batches(
     for epoch in range(cfg.ppo_epochs):
         plan = minibatch_plan(inp, epoch, cfg.mini_batches)
         counts = torch.tensor(
-            [[sum(rows[i]["response_length"] for i in mb), len(mb)] for mb in plan],
+            [[sum(model_tokens(rows[i]) for i in mb), len(mb)] for mb in plan],
             dtype=torch.float64,
         )
         counts = dist.all_reduce_sum(counts)

@@ -12,7 +12,13 @@ from rftpipe.algos.losses import AGGREGATIONS
 from rftpipe.algos.value import clipped_value_loss
 from rftpipe.dist import Dist
 from rftpipe.engines.train.critic import Critic
-from rftpipe.stages.batching import TrainInputs, mini_batches, pad_ragged, seeded_rng
+from rftpipe.stages.batching import (
+    TrainInputs,
+    mini_batches,
+    model_token_mask,
+    pad_ragged,
+    seeded_rng,
+)
 
 #: Stand-in row for a rank with no rows left in a micro-batch slot (its loss weight is 0).
 _PADDING_ROW = {
@@ -68,6 +74,7 @@ def _micro_step(
         [r["prompt_token_ids"] for r in chunk], [r["response_token_ids"] for r in chunk]
     )
     old, mask = pad_ragged([r["values"] for r in chunk], torch.float32)
+    mask = model_token_mask([r.get("loss_mask") for r in chunk], mask)
     returns, _ = pad_ragged([r["returns"] for r in chunk], torch.float32)
     old, returns, mask = old.to(vpred.device), returns.to(vpred.device), mask.to(vpred.device)
     out = clipped_value_loss(vpred, old, returns, cliprange=critic.cfg.cliprange_value)

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from rftpipe.algos.variants import ADVANTAGE_ESTIMATORS
-from rftpipe.config.schema import RolloutConfig
+from rftpipe.config.schema import EnvConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt
 from rftpipe.engines.rollout.base import RolloutEngine
+from rftpipe.envs.loader import make_environment
 from rftpipe.seeding import derive_seed
-from rftpipe.stages import round_stage
+from rftpipe.stages import episodes, round_stage
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -37,6 +38,19 @@ ROLLOUT_SCHEMA = pa.schema(
     ]
 )
 
+EPISODE_COLUMNS = [
+    pa.field("loss_mask", pa.list_(pa.int8())),
+    pa.field("turn_offsets", pa.list_(pa.int32())),
+    pa.field("turn_rewards", pa.list_(pa.float64())),
+    pa.field("turn_infos", pa.list_(pa.string())),
+    pa.field("num_turns", pa.int32()),
+    pa.field("env_reward", pa.float64()),
+    pa.field("episode_status", pa.string()),
+    pa.field("messages", pa.string()),
+]
+"""What a multi-turn row (`rollout.env`) adds: the trajectory schema's version 2."""
+EPISODE_SCHEMA = pa.schema([*ROLLOUT_SCHEMA, *EPISODE_COLUMNS])
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutInputs:
@@ -53,6 +67,8 @@ class RolloutInputs:
 
 
 def run(cfg: RolloutConfig, engine: RolloutEngine, tokenizer, inp: RolloutInputs) -> pa.Table:
+    if cfg.env is not None:
+        return _episode_table(cfg, cfg.env, engine, tokenizer, inp)
     cols: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
     g = engine.groups_per_call
     # The HF loop's calls are `rollout.groups_per_call` groups and this rank holds whole
@@ -115,6 +131,55 @@ def _row(
         "weight_version": engine.weight_version,
         "is_baseline": False,
     }
+
+
+def _episode_table(
+    cfg: RolloutConfig, env: EnvConfig, engine: RolloutEngine, tokenizer, inp: RolloutInputs
+) -> pa.Table:
+    """Multi-turn rows: each call's episodes run turn by turn together (`stages.episodes`)."""
+    cols: dict[str, list] = {name: [] for name in EPISODE_SCHEMA.names}
+    g = engine.groups_per_call
+    for i in range(0, len(inp.prompts), g):
+        finished = episodes.run_call(
+            cfg,
+            env,
+            engine,
+            tokenizer,
+            lambda: make_environment(env),
+            inp.prompts[i : i + g],
+            run_seed=inp.run_seed,
+            step=inp.step,
+            stage=inp.seed_stage,
+        )
+        for e in finished:
+            row = _row(
+                inp,
+                engine,
+                tokenizer,
+                e.prompt,
+                e.sample_idx,
+                e.response,
+                e.logprobs,
+                e.finish_reason,
+            )
+            _append(
+                cols,
+                {
+                    **row,
+                    "prompt_token_ids": e.prompt_ids,
+                    # What reward functions read as the response: the last action's text.
+                    "response": e.last_action,
+                    "loss_mask": e.loss_mask,
+                    "turn_offsets": e.turn_offsets,
+                    "turn_rewards": e.turn_rewards,
+                    "turn_infos": e.turn_infos,
+                    "num_turns": len(e.turn_offsets),
+                    "env_reward": float(sum(e.turn_rewards)),
+                    "episode_status": e.status,
+                    "messages": json.dumps(e.messages, ensure_ascii=False),
+                },
+            )
+    return pa.Table.from_pydict(cols, schema=EPISODE_SCHEMA)
 
 
 def _append(cols: dict[str, list], row: dict) -> None:

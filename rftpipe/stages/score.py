@@ -1,4 +1,5 @@
-"""Stage 2, score: every reward function becomes its own column; `reward` is their weighted sum.
+"""Stage 2, score: every reward function becomes its own column; `reward` is their weighted sum
+(plus, for multi-turn episodes, the environment's rewards: column `reward_env`).
 
 A function that declares `data_sources` sees only the rows of those sources: the other
 rows' `reward_<name>` is null (not applied) and adds nothing to `reward`.
@@ -62,6 +63,11 @@ def run(
         out = out.append_column(pa.field(col, pa.float64()), pa.array(values, pa.float64()))
         for name, array in _extra_columns(col, extras).items():
             out = out.append_column(name, array)
+    if "env_reward" in rollouts.column_names:
+        # A multi-turn episode's return: its environment's rewards plus the functions'.
+        env = rollouts.column("env_reward").to_pylist()
+        total = [t + e for t, e in zip(total, env, strict=True)]
+        out = out.append_column(pa.field("reward_env", pa.float64()), pa.array(env, pa.float64()))
     _report(status, errors)
     out = out.append_column(pa.field("reward_status", pa.string()), pa.array(status, pa.string()))
     out = out.append_column(pa.field("reward_error", pa.string()), pa.array(errors, pa.string()))
@@ -81,6 +87,7 @@ def _sample(r: dict[str, Any]) -> RewardSample:
         metadata=metadata,
         response_token_ids=r["response_token_ids"],
         finish_reason=r["finish_reason"],
+        messages=json.loads(r["messages"]) if r.get("messages") else None,
     )
 
 

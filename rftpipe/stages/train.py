@@ -40,7 +40,13 @@ from rftpipe.observe import perf
 from rftpipe.observe.events import events
 from rftpipe.stages import StageName, critic_train
 from rftpipe.stages.base import Rows, Runtime, StageOutput, StepPlan
-from rftpipe.stages.batching import TrainInputs, mini_batches, pad_ragged, seeded_rng
+from rftpipe.stages.batching import (
+    TrainInputs,
+    mini_batches,
+    model_token_mask,
+    pad_ragged,
+    seeded_rng,
+)
 from rftpipe.storage.atomic import CorruptionError
 from rftpipe.storage.baseline_rows import without_baseline
 
@@ -203,6 +209,7 @@ def _micro_step(
     weight = 1.0 if chunk else 0.0
     chunk = chunk or [_PADDING_ROW]
     rollout, mask = pad_ragged([r["logprobs"] for r in chunk], torch.float32)
+    mask = model_token_mask([r.get("loss_mask") for r in chunk], mask)
     old = rollout
     if "old_logprobs" in chunk[0]:  # the actor's own, when the advantage stage recomputed them
         old, _ = pad_ragged([r["old_logprobs"] for r in chunk], torch.float32)

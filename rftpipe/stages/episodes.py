@@ -1,0 +1,247 @@
+"""Multi-turn episodes (`rollout.env`): the rollout stage's rows when the model acts in an
+environment over several turns.
+
+A sample is one token sequence: the prompt, then per turn the model's sampled tokens and
+the environment's tokens. Nothing that is already tokens is decoded and tokenized again:
+the model's tokens are kept as sampled, and each turn's environment tokens are the chat
+template's text after the model's action, tokenized on their own,
+
+    template(history + [assistant: action] + observations, generation prompt)
+      minus template(history, generation prompt) + action,
+
+which holds only when the template renders earlier messages the same whatever follows (its
+prefix is stable) and the action verbatim; otherwise the run stops with one line naming the
+template. Tokens that close an assistant turn but were not sampled (`<|im_end|>\\n` after a
+stop at the length limit, the newline after a sampled `<|im_end|>`) are environment tokens.
+
+`loss_mask` is 1 on the model's tokens and 0 on the environment's: the train stage trains,
+and counts KL, entropy and critic values, on the model's alone. Environment tokens carry
+logprob 0.
+
+Budgets: each turn samples at most `rollout.max_new_tokens`, and the whole response (all
+turns, both roles) at most `rollout.env.max_total_tokens`. A turn is cut to what is left; an
+observation that would not fit is not appended. Either way the episode ends as `truncated`.
+
+Seeds: turn t of sample k of prompt p draws from (run seed, step, stage, p, k, t) alone, and
+an environment is reset with (run seed, step, stage, p, k), so an episode is the same on any
+world size and batch composition of draws.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rftpipe.config.schema import EnvConfig, RolloutConfig
+from rftpipe.data.prompts import Prompt
+from rftpipe.envs.base import Environment, StepResult, Task, call, checked_step_result
+from rftpipe.errors import UserError
+from rftpipe.seeding import derive_seed
+
+EpisodeStatus = str
+"""How an episode ended: `done` (the environment said so), `max_turns`, `truncated` (a
+token budget), `error` (the environment failed, `rollout.env.on_error=end_episode`)."""
+
+
+@dataclass(slots=True)
+class Episode:
+    """One sample's episode while it runs."""
+
+    prompt: Prompt
+    sample_idx: int
+    env: Environment
+    prompt_ids: list[int]
+    """The templated reset messages, generation prompt included."""
+    text: str
+    """The template's text of the conversation so far, generation prompt included."""
+    messages: list[dict[str, Any]]
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    turn_offsets: list[int] = field(default_factory=list)
+    """Where each turn's sampled tokens start in `response`."""
+    turn_rewards: list[float] = field(default_factory=list)
+    turn_infos: list[str] = field(default_factory=list)
+    """Per turn, JSON of the environment's info and any `postprocessed_action`."""
+    finish_reason: str = "length"
+    status: EpisodeStatus | None = None
+    """None while it runs."""
+    last_action: str = ""
+
+
+def run_call(
+    cfg: RolloutConfig,
+    env_cfg: EnvConfig,
+    engine: Any,
+    tokenizer: Any,
+    make_env: Callable[[], Environment],
+    prompts: Sequence[Prompt],
+    *,
+    run_seed: int,
+    step: int,
+    stage: str,
+) -> list[Episode]:
+    """The finished episodes of `cfg.n` samples of each of `prompts`, row-major."""
+    eos = _eos_ids(tokenizer, cfg)
+    episodes = [
+        _reset(
+            env_cfg,
+            tokenizer,
+            make_env,
+            p,
+            k,
+            derive_seed(run_seed, step, stage, f"env/{p.prompt_id}/{k}"),
+        )
+        for p in prompts
+        for k in range(cfg.n)
+    ]
+    try:
+        for turn in range(env_cfg.max_turns):
+            live = [e for e in episodes if e.status is None]
+            limits = [
+                min(cfg.max_new_tokens, env_cfg.max_total_tokens - len(e.response)) for e in live
+            ]
+            for e, lim in zip(live, limits, strict=True):
+                if lim <= 0:
+                    e.status = "truncated"
+            live = [e for e, lim in zip(live, limits, strict=True) if lim > 0]
+            if not live:
+                break
+            outs = engine.generate_rows(
+                [e.prompt_ids + e.response for e in live],
+                [
+                    derive_seed(
+                        run_seed, step, stage, f"{e.prompt.prompt_id}/{e.sample_idx}/{turn}"
+                    )
+                    for e in live
+                ],
+                [lim for lim in limits if lim > 0],
+            )
+            for e, out in zip(live, outs, strict=True):
+                _act(env_cfg, tokenizer, eos, e, out, turn, step)
+    finally:
+        for e in episodes:
+            call(e.env.close)
+    return episodes
+
+
+def _reset(
+    env_cfg: EnvConfig,
+    tokenizer: Any,
+    make_env: Callable[[], Environment],
+    p: Prompt,
+    k: int,
+    seed: int,
+) -> Episode:
+    env = make_env()
+    task = Task(
+        prompt_id=p.prompt_id,
+        messages=[dict(m) for m in p.messages],
+        answer=p.answer,
+        metadata=dict(p.metadata),
+    )
+    messages, _info = call(env.reset, task, seed)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return Episode(
+        prompt=p,
+        sample_idx=k,
+        env=env,
+        prompt_ids=_tokens(tokenizer, text),
+        text=text,
+        messages=[dict(m) for m in messages],
+    )
+
+
+def _act(
+    env_cfg: EnvConfig, tokenizer: Any, eos: set[int], e: Episode, out: Any, turn: int, step: int
+) -> None:
+    """Append turn `turn`'s sampled tokens, step the environment with their text, and
+    append its observation's tokens, or end the episode."""
+    e.turn_offsets.append(len(e.response))
+    e.response += out.tokens
+    e.logprobs += out.logprobs
+    e.loss_mask += [1] * len(out.tokens)
+    e.finish_reason = out.finish_reason
+    stopped = bool(out.tokens) and out.tokens[-1] in eos
+    action = tokenizer.decode(out.tokens[:-1] if stopped else out.tokens, skip_special_tokens=True)
+    e.last_action = action
+    where = (
+        f"rollout.env {env_cfg.path}: step {step} prompt_id {e.prompt.prompt_id} "
+        f"sample_idx {e.sample_idx} turn {turn}"
+    )
+    try:
+        result = checked_step_result(call(e.env.step, action), env_cfg.path, where)
+    except UserError:
+        raise
+    except Exception as exc:  # the environment's own failure: the declared policy decides
+        if env_cfg.on_error == "fail":
+            raise UserError(
+                f"{where}: {type(exc).__name__}: {exc} (rollout.env.on_error=fail)"
+            ) from exc
+        e.turn_rewards.append(0.0)
+        e.turn_infos.append(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        e.messages.append({"role": "assistant", "content": action})
+        e.status = "error"
+        return
+    e.turn_rewards.append(float(result.reward))
+    info = dict(result.info)
+    if result.postprocessed_action is not None:
+        info["postprocessed_action"] = result.postprocessed_action
+    e.turn_infos.append(json.dumps(info, sort_keys=True, default=str))
+    e.messages.append({"role": "assistant", "content": action})
+    if result.done:
+        e.status = "done"
+        return
+    if turn == env_cfg.max_turns - 1:
+        e.status = "max_turns"
+        return
+    env_ids, text = _observation_tokens(tokenizer, e, action, result, stopped, env_cfg)
+    if len(e.response) + len(env_ids) >= env_cfg.max_total_tokens:
+        e.status = "truncated"
+        return
+    e.response += env_ids
+    e.logprobs += [0.0] * len(env_ids)
+    e.loss_mask += [0] * len(env_ids)
+    e.messages += [dict(m) for m in result.observations]
+    e.text = text
+
+
+def _observation_tokens(
+    tokenizer: Any,
+    e: Episode,
+    action: str,
+    result: StepResult,
+    stopped: bool,
+    env_cfg: EnvConfig,
+) -> tuple[list[int], str]:
+    """The tokens after the model's action up to the next generation prompt, and the
+    conversation's new template text."""
+    history = [*e.messages, *[dict(m) for m in result.observations]]
+    text = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    head = e.text + action
+    if not text.startswith(head):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise UserError(
+            f"rollout.env {env_cfg.path}: the chat template of {name} does not keep the "
+            f"conversation's earlier text when a turn is added (prompt_id "
+            f"{e.prompt.prompt_id}, sample_idx {e.sample_idx}): its prefix is unstable, so "
+            "observation tokens cannot be cut from it; use a template that renders earlier "
+            "messages unchanged"
+        )
+    ids = _tokens(tokenizer, text[len(head) :])
+    if stopped and ids and ids[0] == e.response[-1]:
+        ids = ids[1:]  # the sampled EOS already closed the assistant turn
+    return ids, text
+
+
+def _tokens(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _eos_ids(tokenizer: Any, cfg: RolloutConfig) -> set[int]:
+    ids = {int(t) for t in cfg.eos_token_ids}
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

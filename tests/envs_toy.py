@@ -1,0 +1,66 @@
+"""Small environments for the multi-turn tests (`rollout.env.path=envs_toy:NAME`; tests/ is
+on the path of the test processes and of the runs they launch).
+
+A random-init tiny model earns no reward on a real task, so `EvenChars` pays a dense
+synthetic reward: the share of a response's characters whose code point is even, which a
+policy can learn turn by turn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rftpipe.envs.base import StepResult, Task
+
+
+class EvenChars:
+    """Rewards even characters; answers every response with feedback until `max_turns`."""
+
+    def __init__(self, feedback: str = "Again, more even.") -> None:
+        self.feedback = feedback
+        self.turn = 0
+        self.closed = False
+
+    def reset(self, task: Task, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        self.turn = 0
+        return [dict(m) for m in task.messages], {"seed": seed}
+
+    def step(self, action_text: str) -> StepResult:
+        self.turn += 1
+        even = sum(1 for c in action_text if ord(c) % 2 == 0) / max(1, len(action_text))
+        feedback = f"{self.feedback} (turn {self.turn}: {even:.2f})"
+        return StepResult(
+            observations=[{"role": "user", "content": feedback}],
+            reward=even,
+            done=False,
+            info={"turn": self.turn},
+        )
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class StopsOnA(EvenChars):
+    """Done as soon as a response contains an `a`; otherwise as EvenChars."""
+
+    def step(self, action_text: str) -> StepResult:
+        out = super().step(action_text)
+        if "a" in action_text:
+            return StepResult(observations=[], reward=1.0, done=True, info=out.info)
+        return out
+
+
+class Raises(EvenChars):
+    """Fails on its second step."""
+
+    def step(self, action_text: str) -> StepResult:
+        if self.turn >= 1:
+            raise RuntimeError("the environment broke")
+        return super().step(action_text)
+
+
+class WrongTypes(EvenChars):
+    """Returns a reward that is not a number."""
+
+    def step(self, action_text: str) -> Any:
+        return {"observations": [], "reward": "high", "done": False}
