@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rftpipe.algos",),
     ("rftpipe.config",),
     ("rftpipe.storage",),
-    ("rftpipe.data", "rftpipe.checkpoint"),
+    ("rftpipe.data", "rftpipe.checkpoint", "rftpipe.envs"),
     ("rftpipe.engines",),
     ("rftpipe.rewards", "rftpipe.observe"),
     ("rftpipe.stages",),

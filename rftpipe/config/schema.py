@@ -385,6 +385,54 @@ class DynamicSamplingConfig:
         return self.prompts_per_round or prompts_per_step
 
 
+ToolParserName = Literal["hermes", "plain"]
+"""The tool-call parsers `rollout.env.tool_parser` takes (`rftpipe.envs.tools.PARSERS`)."""
+
+#: What `rollout.env.path` may look like: a class by import path, a registered skyrl-gym
+#: environment id, or a TRL-style environment class by import path.
+_ENV_PATH = re.compile(r"^(skyrl:[^:\s]+|(trl:)?[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EnvConfig:
+    """A multi-turn environment the policy talks to (`rftpipe.envs`): after each response
+    the environment answers with messages (tool results, feedback) and a reward, until it
+    is done or `max_turns` responses were generated."""
+
+    path: str
+    """The environment: `pkg.mod:Class` (a class with `reset(task, seed)` and `step(text)`),
+    `skyrl:<env_id>` (an environment registered with skyrl-gym, e.g.
+    `skyrl:gsm8k_multi_turn`) or `trl:pkg.mod:Class` (a TRL-style environment class whose
+    public methods are the tools)."""
+
+    max_turns: int = 4
+    """Most policy responses in one episode; the episode ends after that many even if the
+    environment is not done."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the environment's constructor (for `skyrl:` ids, the
+    environment's `env_config`)."""
+
+    tool_parser: ToolParserName = "hermes"
+    """How tool calls are read from a response: `hermes` (`<tool_call>{json}</tool_call>`
+    blocks, Hermes/Qwen chat models) or `plain` (lines `CALL name(arg=value, ...)`, for a
+    model without tool support; `rftpipe.envs.tools.render_plain_tools` describes it)."""
+
+    on_error: Literal["fail", "end_episode"] = "fail"
+    """What an environment that raises or returns a malformed step does: `fail` stops the
+    run (exit 2, naming the environment and the sample), `end_episode` ends that episode
+    with the reward it had so far and records the error."""
+
+    def __post_init__(self) -> None:
+        if not _ENV_PATH.match(self.path):
+            raise ValueError(
+                f"path must be 'pkg.mod:Class', 'skyrl:<env_id>' or 'trl:pkg.mod:Class', "
+                f"got {self.path!r}"
+            )
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
     engine: Literal["hf", "vllm", "sglang"] = "hf"
@@ -428,6 +476,10 @@ class RolloutConfig:
     """Groups generated together in one (left-padded) call. Calls are cut from the step's
     global prompt order and ranks get whole calls, so samples stay identical on any world
     size; spread the work evenly with prompts_per_step a multiple of this x ranks."""
+
+    env: EnvConfig | None = None
+    """A multi-turn environment for each episode (unset: one response per sample, scored
+    by `reward`). See docs/environments.md."""
 
     def __post_init__(self) -> None:
         if self.engine != "vllm" and self.inference.tensor_parallel_size > 1:

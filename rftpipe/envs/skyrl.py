@@ -1,0 +1,78 @@
+"""The skyrl-gym adapter (`rollout.env.path: skyrl:<env_id>`): an environment registered
+with skyrl-gym (`skyrl_gym.make`), made afresh for each episode because its constructor
+takes the task's ground truth (`extras.reward_spec.ground_truth`)."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from rftpipe.envs.base import FIELD, StepResult, Task, checked_step_result
+from rftpipe.errors import UserError
+
+
+def import_skyrl_gym() -> ModuleType:
+    """skyrl_gym, or a one-line UserError saying how to install it."""
+    try:
+        return importlib.import_module("skyrl_gym")
+    except ImportError as exc:
+        raise UserError(
+            f"{FIELD}: skyrl: environments need the skyrl-gym package (pip install skyrl-gym): {exc}"
+        ) from exc
+
+
+def extras_for(task: Task, max_turns: int) -> dict[str, Any]:
+    """skyrl-gym's per-row `extras` for `task`: the row's own fields (a skyrl-format row
+    carries `reward_spec` and `extra_info`), else the task's answer as the ground truth;
+    `max_turns` is ours, so the environment's last-turn prompt and per-turn scores agree
+    with where the rollout stops."""
+    extras = dict(task.metadata)
+    extras.setdefault("reward_spec", {"method": "rule", "ground_truth": task.answer})
+    extras.setdefault("extra_info", {})
+    extras["max_turns"] = max_turns
+    return extras
+
+
+class SkyRLEnvironment:
+    """One registered skyrl-gym environment behind our interface. skyrl-gym's `init` has
+    no seed: its environments draw nothing at random, so `seed` is unused."""
+
+    def __init__(self, env_id: str, max_turns: int, env_config: dict[str, Any]) -> None:
+        self.skyrl_gym = import_skyrl_gym()
+        if env_id not in self.skyrl_gym.registry:
+            raise UserError(
+                f"{FIELD}: no skyrl-gym environment 'skyrl:{env_id}' "
+                f"(registered: {sorted(self.skyrl_gym.registry)})"
+            )
+        self.env_id = env_id
+        self.max_turns = max_turns
+        self.env_config = env_config
+        self.env: Any = None
+        self.where = ""
+
+    def reset(self, task: Task, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        self.close()
+        # skyrl's own environments read `env_config` by attribute (an OmegaConf node in
+        # SkyRL); omegaconf is a dependency of skyrl-gym.
+        from omegaconf import OmegaConf
+
+        self.env = self.skyrl_gym.make(
+            self.env_id,
+            env_config=OmegaConf.create(self.env_config),
+            extras=extras_for(task, self.max_turns),
+        )
+        self.where = f"prompt_id {task.prompt_id}"
+        messages, metadata = self.env.init([dict(m) for m in task.messages])
+        return [dict(m) for m in messages], dict(metadata or {})
+
+    def step(self, action_text: str) -> StepResult:
+        if self.env is None:
+            raise RuntimeError("SkyRLEnvironment.step before reset")
+        out = self.env.step(action_text)
+        return checked_step_result(out, f"skyrl:{self.env_id}", self.where)
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+            self.env = None
