@@ -24,6 +24,7 @@ from rftpipe.algos.variants import (
     ROLLOUT_CORRECTIONS,
     AdvantageSettings,
     AggregationName,
+    EstimatorTraits,
     FixedKLSettings,
     GRPOSettings,
     K3Settings,
@@ -413,6 +414,12 @@ class EnvConfig:
     """Keyword arguments for the environment's constructor (for `skyrl:` ids, the
     environment's `env_config`)."""
 
+    max_total_tokens: int = 1024
+    """Most response tokens of an episode, the model's and the environment's together (the
+    prompt not counted); each turn samples at most `rollout.max_new_tokens` of what is
+    left. A turn cut by it, or an observation that would not fit (it is then not
+    appended), ends the episode as `truncated`."""
+
     tool_parser: ToolParserName = "hermes"
     """How tool calls are read from a response: `hermes` (`<tool_call>{json}</tool_call>`
     blocks, Hermes/Qwen chat models) or `plain` (lines `CALL name(arg=value, ...)`, for a
@@ -431,6 +438,8 @@ class EnvConfig:
             )
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -718,8 +727,6 @@ class RewardConfig:
     """The `overlong` component's score at the full budget, negated (DAPO: 1)."""
 
     def __post_init__(self) -> None:
-        if not self.functions:
-            raise ValueError("functions must name at least one reward")
         if self.weights and len(self.weights) != len(self.functions):
             raise ValueError(
                 f"weights has {len(self.weights)} entries but functions has {len(self.functions)}"
@@ -1127,6 +1134,16 @@ class TrainConfig:
             )
 
 
+def response_budget(rollout: RolloutConfig) -> int:
+    """The most tokens the model samples in one row: `rollout.max_new_tokens`, or over a
+    multi-turn episode's turns (capped by its total budget). The constant length of
+    `seq-mean-token-sum-norm`."""
+    env = rollout.env
+    if env is None:
+        return rollout.max_new_tokens
+    return min(env.max_turns * rollout.max_new_tokens, env.max_total_tokens)
+
+
 def old_logprobs_source(train: TrainConfig, rollout: RolloutConfig) -> Literal["rollout", "actor"]:
     """`train.old_logprobs` with `auto` resolved for `rollout.engine`."""
     if train.old_logprobs != "auto":
@@ -1354,6 +1371,12 @@ class RunConfig:
         if self.total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
         columns = [spec.column for spec in self.reward.specs()]
+        if not columns and self.rollout.env is None:
+            # A multi-turn environment's own rewards may be the whole return.
+            raise ValueError(
+                "reward.functions must name at least one reward (only a rollout.env "
+                "scores rows by itself)"
+            )
         if self.eval.size and f"reward_{self.eval.metric}" not in columns:
             names = [c.removeprefix("reward_") for c in columns]
             raise ValueError(
@@ -1380,6 +1403,7 @@ class RunConfig:
                 f"{samples} samples of a step (data.prompts_per_step x rollout.n)"
             )
         self._check_dynamic_sampling(columns)
+        self._check_env(estimator.traits)
         if self.model.reference is not None and self.kl.mode == "none":
             # Refused rather than warned: a reference nothing reads is the silent no-op
             # that model.reference used to be.
@@ -1415,6 +1439,28 @@ class RunConfig:
                 f"train.old_logprobs=actor (it is {self.train.old_logprobs} with "
                 f"rollout.engine={self.rollout.engine}, so the old logprobs are the rollout's "
                 "own and the correction ratio would be 1)"
+            )
+
+    def _check_env(self, estimator: EstimatorTraits) -> None:
+        """What multi-turn episodes (`rollout.env`) do not compose with yet."""
+        if self.rollout.env is None:
+            return
+        if self.rollout.engine != "hf":
+            raise ValueError(
+                f"rollout.env needs rollout.engine=hf (multi-turn episodes on "
+                f"{self.rollout.engine} are not built yet), got rollout.engine={self.rollout.engine}"
+            )
+        if estimator.needs_critic or estimator.needs_baseline_rollout:
+            name = ADVANTAGE_ESTIMATORS.of(self.advantage.estimator).name
+            raise ValueError(
+                f"rollout.env with advantage.estimator={name}: its critic values or greedy "
+                "baseline rows are not built for multi-turn episodes yet; use grpo, rloo, "
+                "dr_grpo or another group estimator"
+            )
+        if self.eval.size:
+            raise ValueError(
+                "rollout.env with eval.size > 0: held-out evaluation still decodes one "
+                "greedy response per problem, not an episode; set eval.size=0"
             )
 
     def _check_dynamic_sampling(self, columns: list[str]) -> None:

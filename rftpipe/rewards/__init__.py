@@ -189,7 +189,9 @@ def check_coverage(cfg: RewardConfig, data_sources: set[str]) -> None:
     would be a silent 0); warn about declared sources the data does not have."""
     specs = cfg.specs()
     uncovered = sorted(d for d in data_sources if not any(applies(s, d) for s in specs))
-    if uncovered:
+    # No function at all: a multi-turn environment's rewards score every row (the config
+    # refuses an empty list without one).
+    if uncovered and specs:
         raise UserError(
             f"reward.functions: no function scores data source {uncovered[0]!r} (the data "
             f"has {sorted(data_sources)}); add it to a function's `data_sources`, or leave "

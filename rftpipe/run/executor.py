@@ -21,7 +21,7 @@ from rftpipe.observe import memory
 from rftpipe.observe.events import events
 from rftpipe.stages.base import Rows, Runtime, Stage, StepPlan, StepState
 from rftpipe.storage.atomic import CorruptionError
-from rftpipe.storage.layout import TRAJECTORY_SCHEMA_VERSION
+from rftpipe.storage.layout import schema_version
 
 
 def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None:
@@ -47,7 +47,7 @@ def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None
     events().write("stage_memory", step=step, stage=stage.name, **mem)
     if out.rows is not None:
         meta = {
-            "rftpipe.schema_version": TRAJECTORY_SCHEMA_VERSION,
+            "rftpipe.schema_version": schema_version(out.rows.column_names),
             "rftpipe.stage": stage.name,
             "rftpipe.step": str(step),
         }

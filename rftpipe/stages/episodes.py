@@ -167,18 +167,16 @@ def _act(
     stopped = bool(out.tokens) and out.tokens[-1] in eos
     action = tokenizer.decode(out.tokens[:-1] if stopped else out.tokens, skip_special_tokens=True)
     e.last_action = action
-    where = (
-        f"rollout.env {env_cfg.path}: step {step} prompt_id {e.prompt.prompt_id} "
-        f"sample_idx {e.sample_idx} turn {turn}"
-    )
+    where = f"step {step} prompt_id {e.prompt.prompt_id} sample_idx {e.sample_idx} turn {turn}"
     try:
-        result = checked_step_result(call(e.env.step, action), env_cfg.path, where)
-    except UserError:
-        raise
-    except Exception as exc:  # the environment's own failure: the declared policy decides
+        result = checked_step_result(call(e.env.step, action), type(e.env).__name__, where)
+    except Exception as exc:  # the environment's failure: the declared policy decides
         if env_cfg.on_error == "fail":
+            if isinstance(exc, UserError):
+                raise
             raise UserError(
-                f"{where}: {type(exc).__name__}: {exc} (rollout.env.on_error=fail)"
+                f"rollout.env.path: {env_cfg.path} failed on {where}: {type(exc).__name__}: "
+                f"{exc} (rollout.env.on_error=fail)"
             ) from exc
         e.turn_rewards.append(0.0)
         e.turn_infos.append(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
@@ -224,7 +222,7 @@ def _observation_tokens(
     if not text.startswith(head):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise UserError(
-            f"rollout.env {env_cfg.path}: the chat template of {name} does not keep the "
+            f"rollout.env.path {env_cfg.path}: the chat template of {name} does not keep the "
             f"conversation's earlier text when a turn is added (prompt_id "
             f"{e.prompt.prompt_id}, sample_idx {e.sample_idx}): its prefix is unstable, so "
             "observation tokens cannot be cut from it; use a template that renders earlier "

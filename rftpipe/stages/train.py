@@ -27,7 +27,7 @@ import torch
 from rftpipe.algos.correction import correction_weights
 from rftpipe.algos.losses import AGGREGATIONS, entropy_top_mask, kl_estimate, policy_loss
 from rftpipe.algos.variants import ROLLOUT_CORRECTIONS, K3Settings
-from rftpipe.config.schema import KLConfig, TrainConfig
+from rftpipe.config.schema import KLConfig, TrainConfig, response_budget
 from rftpipe.data.ptx import PTXExample, ptx_batch
 from rftpipe.data.sampler import rank_slice
 from rftpipe.dist import Dist
@@ -344,7 +344,7 @@ class TrainStage:
             kl_coef=kl_coef,
             global_samples=[(p, k) for p in plan.global_ids for k in range(n)],
             temperature=rt.cfg.rollout.temperature,
-            response_budget=rt.cfg.rollout.max_new_tokens,
+            response_budget=response_budget(rt.cfg.rollout),
             ptx=rt.ptx,
         )
         if not plan.global_ids:

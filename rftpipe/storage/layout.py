@@ -26,7 +26,16 @@ from pathlib import Path
 from rftpipe.storage.atomic import fsync_dir
 
 TRAJECTORY_SCHEMA_VERSION = "1"
-"""`rftpipe.schema_version` in the Parquet metadata of every stage shard."""
+"""`rftpipe.schema_version` in the Parquet metadata of a single-turn run's stage shards."""
+EPISODE_SCHEMA_VERSION = "2"
+"""A multi-turn run's (`rollout.env`): version 1's columns plus the turn structure
+(`loss_mask`, `turn_offsets`, `turn_rewards`, `turn_infos`, `num_turns`, `env_reward`,
+`episode_status`, `messages`). Readers take a shard without them as single-turn."""
+
+
+def schema_version(columns: list[str]) -> str:
+    """The trajectory schema version of a shard with these columns."""
+    return EPISODE_SCHEMA_VERSION if "loss_mask" in columns else TRAJECTORY_SCHEMA_VERSION
 RUN_LAYOUT_VERSION = 2
 """Version 2: every step directory is spelled ``step=N`` (1 mixed three spellings)."""
 MANIFEST = "MANIFEST.json"

@@ -1,0 +1,157 @@
+"""Multi-turn episodes (`rollout.env`, issue 24): token-exact sequences on the tiny model
+through the real HF engine and chat template; the loss mask; budgets; errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+import torch
+from envs_toy import EvenChars, Raises, StopsOnA, WrongTypes
+
+from rftpipe.config.schema import EnvConfig, RolloutConfig, TrainConfig
+from rftpipe.data.prompts import Prompt, prompt_messages, template_prompt
+from rftpipe.dist import Dist
+from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
+from rftpipe.engines.rollout.hf import HFGenerateEngine
+from rftpipe.engines.train.single import SingleDeviceEngine
+from rftpipe.envs.base import Environment
+from rftpipe.errors import UserError
+from rftpipe.stages import episodes
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    path = prepare_tiny()
+    torch.manual_seed(0)
+    return load_causal_lm(path, "float32"), load_tokenizer(path)
+
+
+def _prompts(tok, n: int = 2) -> list[Prompt]:
+    out = []
+    for i in range(n):
+        text = f"Say something even, {i}."
+        messages = prompt_messages("Be brief.", text)
+        out.append(
+            Prompt(
+                prompt_id=10 + i,
+                text=text,
+                token_ids=tuple(template_prompt(tok, "Be brief.", text)),
+                answer=None,
+                metadata={},
+                messages=tuple(messages),
+            )
+        )
+    return out
+
+
+def _run(
+    tiny, make_env: Callable[[], Environment], env: EnvConfig, n: int = 2, max_new: int = 6
+) -> list[episodes.Episode]:
+    model, tok = tiny
+    cfg = RolloutConfig(n=n, max_new_tokens=max_new, env=env)
+    engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    return episodes.run_call(
+        cfg, env, engine, tok, make_env, _prompts(tok), run_seed=0, step=1, stage="rollout"
+    )
+
+
+ENV = EnvConfig(path="envs_toy:EvenChars", max_turns=3, max_total_tokens=200)
+
+
+def test_an_episode_is_one_token_sequence_with_the_environment_tokens_masked(tiny) -> None:
+    model, tok = tiny
+    made: list[EvenChars] = []
+
+    def make() -> EvenChars:
+        made.append(EvenChars())
+        return made[-1]
+
+    eps = _run(tiny, make, ENV)
+    assert len(eps) == 4 and all(env.closed for env in made)
+    for e in eps:
+        assert e.status == "max_turns" and len(e.turn_offsets) == 3
+        assert len(e.response) == len(e.logprobs) == len(e.loss_mask)
+        assert e.prompt_ids == list(e.prompt.token_ids)  # reset kept the dataset prompt
+        # Per turn: the model's tokens (mask 1, up to max_new_tokens), then the
+        # environment's (mask 0, logprob 0), which decode to the template's text around
+        # the observation.
+        bounds = [*e.turn_offsets, len(e.response)]
+        for t in range(3):
+            span = e.loss_mask[bounds[t] : bounds[t + 1]]
+            model_len = span.count(1)
+            assert 1 <= model_len <= 6 and span == [1] * model_len + [0] * (len(span) - model_len)
+            env_ids = e.response[bounds[t] + model_len : bounds[t + 1]]
+            assert all(lp == 0.0 for lp in e.logprobs[bounds[t] + model_len : bounds[t + 1]])
+            if t < 2:
+                text = tok.decode(env_ids)
+                assert f"(turn {t + 1}: " in text and text.endswith("<|im_start|>assistant\n")
+            else:
+                assert env_ids == []  # the last turn ends the episode: no observation
+        # The conversation: the prompt's messages, then assistant/user alternating.
+        roles = [m["role"] for m in e.messages]
+        assert roles == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]
+        assert e.turn_rewards and all(0.0 <= r <= 1.0 for r in e.turn_rewards)
+        info = [json.loads(i) for i in e.turn_infos]
+        assert [i["turn"] for i in info] == [1, 2, 3]
+    # Different samples of a prompt differ (their own seeds per turn).
+    assert eps[0].response != eps[1].response
+
+
+def test_model_token_logprobs_equal_the_trainer_over_the_whole_sequence(tiny) -> None:
+    model, tok = tiny
+    eps = _run(tiny, EvenChars, ENV)
+    trainer = SingleDeviceEngine(model, TrainConfig(logprob_chunk_size=0), Dist())
+    lps = trainer.compute_logprobs([e.prompt_ids for e in eps], [e.response for e in eps], 1.0)
+    worst = 0.0
+    for e, lp in zip(eps, lps, strict=True):
+        for got, want, m in zip(e.logprobs, lp, e.loss_mask, strict=True):
+            if m:
+                worst = max(worst, abs(got - want))
+    assert worst < 1e-4, worst
+
+
+def test_episodes_are_reproducible_from_their_seeds(tiny) -> None:
+    a = _run(tiny, EvenChars, ENV)
+    b = _run(tiny, EvenChars, ENV)
+    assert [e.response for e in a] == [e.response for e in b]
+    assert [e.logprobs for e in a] == [e.logprobs for e in b]
+
+
+def test_done_ends_an_episode_and_the_budget_truncates(tiny) -> None:
+    stops = _run(tiny, StopsOnA, EnvConfig(path="envs_toy:StopsOnA", max_turns=6))
+    assert all(e.status in ("done", "max_turns") for e in stops)
+    for e in stops:
+        if e.status == "done":
+            assert e.turn_rewards[-1] == 1.0 and e.loss_mask[-1] == 1  # nothing after it
+    tight = EnvConfig(path="envs_toy:EvenChars", max_turns=5, max_total_tokens=20)
+    for e in _run(tiny, EvenChars, tight):
+        assert e.status == "truncated" and len(e.response) <= 20
+
+
+def test_environment_failures_follow_the_declared_policy(tiny) -> None:
+    with pytest.raises(UserError) as err:
+        _run(tiny, Raises, EnvConfig(path="envs_toy:Raises", max_turns=3))
+    msg = str(err.value)
+    assert "\n" not in msg and "envs_toy:Raises" in msg and "turn 1" in msg and "broke" in msg
+    ended = _run(tiny, Raises, EnvConfig(path="envs_toy:Raises", max_turns=3, on_error="end_episode"))
+    assert all(e.status == "error" and len(e.turn_offsets) == 2 for e in ended)
+    assert all("broke" in json.loads(e.turn_infos[-1])["error"] for e in ended)
+    with pytest.raises(UserError, match="reward") as err:
+        _run(tiny, WrongTypes, EnvConfig(path="envs_toy:WrongTypes"))
+    assert "\n" not in str(err.value) and "WrongTypes" in str(err.value)
+
+
+def test_an_unstable_template_prefix_is_refused(tiny) -> None:
+    model, tok = tiny
+    shifty = load_tokenizer(prepare_tiny())
+    # Renders the number of messages first: every added turn rewrites the start.
+    shifty.chat_template = "{{ messages|length }}" + (tok.chat_template or "")
+    cfg = RolloutConfig(n=1, max_new_tokens=4, env=ENV)
+    engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    with pytest.raises(UserError, match="prefix is unstable") as err:
+        episodes.run_call(
+            cfg, ENV, engine, shifty, EvenChars, _prompts(tok, 1), run_seed=0, step=1, stage="r"
+        )
+    assert "\n" not in str(err.value)
