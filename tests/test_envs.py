@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,8 +27,8 @@ from rftpipe.envs.tools import (
 )
 from rftpipe.errors import UserError
 from tests import env_fixtures as fx
-from tests.helpers import ROOT
 
+ROOT = Path(__file__).resolve().parent.parent
 TASK = Task(prompt_id=7, messages=[{"role": "user", "content": "Guess."}], answer="5")
 
 
@@ -148,6 +149,18 @@ def test_checked_reset_refuses_what_is_not_messages_and_info() -> None:
 )
 def test_loader_errors_are_one_line_naming_the_field(path: str, fragment: str) -> None:
     one_line_error(lambda: make_environment(EnvConfig(path=path)), "rollout.env.path: ", fragment)
+
+
+def test_loader_names_the_error_a_module_raises_on_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "broken_env_mod.py").write_text("raise RuntimeError('no database')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    one_line_error(
+        lambda: load_environment_class("broken_env_mod:Env"),
+        "rollout.env.path: cannot import module 'broken_env_mod'",
+        "RuntimeError: no database",
+    )
 
 
 def test_loader_refuses_kwargs_the_constructor_lacks_and_passes_those_it_takes() -> None:
