@@ -63,8 +63,8 @@ def make_environment(cfg: EnvConfig) -> Environment:
         cls = load_environment_class(rest, needs=("reset",))
         return TRLEnvironment(_construct(cls, dict(cfg.kwargs)), cfg.tool_parser)
     cls = load_environment_class(cfg.path)
+    kwargs = dict(cfg.kwargs)
     if issubclass(cls, ToolEnvironment):
-        env: Environment = _construct(cls, {"parser": cfg.tool_parser, **cfg.kwargs})
-        return env
-    instance: Environment = _construct(cls, dict(cfg.kwargs))
-    return instance
+        kwargs = {"parser": cfg.tool_parser, **kwargs}
+    env: Environment = _construct(cls, kwargs)
+    return env

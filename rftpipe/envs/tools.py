@@ -160,7 +160,8 @@ _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 def parse_hermes(text: str) -> Parsed:
     """Hermes/Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks."""
     bodies = _HERMES.findall(text)
-    if "<tool_call>" in _HERMES.sub("", text) or "</tool_call>" in _HERMES.sub("", text):
+    outside = _HERMES.sub("", text)
+    if "<tool_call>" in outside or "</tool_call>" in outside:
         return [], "a <tool_call> block is not closed by </tool_call> (or not opened)"
     calls: list[ToolCall] = []
     for i, body in enumerate(bodies, 1):

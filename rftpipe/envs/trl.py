@@ -9,6 +9,7 @@ reward (0.0 without one: the run's reward functions score it)."""
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from typing import Any
 
 from rftpipe.config.schema import ToolParserName
@@ -52,15 +53,7 @@ class TRLEnvironment(ToolEnvironment):
             if not messages:
                 raise UserError(f"{FIELD}: {self.name}.reset: the task has no prompt message")
             messages[-1]["content"] = f"{messages[-1]['content']}{extra}"
-        return super().reset(
-            Task(
-                prompt_id=task.prompt_id,
-                messages=messages,
-                answer=task.answer,
-                metadata=task.metadata,
-            ),
-            seed,
-        )
+        return super().reset(replace(task, messages=messages), seed)
 
     def _final_reward(self, answer: str, task: Task) -> Any:
         get_reward = getattr(self.env, "get_reward", None)
