@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from envs_toy import EvenChars, Raises, StopsOnA, WrongTypes
+from envs_toy import Drifts, EvenChars, Raises, Remembers, StopsOnA, WrongTypes
 from helpers import ROOT, events, final_weights, submit, trajectories
 
 from rftpipe.config.schema import EnvConfig, RolloutConfig, TrainConfig
@@ -22,7 +22,7 @@ from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train.single import SingleDeviceEngine
 from rftpipe.envs.base import Environment
 from rftpipe.errors import UserError
-from rftpipe.stages import episodes
+from rftpipe.stages import episodes, rollout
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +265,62 @@ def test_sigkill_mid_turn_and_around_turn_commits_resumes_bitwise(
         "sync",
         "train",
     ]
+
+
+class _Snapshots:
+    """A one-rank log keeping every episode's committed row after each turn."""
+
+    def __init__(self, engine, tok) -> None:
+        self.engine, self.tok = engine, tok
+        self.rows: dict[int, dict[tuple[int, int], dict]] = {}
+
+    def commit(self, turns: int, finished) -> None:
+        inp = rollout.RolloutInputs(step=1, rank=0, run_seed=0, prompts=[])
+        table = rollout.episode_rows(inp, self.engine, self.tok, finished)
+        self.rows[turns] = {(r["prompt_id"], r["sample_idx"]): r for r in table.to_pylist()}
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+
+def _resumable(tiny, env: EnvConfig, make_env, resumed=None, turns: int = 0):
+    model, tok = tiny
+    cfg = RolloutConfig(n=2, max_new_tokens=6, env=env)
+    engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    inp = episodes.EpisodeInputs(
+        cfg=cfg,
+        env_cfg=env,
+        run_seed=0,
+        step=1,
+        stage="rollout",
+        calls=[_prompts(tok)],
+        resumed=resumed or {},
+        resumed_turns=turns,
+    )
+    log = _Snapshots(engine, tok)
+    return episodes.run(inp, engine, tok, make_env, log), log
+
+
+def test_a_resumed_episode_continues_as_the_uninterrupted_one(tiny) -> None:
+    full, log = _resumable(tiny, ENV, EvenChars)
+    assert sorted(log.rows) == [1, 2, 3]
+    assert all(r["episode_status"] is None for r in log.rows[1].values())
+    again, _ = _resumable(tiny, ENV, EvenChars, log.rows[1], 1)
+    for a, b in zip(full, again, strict=True):
+        assert (a.response, a.logprobs, a.loss_mask) == (b.response, b.logprobs, b.loss_mask)
+        assert (a.messages, a.turn_rewards, a.status) == (b.messages, b.turn_rewards, b.status)
+
+
+def test_an_environment_that_replays_differently_is_refused_unless_it_says_so(tiny) -> None:
+    env = EnvConfig(path="envs_toy:Drifts", max_turns=3, max_total_tokens=200)
+    _, log = _resumable(tiny, env, Drifts)
+    with pytest.raises(UserError, match="replaying the recorded actions") as err:
+        _resumable(tiny, env, Drifts, log.rows[1], 1)
+    assert "\n" not in str(err.value) and "envs_toy:Drifts" in str(err.value)
+    assert "replayable = False" in str(err.value)
+    env = EnvConfig(path="envs_toy:Remembers", max_turns=3, max_total_tokens=200)
+    _, log = _resumable(tiny, env, Remembers)
+    Remembers.restored.clear()
+    _resumable(tiny, env, Remembers, log.rows[1], 1)
+    # Each running episode got its conversation so far: system, user, assistant, user.
+    assert Remembers.restored and set(Remembers.restored) == {4}
