@@ -89,3 +89,18 @@ class Remembers(Drifts):
 
     def restore(self, messages: list[dict[str, Any]], turn_infos: list[str]) -> None:
         Remembers.restored.append(len(messages))
+
+
+class HangsOnEvenSeeds(EvenChars):
+    """Hangs in its second step when reset with an even seed (a stuck tool call)."""
+
+    def reset(self, task: Task, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        self.seed = seed
+        return super().reset(task, seed)
+
+    def step(self, action_text: str) -> StepResult:
+        if self.turn == 1 and self.seed % 2 == 0:
+            import time
+
+            time.sleep(600)
+        return super().step(action_text)

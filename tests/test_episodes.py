@@ -21,6 +21,7 @@ from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
 from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train.single import SingleDeviceEngine
 from rftpipe.envs.base import Environment, Task
+from rftpipe.envs.pool import EnvPool
 from rftpipe.errors import UserError
 from rftpipe.stages import episodes, rollout
 
@@ -343,3 +344,16 @@ def test_the_retry_example_environment() -> None:
     assert env.step("42.0").reward == 1.0
     with pytest.raises(ValueError, match="decay"):
         RetryArithmetic(decay=0)
+
+
+def test_environments_in_worker_processes_give_the_same_episodes(tiny, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))  # the workers import envs_toy
+    local = _run(tiny, EvenChars, ENV)
+    pool = EnvPool(ENV, workers=2, timeout_s=60)
+    try:
+        remote = _run(tiny, pool.make, ENV)
+    finally:
+        pool.close()
+    for a, b in zip(local, remote, strict=True):
+        assert (a.response, a.messages, a.turn_rewards) == (b.response, b.messages, b.turn_rewards)
+        assert a.turn_infos == b.turn_infos

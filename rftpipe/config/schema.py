@@ -414,6 +414,16 @@ class EnvConfig:
     """Keyword arguments for the environment's constructor (for `skyrl:` ids, the
     environment's `env_config`)."""
 
+    workers: int = 2
+    """Worker processes holding the episodes' environments (each holds many); a turn's
+    steps run in them concurrently, each under `timeout_s`. 0: in the rollout process,
+    one step after another, with no timeout (a hung environment hangs the run)."""
+
+    timeout_s: float = 60.0
+    """Longest environment call (make, reset, step, close) in a worker: past it the worker
+    is killed, its other environments are rebuilt in a new one by replaying their actions,
+    and the call fails as `on_error` says."""
+
     max_total_tokens: int = 1024
     """Most response tokens of an episode, the model's and the environment's together (the
     prompt not counted); each turn samples at most `rollout.max_new_tokens` of what is
@@ -438,6 +448,10 @@ class EnvConfig:
             )
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0, got {self.workers}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
         if self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
 

@@ -44,6 +44,7 @@ from rftpipe.envs.base import (
     checked_reset,
     checked_step_result,
 )
+from rftpipe.envs.pool import step_all
 from rftpipe.errors import UserError
 from rftpipe.faults import fault
 from rftpipe.observe.events import events
@@ -181,8 +182,15 @@ def _turn(
         ],
         [lim for _, lim in go],
     )
-    for (e, _), out in zip(go, outs, strict=True):
-        _act(env_cfg, tokenizer, eos, e, out, turn, inp.step)
+    acted = [(e, *_sampled(tokenizer, eos, e, out)) for (e, _), out in zip(go, outs, strict=True)]
+    # Every episode's step at once: environments in worker processes run in parallel.
+    pairs = []
+    for e, action, _ in acted:
+        assert e.env is not None, "a running episode has its environment"
+        pairs.append((e.env, action))
+    answers = step_all(pairs)
+    for (e, action, stopped), answer in zip(acted, answers, strict=True):
+        _answered(env_cfg, tokenizer, e, action, stopped, answer, turn, inp.step)
 
 
 def _restore(
@@ -300,12 +308,8 @@ def _template(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> str
     return text
 
 
-def _act(
-    env_cfg: EnvConfig, tokenizer: Any, eos: set[int], e: Episode, out: Any, turn: int, step: int
-) -> None:
-    """Append turn `turn`'s sampled tokens, step the environment with their text, and
-    append its observation's tokens, or end the episode."""
-    assert e.env is not None, "a running episode has its environment"
+def _sampled(tokenizer: Any, eos: set[int], e: Episode, out: Any) -> tuple[str, bool]:
+    """Append a turn's sampled tokens; their text (the action) and whether EOS ended them."""
     e.turn_offsets.append(len(e.response))
     e.response += out.tokens
     e.logprobs += out.logprobs
@@ -314,9 +318,27 @@ def _act(
     stopped = bool(out.tokens) and out.tokens[-1] in eos
     action = tokenizer.decode(out.tokens[:-1] if stopped else out.tokens, skip_special_tokens=True)
     e.last_action = action
+    e.messages.append({"role": "assistant", "content": action})
+    return action, stopped
+
+
+def _answered(
+    env_cfg: EnvConfig,
+    tokenizer: Any,
+    e: Episode,
+    action: str,
+    stopped: bool,
+    answer: Any,
+    turn: int,
+    step: int,
+) -> None:
+    """Take the environment's answer to turn `turn` (or the exception its step raised):
+    append its observation's tokens, or end the episode."""
     where = f"step {step} prompt_id {e.prompt.prompt_id} sample_idx {e.sample_idx} turn {turn}"
     try:
-        result = checked_step_result(call(e.env.step, action), type(e.env).__name__, where)
+        if isinstance(answer, BaseException):
+            raise answer
+        result = checked_step_result(answer, type(e.env).__name__, where)
     except Exception as exc:  # the environment's failure: the declared policy decides
         if env_cfg.on_error == "fail":
             if isinstance(exc, UserError):
@@ -327,7 +349,6 @@ def _act(
             ) from exc
         e.turn_rewards.append(0.0)
         e.turn_infos.append(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
-        e.messages.append({"role": "assistant", "content": action})
         e.status = "error"
         return
     e.turn_rewards.append(float(result.reward))
@@ -335,7 +356,6 @@ def _act(
     if result.postprocessed_action is not None:
         info["postprocessed_action"] = result.postprocessed_action
     e.turn_infos.append(json.dumps(info, sort_keys=True, default=str))
-    e.messages.append({"role": "assistant", "content": action})
     if result.done:
         e.status = "done"
         return

@@ -15,6 +15,7 @@ from rftpipe.data.prompts import Prompt
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.envs.loader import make_environment
+from rftpipe.envs.pool import shared_pool
 from rftpipe.observe.events import events
 from rftpipe.seeding import derive_seed
 from rftpipe.stages import episodes, round_stage
@@ -170,7 +171,8 @@ def _episode_table(
         resumed_turns=done,
     )
     log: episodes.TurnLog = turns.log(inp, engine, tokenizer) if turns else _Unlogged()
-    finished = episodes.run(ep_inp, engine, tokenizer, lambda: make_environment(env), log)
+    make = shared_pool(env).make if env.workers else (lambda: make_environment(env))
+    finished = episodes.run(ep_inp, engine, tokenizer, make, log)
     return episode_rows(inp, engine, tokenizer, finished)
 
 
