@@ -31,8 +31,10 @@ FAULT_POINTS: tuple[str, ...] = (
     "train_mid_replay",
 )
 
-EPISODE_FAULT_POINTS: tuple[str, ...] = ("episode_after_turn",)
-"""Reached only by multi-turn runs (`rollout.env`): after each turn of a call's episodes."""
+EPISODE_FAULT_POINTS: tuple[str, ...] = ("episode_mid_turn", "episode_before_turn_commit")
+"""Reached only by multi-turn runs (`rollout.env`): after each call's share of a turn (its
+generation and environment steps), and after a whole turn before its commit. Right after a
+turn's commit is `stage_after_commit`, as for every commit."""
 
 _hits: dict[str, int] = {}
 

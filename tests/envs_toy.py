@@ -66,6 +66,31 @@ class WrongTypes(EvenChars):
         return {"observations": [], "reward": "high", "done": False}
 
 
+class Drifts(EvenChars):
+    """Not deterministic given its seed: its rewards depend on how many were made before."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        Drifts.made += 1
+        self.bonus = Drifts.made
+
+    def step(self, action_text: str) -> StepResult:
+        out = super().step(action_text)
+        return StepResult(observations=out.observations, reward=out.reward + self.bonus, done=False)
+
+
+class Remembers(Drifts):
+    """As Drifts, but declares it: a restart hands it the recorded conversation instead."""
+
+    replayable = False
+    restored: list[int] = []
+
+    def restore(self, messages: list[dict[str, Any]], turn_infos: list[str]) -> None:
+        Remembers.restored.append(len(messages))
+
+
 class EndsFourWays(EvenChars):
     """Each episode ends one way, by its reset seed mod 4: `done` after the first turn, an
     `error` on the second step (under `rollout.env.on_error=end_episode`), a first

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from envs_toy import EvenChars, Raises, StopsOnA, WrongTypes
+from envs_toy import Drifts, EvenChars, Raises, Remembers, StopsOnA, WrongTypes
 from helpers import ROOT, events, final_weights, submit, trajectories
 
 from rftpipe.config.schema import EnvConfig, RolloutConfig, TrainConfig
@@ -22,7 +22,7 @@ from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train.single import SingleDeviceEngine
 from rftpipe.envs.base import Environment
 from rftpipe.errors import UserError
-from rftpipe.stages import episodes
+from rftpipe.stages import episodes, rollout
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +56,24 @@ def _run(
     model, tok = tiny
     cfg = RolloutConfig(n=n, max_new_tokens=max_new, env=env)
     engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
-    return episodes.run_call(
-        cfg, env, engine, tok, make_env, _prompts(tok), run_seed=0, step=1, stage="rollout"
+    return _episodes(cfg, engine, tok, make_env, _prompts(tok))
+
+
+class _OneRank:
+    """No turn commits (a direct call), one rank."""
+
+    def commit(self, turns: int, finished: object) -> None:
+        pass
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+
+def _episodes(cfg, engine, tok, make_env, prompts) -> list[episodes.Episode]:
+    inp = episodes.EpisodeInputs(
+        cfg=cfg, env_cfg=cfg.env, run_seed=0, step=1, stage="rollout", calls=[prompts]
     )
+    return episodes.run(inp, engine, tok, make_env, _OneRank())
 
 
 ENV = EnvConfig(path="envs_toy:EvenChars", max_turns=3, max_total_tokens=200)
@@ -157,9 +172,7 @@ def test_an_unstable_template_prefix_is_refused(tiny) -> None:
     cfg = RolloutConfig(n=1, max_new_tokens=4, env=ENV)
     engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     with pytest.raises(UserError, match="prefix is unstable") as err:
-        episodes.run_call(
-            cfg, ENV, engine, shifty, EvenChars, _prompts(tok, 1), run_seed=0, step=1, stage="r"
-        )
+        _episodes(cfg, engine, shifty, EvenChars, _prompts(tok, 1))
     assert "\n" not in str(err.value)
 
 
@@ -211,17 +224,103 @@ def test_a_multi_turn_run_learns_from_the_environment_reward(reference: Path) ->
 
 
 @pytest.mark.slow
-def test_sigkill_between_turns_resumes_bitwise(reference: Path, tmp_path: Path) -> None:
-    """Killed after a turn of step 3's episodes (4 calls x 2 turns a step), then again
-    right after a stage commit; the resumed run equals the uninterrupted one."""
+def test_sigkill_mid_turn_and_around_turn_commits_resumes_bitwise(
+    reference: Path, tmp_path: Path
+) -> None:
+    """Killed in the middle of turn 2 of step 3 (4 calls x 2 turns a step), after step 3's
+    second turn before its commit, and right after a later turn's commit; the resumed run
+    equals the uninterrupted one, and no committed turn was generated again."""
     run = tmp_path / "killed"
-    for point, skip in (("episode_after_turn", 17), ("stage_after_commit", 22)):
+    kills = (
+        ("episode_mid_turn", 21),
+        ("episode_before_turn_commit", 1),
+        ("stage_after_commit", 21),
+    )
+    for point, skip in kills:
         env = {**ENV_PATH, "RFTPIPE_FAULT": point, "RFTPIPE_FAULT_SKIP": str(skip)}
         assert submit(run, *RUN, env=env).returncode != 0
     out = submit(run, *RUN, env=ENV_PATH)
     assert out.returncode == 0, out.stderr[-3000:]
-    hits = [e["point"] for e in events(run) if e["event"] == "fault"]
-    assert hits == ["episode_after_turn", "stage_after_commit"]
+    log = events(run)
+    assert [e["point"] for e in log if e["event"] == "fault"] == [p for p, _ in kills]
+    resumed = [(e["step"], e["turns"]) for e in log if e["event"] == "resume_turns"]
+    # The last kill came right after some later step's first turn committed.
+    assert len(resumed) == 2 and resumed[0] == (3, 1) and resumed[1][0] > 3, resumed
+    committed: set[tuple[int, str]] = set()
+    for e in log:
+        if e["event"] == "commit":
+            committed.add((e["step"], e["stage"]))
+        elif e["event"] == "turn_begin":
+            turn_dir = f"{e['stage']}.t{e['turn'] + 1}"
+            assert (e["step"], turn_dir) not in committed, f"step {e['step']} {turn_dir} redone"
     assert trajectories(run).equals(trajectories(reference))
     a, b = final_weights(run), final_weights(reference)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # Only the newest turn of a step is kept.
+    assert sorted(d.name for d in (run / "stages" / "step=5").iterdir()) == [
+        "advantage",
+        "rollout",
+        "rollout.t2",
+        "score",
+        "sync",
+        "train",
+    ]
+
+
+class _Snapshots:
+    """A one-rank log keeping every episode's committed row after each turn."""
+
+    def __init__(self, engine, tok) -> None:
+        self.engine, self.tok = engine, tok
+        self.rows: dict[int, dict[tuple[int, int], dict]] = {}
+
+    def commit(self, turns: int, finished) -> None:
+        inp = rollout.RolloutInputs(step=1, rank=0, run_seed=0, prompts=[])
+        table = rollout.episode_rows(inp, self.engine, self.tok, finished)
+        self.rows[turns] = {(r["prompt_id"], r["sample_idx"]): r for r in table.to_pylist()}
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+
+def _resumable(tiny, env: EnvConfig, make_env, resumed=None, turns: int = 0):
+    model, tok = tiny
+    cfg = RolloutConfig(n=2, max_new_tokens=6, env=env)
+    engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    inp = episodes.EpisodeInputs(
+        cfg=cfg,
+        env_cfg=env,
+        run_seed=0,
+        step=1,
+        stage="rollout",
+        calls=[_prompts(tok)],
+        resumed=resumed or {},
+        resumed_turns=turns,
+    )
+    log = _Snapshots(engine, tok)
+    return episodes.run(inp, engine, tok, make_env, log), log
+
+
+def test_a_resumed_episode_continues_as_the_uninterrupted_one(tiny) -> None:
+    full, log = _resumable(tiny, ENV, EvenChars)
+    assert sorted(log.rows) == [1, 2, 3]
+    assert all(r["episode_status"] is None for r in log.rows[1].values())
+    again, _ = _resumable(tiny, ENV, EvenChars, log.rows[1], 1)
+    for a, b in zip(full, again, strict=True):
+        assert (a.response, a.logprobs, a.loss_mask) == (b.response, b.logprobs, b.loss_mask)
+        assert (a.messages, a.turn_rewards, a.status) == (b.messages, b.turn_rewards, b.status)
+
+
+def test_an_environment_that_replays_differently_is_refused_unless_it_says_so(tiny) -> None:
+    env = EnvConfig(path="envs_toy:Drifts", max_turns=3, max_total_tokens=200)
+    _, log = _resumable(tiny, env, Drifts)
+    with pytest.raises(UserError, match="replaying the recorded actions") as err:
+        _resumable(tiny, env, Drifts, log.rows[1], 1)
+    assert "\n" not in str(err.value) and "envs_toy:Drifts" in str(err.value)
+    assert "replayable = False" in str(err.value)
+    env = EnvConfig(path="envs_toy:Remembers", max_turns=3, max_total_tokens=200)
+    _, log = _resumable(tiny, env, Remembers)
+    Remembers.restored.clear()
+    _resumable(tiny, env, Remembers, log.rows[1], 1)
+    # Each running episode got its conversation so far: system, user, assistant, user.
+    assert Remembers.restored and set(Remembers.restored) == {4}

@@ -30,9 +30,9 @@ world size and batch composition of draws.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from rftpipe.config.schema import EnvConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt
@@ -46,6 +46,7 @@ from rftpipe.envs.base import (
 )
 from rftpipe.errors import UserError
 from rftpipe.faults import fault
+from rftpipe.observe.events import events
 from rftpipe.seeding import derive_seed
 
 EpisodeStatus = str
@@ -59,7 +60,8 @@ class Episode:
 
     prompt: Prompt
     sample_idx: int
-    env: Environment
+    env: Environment | None
+    """None once a restored episode had ended (nothing left to step)."""
     prompt_ids: list[int]
     """The templated reset messages, generation prompt included."""
     text: str
@@ -81,61 +83,182 @@ class Episode:
     """The tool schemas `reset` offered (`info["tools"]`), passed to every templating."""
 
 
-def run_call(
-    cfg: RolloutConfig,
-    env_cfg: EnvConfig,
+class TurnLog(Protocol):
+    """Where a rank's episodes are committed turn by turn (the rollout stage's store)."""
+
+    def commit(self, turns: int, episodes: Sequence[Episode]) -> None:
+        """Commit every episode of this rank after `turns` turns (collective)."""
+        ...
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank (collective)."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EpisodeInputs:
+    cfg: RolloutConfig
+    env_cfg: EnvConfig
+    run_seed: int
+    step: int
+    stage: str
+    """The stage name in the seeds (`rollout`, or a generation round's `rollout.rR`)."""
+    calls: Sequence[Sequence[Prompt]]
+    """This rank's prompts, by engine call (`rollout.groups_per_call` groups each)."""
+    resumed: Mapping[tuple[int, int], Mapping[str, Any]] = field(default_factory=dict)
+    """The committed rows of the newest turn before a restart, by (prompt id, sample)."""
+    resumed_turns: int = 0
+    """How many turns those rows hold."""
+
+
+def run(
+    inp: EpisodeInputs,
     engine: Any,
     tokenizer: Any,
     make_env: Callable[[], Environment],
-    prompts: Sequence[Prompt],
-    *,
-    run_seed: int,
-    step: int,
-    stage: str,
+    log: TurnLog,
 ) -> list[Episode]:
-    """The finished episodes of `cfg.n` samples of each of `prompts`, row-major."""
+    """Every episode of this rank's calls, `cfg.n` samples of each prompt, row-major: run
+    turn by turn, all calls together, each turn committed through `log` before the next."""
+    cfg, env_cfg = inp.cfg, inp.env_cfg
     eos = _eos_ids(tokenizer, cfg)
-    episodes = [
-        _reset(
-            env_cfg,
-            tokenizer,
-            make_env,
-            p,
-            k,
-            derive_seed(run_seed, step, stage, f"env/{p.prompt_id}/{k}"),
-        )
-        for p in prompts
-        for k in range(cfg.n)
-    ]
+    by_call: list[list[Episode]] = []
     try:
-        for turn in range(env_cfg.max_turns):
-            live = [e for e in episodes if e.status is None]
-            limits = [
-                min(cfg.max_new_tokens, env_cfg.max_total_tokens - len(e.response)) for e in live
-            ]
-            for e, lim in zip(live, limits, strict=True):
-                if lim <= 0:
-                    e.status = "truncated"
-            live = [e for e, lim in zip(live, limits, strict=True) if lim > 0]
-            if not live:
-                break
-            outs = engine.generate_rows(
-                [e.prompt_ids + e.response for e in live],
-                [
-                    derive_seed(
-                        run_seed, step, stage, f"{e.prompt.prompt_id}/{e.sample_idx}/{turn}"
+        for prompts in inp.calls:
+            by_call.append([])
+            for p in prompts:
+                for k in range(cfg.n):
+                    seed = derive_seed(inp.run_seed, inp.step, inp.stage, f"env/{p.prompt_id}/{k}")
+                    row = inp.resumed.get((p.prompt_id, k))
+                    e = (
+                        _reset(env_cfg, tokenizer, make_env, p, k, seed)
+                        if row is None
+                        else _restore(env_cfg, tokenizer, make_env, p, k, seed, row)
                     )
-                    for e in live
-                ],
-                [lim for lim in limits if lim > 0],
-            )
-            for e, out in zip(live, outs, strict=True):
-                _act(env_cfg, tokenizer, eos, e, out, turn, step)
-            fault("episode_after_turn")
+                    by_call[-1].append(e)
+        episodes = [e for call_eps in by_call for e in call_eps]
+        for turn in range(inp.resumed_turns, env_cfg.max_turns):
+            if not log.any(any(e.status is None for e in episodes)):
+                break
+            events().write("turn_begin", step=inp.step, stage=inp.stage, turn=turn)
+            for call_eps in by_call:
+                _turn(inp, engine, tokenizer, eos, call_eps, turn)
+                fault("episode_mid_turn")
+            fault("episode_before_turn_commit")
+            log.commit(turn + 1, episodes)
     finally:
-        for e in episodes:
-            call(e.env.close)
+        for e in (e for call_eps in by_call for e in call_eps):
+            if e.env is not None:
+                call(e.env.close)
     return episodes
+
+
+def _turn(
+    inp: EpisodeInputs,
+    engine: Any,
+    tokenizer: Any,
+    eos: set[int],
+    episodes: list[Episode],
+    turn: int,
+) -> None:
+    """Turn `turn` of one call's running episodes: one engine call, then each environment."""
+    cfg, env_cfg = inp.cfg, inp.env_cfg
+    live = [e for e in episodes if e.status is None]
+    limits = [min(cfg.max_new_tokens, env_cfg.max_total_tokens - len(e.response)) for e in live]
+    for e, lim in zip(live, limits, strict=True):
+        if lim <= 0:
+            e.status = "truncated"
+    go = [(e, lim) for e, lim in zip(live, limits, strict=True) if lim > 0]
+    if not go:
+        return
+    outs = engine.generate_rows(
+        [e.prompt_ids + e.response for e, _ in go],
+        [
+            derive_seed(
+                inp.run_seed, inp.step, inp.stage, f"{e.prompt.prompt_id}/{e.sample_idx}/{turn}"
+            )
+            for e, _ in go
+        ],
+        [lim for _, lim in go],
+    )
+    for (e, _), out in zip(go, outs, strict=True):
+        _act(env_cfg, tokenizer, eos, e, out, turn, inp.step)
+
+
+def _restore(
+    env_cfg: EnvConfig,
+    tokenizer: Any,
+    make_env: Callable[[], Environment],
+    p: Prompt,
+    k: int,
+    seed: int,
+    row: Mapping[str, Any],
+) -> Episode:
+    """An episode as a committed turn left it. A running one gets its environment back by
+    replaying the recorded actions through `reset` and `step`, each answer checked against
+    the record; an environment that declares `replayable = False` gets the recorded
+    conversation through `restore(messages, turn_infos)` instead."""
+    messages = json.loads(row["messages"])
+    e = Episode(
+        prompt=p,
+        sample_idx=k,
+        env=None,
+        prompt_ids=list(row["prompt_token_ids"]),
+        text="",
+        messages=messages,
+        response=list(row["response_token_ids"]),
+        logprobs=list(row["logprobs"]),
+        loss_mask=list(row["loss_mask"]),
+        turn_offsets=list(row["turn_offsets"]),
+        turn_rewards=list(row["turn_rewards"]),
+        turn_infos=list(row["turn_infos"]),
+        finish_reason=row["finish_reason"],
+        status=row["episode_status"],
+        last_action=row["response"],
+    )
+    if e.status is not None:
+        return e  # ended: it needs no environment any more
+    fresh = _reset(env_cfg, tokenizer, make_env, p, k, seed)
+    env = fresh.env
+    assert env is not None, "a reset episode has its environment"
+    e.env, e.tools = env, fresh.tools
+    e.text = _template(tokenizer, messages, e.tools)
+    where = f"prompt_id {p.prompt_id} sample_idx {k}"
+    if fresh.messages != messages[: len(fresh.messages)]:
+        raise _replay_error(env_cfg, where, "reset", "its first messages")
+    if getattr(env, "replayable", True) is False:
+        call(env.restore, messages, list(e.turn_infos))  # type: ignore[attr-defined]  # the documented hook of a non-replayable environment, outside the Protocol
+        return e
+    turns = _recorded_turns(messages[len(fresh.messages) :])
+    for t, (action, observations) in enumerate(turns):
+        result = checked_step_result(
+            call(env.step, action), type(env).__name__, f"{where} turn {t} (replay)"
+        )
+        if float(result.reward) != e.turn_rewards[t]:
+            raise _replay_error(env_cfg, f"{where} turn {t}", "step", "its reward")
+        if [dict(m) for m in result.observations] != observations:
+            raise _replay_error(env_cfg, f"{where} turn {t}", "step", "its observation")
+    return e
+
+
+def _recorded_turns(messages: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(action, the observation messages after it) per recorded turn."""
+    turns: list[tuple[str, list[dict[str, Any]]]] = []
+    for m in messages:
+        if m["role"] == "assistant":
+            turns.append((m["content"], []))
+        elif turns:
+            turns[-1][1].append(m)
+    return turns
+
+
+def _replay_error(env_cfg: EnvConfig, where: str, method: str, what: str) -> UserError:
+    return UserError(
+        f"rollout.env.path {env_cfg.path}: replaying the recorded actions after a restart, "
+        f"{method} on {where} gave {what} differently from the record: the environment is "
+        "not deterministic given its seed; make it so, or declare `replayable = False` and "
+        "implement `restore(messages, turn_infos)`"
+    )
 
 
 def _reset(
@@ -182,6 +305,7 @@ def _act(
 ) -> None:
     """Append turn `turn`'s sampled tokens, step the environment with their text, and
     append its observation's tokens, or end the episode."""
+    assert e.env is not None, "a running episode has its environment"
     e.turn_offsets.append(len(e.response))
     e.response += out.tokens
     e.logprobs += out.logprobs

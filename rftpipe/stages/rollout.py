@@ -12,11 +12,15 @@ import pyarrow as pa
 from rftpipe.algos.variants import ADVANTAGE_ESTIMATORS
 from rftpipe.config.schema import EnvConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt
+from rftpipe.dist import Dist
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.envs.loader import make_environment
+from rftpipe.observe.events import events
 from rftpipe.seeding import derive_seed
 from rftpipe.stages import episodes, round_stage
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
+from rftpipe.storage.layout import EPISODE_SCHEMA_VERSION
+from rftpipe.storage.stage_store import StageStore
 
 ROLLOUT_SCHEMA = pa.schema(
     [
@@ -64,11 +68,21 @@ class RolloutInputs:
     baseline: bool = False
     """Also generate one greedy response per prompt (sample_idx n, `is_baseline`): the
     baseline of ReMax. Greedy decoding needs no seed, so it is the same on any replay."""
+    env: EnvConfig | None = None
+    """The multi-turn environment (`rollout.env`), if any."""
 
 
-def run(cfg: RolloutConfig, engine: RolloutEngine, tokenizer, inp: RolloutInputs) -> pa.Table:
+def run(
+    cfg: RolloutConfig,
+    engine: RolloutEngine,
+    tokenizer,
+    inp: RolloutInputs,
+    turns: TurnStore | None = None,
+) -> pa.Table:
+    """This rank's rows. Multi-turn episodes (`rollout.env`) commit each turn to `turns`
+    and resume from its newest."""
     if cfg.env is not None:
-        return _episode_table(cfg, cfg.env, engine, tokenizer, inp)
+        return _episode_table(cfg, cfg.env, engine, tokenizer, inp, turns)
     cols: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
     g = engine.groups_per_call
     # The HF loop's calls are `rollout.groups_per_call` groups and this rank holds whole
@@ -134,52 +148,142 @@ def _row(
 
 
 def _episode_table(
-    cfg: RolloutConfig, env: EnvConfig, engine: RolloutEngine, tokenizer, inp: RolloutInputs
+    cfg: RolloutConfig,
+    env: EnvConfig,
+    engine: RolloutEngine,
+    tokenizer,
+    inp: RolloutInputs,
+    turns: TurnStore | None,
 ) -> pa.Table:
-    """Multi-turn rows: each call's episodes run turn by turn together (`stages.episodes`)."""
-    cols: dict[str, list] = {name: [] for name in EPISODE_SCHEMA.names}
+    """Multi-turn rows: this rank's calls' episodes run turn by turn (`stages.episodes`),
+    each turn committed to `turns` (None: not durable, a test's direct call)."""
     g = engine.groups_per_call
-    for i in range(0, len(inp.prompts), g):
-        finished = episodes.run_call(
-            cfg,
-            env,
-            engine,
-            tokenizer,
-            lambda: make_environment(env),
-            inp.prompts[i : i + g],
-            run_seed=inp.run_seed,
-            step=inp.step,
-            stage=inp.seed_stage,
+    resumed, done = turns.resume(inp) if turns is not None else ({}, 0)
+    ep_inp = episodes.EpisodeInputs(
+        cfg=cfg,
+        env_cfg=env,
+        run_seed=inp.run_seed,
+        step=inp.step,
+        stage=inp.seed_stage,
+        calls=[inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)],
+        resumed=resumed,
+        resumed_turns=done,
+    )
+    log: episodes.TurnLog = turns.log(inp, engine, tokenizer) if turns else _Unlogged()
+    finished = episodes.run(ep_inp, engine, tokenizer, lambda: make_environment(env), log)
+    return episode_rows(inp, engine, tokenizer, finished)
+
+
+def episode_rows(
+    inp: RolloutInputs, engine: RolloutEngine, tokenizer, finished: Sequence[episodes.Episode]
+) -> pa.Table:
+    """Episodes as trajectory rows (schema version 2); a running one has no status yet."""
+    cols: dict[str, list] = {name: [] for name in EPISODE_SCHEMA.names}
+    for e in finished:
+        row = _row(
+            inp, engine, tokenizer, e.prompt, e.sample_idx, e.response, e.logprobs, e.finish_reason
         )
-        for e in finished:
-            row = _row(
-                inp,
-                engine,
-                tokenizer,
-                e.prompt,
-                e.sample_idx,
-                e.response,
-                e.logprobs,
-                e.finish_reason,
-            )
-            _append(
-                cols,
-                {
-                    **row,
-                    "prompt_token_ids": e.prompt_ids,
-                    # What reward functions read as the response: the last action's text.
-                    "response": e.last_action,
-                    "loss_mask": e.loss_mask,
-                    "turn_offsets": e.turn_offsets,
-                    "turn_rewards": e.turn_rewards,
-                    "turn_infos": e.turn_infos,
-                    "num_turns": len(e.turn_offsets),
-                    "env_reward": float(sum(e.turn_rewards)),
-                    "episode_status": e.status,
-                    "messages": json.dumps(e.messages, ensure_ascii=False),
-                },
-            )
+        _append(
+            cols,
+            {
+                **row,
+                "prompt_token_ids": e.prompt_ids,
+                # What reward functions read as the response: the last action's text.
+                "response": e.last_action,
+                "loss_mask": e.loss_mask,
+                "turn_offsets": e.turn_offsets,
+                "turn_rewards": e.turn_rewards,
+                "turn_infos": e.turn_infos,
+                "num_turns": len(e.turn_offsets),
+                "env_reward": float(sum(e.turn_rewards)),
+                "episode_status": e.status,
+                "messages": json.dumps(e.messages, ensure_ascii=False),
+            },
+        )
     return pa.Table.from_pydict(cols, schema=EPISODE_SCHEMA)
+
+
+class _Unlogged:
+    """No turn commits, one rank."""
+
+    def commit(self, turns: int, finished: Sequence[episodes.Episode]) -> None:
+        pass
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStore:
+    """A rollout stage's committed turns: `STAGE.tK` holds every episode of the step after
+    K turns (one shard per rank, like a stage). Only the newest is kept."""
+
+    store: StageStore
+    dist: Dist
+    stage: str
+
+    def name(self, step: int, k: int) -> str:
+        return f"{self.stage}.t{k}"
+
+    def newest(self, step: int, max_turns: int) -> int:
+        """How many turns the newest committed turn directory holds (0: none)."""
+        return next(
+            (
+                k
+                for k in range(max_turns, 0, -1)
+                if self.store.is_committed(step, self.name(step, k))
+            ),
+            0,
+        )
+
+    def resume(self, inp: RolloutInputs) -> tuple[dict[tuple[int, int], dict], int]:
+        """The rows of this rank's episodes in the newest committed turn, and its turns."""
+        assert inp.env is not None
+        k = self.newest(inp.step, inp.env.max_turns)
+        if not k:
+            return {}, 0
+        table = self.store.read_for(
+            inp.step,
+            self.name(inp.step, k),
+            self.dist.rank,
+            self.dist.world,
+            [p.prompt_id for p in inp.prompts],
+        )
+        events().write("resume_turns", step=inp.step, stage=self.stage, turns=k)
+        rows = {(r["prompt_id"], r["sample_idx"]): r for r in table.to_pylist()}
+        return rows, k
+
+    def log(self, inp: RolloutInputs, engine: RolloutEngine, tokenizer) -> episodes.TurnLog:
+        return _StoreLog(self, inp, engine, tokenizer)
+
+
+@dataclass(frozen=True, slots=True)
+class _StoreLog:
+    turns: TurnStore
+    inp: RolloutInputs
+    engine: RolloutEngine
+    tokenizer: object
+
+    def commit(self, k: int, finished: Sequence[episodes.Episode]) -> None:
+        t, step = self.turns, self.inp.step
+        name = t.name(step, k)
+        table = episode_rows(self.inp, self.engine, self.tokenizer, finished)
+        meta = {
+            "rftpipe.schema_version": EPISODE_SCHEMA_VERSION,
+            "rftpipe.stage": name,
+            "rftpipe.step": str(step),
+        }
+        t.store.write_shard(step, name, t.dist.rank, table, meta)
+        t.dist.barrier()
+        if t.dist.is_main:
+            t.store.commit(step, name, t.dist.world, {"turns": k})
+            if k > 1:
+                # The newer turn holds every episode: the older one is not read again.
+                t.store.uncommit(step, t.name(step, k - 1))
+        t.dist.barrier()
+
+    def any(self, flag: bool) -> bool:
+        return self.turns.dist.any(flag)
 
 
 def _append(cols: dict[str, list], row: dict) -> None:
@@ -212,8 +316,10 @@ class RolloutStage(NoSideEffects):
                 rt.cfg.advantage.estimator
             ).traits.needs_baseline_rollout,
             seed_stage=self.name,
+            env=rt.cfg.rollout.env,
         )
-        table = run(rt.cfg.rollout, rt.rollout_engine, rt.tokenizer, inp)
+        turns = TurnStore(rt.store, rt.dist, self.name)
+        table = run(rt.cfg.rollout, rt.rollout_engine, rt.tokenizer, inp, turns)
         return StageOutput(
             rows=table, extra={"sampler": plan.sampler, "prompt_ids": plan.global_ids}
         )
