@@ -29,7 +29,12 @@ so the tool is safe on a live or preempted run. Definitions:
                          response tokens per episode the model sampled (loss_mask 1)
                          and the environment added (loss_mask 0)
 
---regex matches the response text (RE2 syntax, as pyarrow.compute evaluates it).
+On a multi-turn run (trajectory schema version 2) `samples` prints each episode turn by
+turn: per turn the model's message, the environment's answer, the turn's reward and its
+tokens by role (from turn_offsets and loss_mask; the text is the recorded messages).
+
+--regex matches the response text (RE2 syntax, as pyarrow.compute evaluates it; on a
+multi-turn run, the last turn's).
 CSV exports drop the list columns (token ids, logprobs, advantages): CSV has no list
 type and a spreadsheet cannot use them; JSONL keeps them as JSON arrays.
 """
@@ -42,6 +47,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -223,14 +229,29 @@ def _message(m: dict[str, Any]) -> str:
     return f"[{role}] {m.get('content') or ''}"
 
 
-def episode_turns(r: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """A multi-turn row's prompt messages, and per turn: `action` (the model's message),
-    `observations` (the environment's messages after it; none after the last turn or
-    when the token budget left no room), `model_tokens` and `env_tokens` (the turn's
-    tokens by role, from `turn_offsets` and `loss_mask`), `reward` and `info` (JSON).
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One turn of a recorded episode, as `samples` prints it."""
 
-    Text comes from `messages`, not from decoding tokens (no tokenizer is loaded): each
-    assistant message opens a turn, since an environment never answers as the assistant."""
+    action: dict[str, Any] | None
+    """The model's message (None only if `messages` lacks it)."""
+    observations: list[dict[str, Any]]
+    """The environment's messages after it: none after the last turn, or when the token
+    budget left no room for them."""
+    model_tokens: int
+    """The turn's tokens with `loss_mask` 1 (sampled)."""
+    env_tokens: int
+    """The turn's tokens with `loss_mask` 0 (the environment's answer, templated)."""
+    reward: float | None
+    info: str | None
+    """`turn_infos`' JSON: the environment's info, or the error that ended the episode."""
+
+
+def episode_turns(r: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Turn]]:
+    """A multi-turn row's prompt messages and its turns. The text comes from `messages`,
+    not from decoding tokens (no tokenizer is loaded): each assistant message opens a
+    turn, since an environment never answers as the assistant. The token counts come from
+    `turn_offsets` (where each turn starts) and `loss_mask`."""
     messages = json.loads(r["messages"])
     starts = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     mask, offsets = r["loss_mask"], r["turn_offsets"]
@@ -240,14 +261,14 @@ def episode_turns(r: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[st
         span = mask[bounds[t] : bounds[t + 1]] if t < len(offsets) else []
         end = starts[t + 1] if t + 1 < len(starts) else len(messages)
         turns.append(
-            {
-                "action": messages[starts[t]] if t < len(starts) else None,
-                "observations": messages[starts[t] + 1 : end] if t < len(starts) else [],
-                "model_tokens": sum(span),
-                "env_tokens": len(span) - sum(span),
-                "reward": r["turn_rewards"][t] if t < len(r["turn_rewards"]) else None,
-                "info": r["turn_infos"][t] if t < len(r["turn_infos"]) else None,
-            }
+            Turn(
+                action=messages[starts[t]] if t < len(starts) else None,
+                observations=messages[starts[t] + 1 : end] if t < len(starts) else [],
+                model_tokens=sum(span),
+                env_tokens=len(span) - sum(span),
+                reward=r["turn_rewards"][t] if t < len(r["turn_rewards"]) else None,
+                info=r["turn_infos"][t] if t < len(r["turn_infos"]) else None,
+            )
         )
     return messages[: starts[0] if starts else len(messages)], turns
 
@@ -269,15 +290,15 @@ def print_episode(r: dict[str, Any]) -> None:
         last = t == len(turns)
         status = f"ends the episode: {r['episode_status']}" if last else "continues"
         print(
-            f"  turn {t}: reward {_fmt(turn['reward'])}, {turn['model_tokens']} model + "
-            f"{turn['env_tokens']} environment tokens, {status}"
+            f"  turn {t}: reward {_fmt(turn.reward)}, {turn.model_tokens} model + "
+            f"{turn.env_tokens} environment tokens, {status}"
         )
-        if turn["action"] is not None:
-            print(_indent(_message(turn["action"])))
-        for m in turn["observations"]:
+        if turn.action is not None:
+            print(_indent(_message(turn.action)))
+        for m in turn.observations:
             print(_indent(_message(m)))
-        if turn["info"] not in (None, "{}"):
-            print(f"    info {_printable(turn['info'])}")
+        if turn.info not in (None, "{}"):
+            print(f"    info {_printable(turn.info or '')}")
 
 
 def _is_list(t: pa.DataType) -> bool:
