@@ -20,7 +20,7 @@ from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
 from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train.single import SingleDeviceEngine
-from rftpipe.envs.base import Environment
+from rftpipe.envs.base import Environment, Task
 from rftpipe.errors import UserError
 from rftpipe.stages import episodes, rollout
 
@@ -324,3 +324,22 @@ def test_an_environment_that_replays_differently_is_refused_unless_it_says_so(ti
     _resumable(tiny, env, Remembers, log.rows[1], 1)
     # Each running episode got its conversation so far: system, user, assistant, user.
     assert Remembers.restored and set(Remembers.restored) == {4}
+
+
+def test_the_retry_example_environment() -> None:
+    from rftpipe.envs.examples import RetryArithmetic
+
+    env = RetryArithmetic()
+    task = Task(prompt_id=1, messages=[{"role": "user", "content": "12 + 30"}], answer="42")
+    assert env.reset(task, 0)[0] == task.messages
+    wrong = env.step("It is 41.")
+    assert (wrong.reward, wrong.done, wrong.info["guess"]) == (0.0, False, "41")
+    assert (
+        wrong.observations[0]["role"] == "user" and "not right" in wrong.observations[0]["content"]
+    )
+    right = env.step("42")
+    assert (right.reward, right.done, right.observations) == (0.5, True, [])
+    env.reset(task, 0)
+    assert env.step("42.0").reward == 1.0
+    with pytest.raises(ValueError, match="decay"):
+        RetryArithmetic(decay=0)
