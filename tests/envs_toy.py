@@ -104,3 +104,25 @@ class HangsOnEvenSeeds(EvenChars):
 
             time.sleep(600)
         return super().step(action_text)
+
+
+class EndsFourWays(EvenChars):
+    """Each episode ends one way, by its reset seed mod 4: `done` after the first turn, an
+    `error` on the second step (under `rollout.env.on_error=end_episode`), a first
+    observation too long for a 96-token `rollout.env.max_total_tokens` (`truncated`), or
+    EvenChars' feedback until `max_turns`; so one step's rows show every `episode_status`."""
+
+    def reset(self, task: Task, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        self.way = seed % 4
+        return super().reset(task, seed)
+
+    def step(self, action_text: str) -> StepResult:
+        out = super().step(action_text)
+        if self.way == 0:
+            return StepResult(observations=[], reward=out.reward, done=True, info=out.info)
+        if self.way == 1 and self.turn >= 2:
+            raise RuntimeError("the environment broke")
+        if self.way == 2:
+            long = [{"role": "user", "content": "odd " * 60}]
+            return StepResult(observations=long, reward=out.reward, done=False, info=out.info)
+        return out

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from rftpipe.checkpoint import writer
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train.forward import build_micro_batch, response_logprobs
+from rftpipe.stages import ORDER
 
 pytestmark = pytest.mark.slow
 
@@ -116,10 +117,30 @@ def test_sync_rollout_logprobs_match_trained_weights(tiny_run: Path, tmp_path: P
         assert diff < 1e-5, diff
 
 
+# A single-turn run's metric names (trajectory schema version 1), frozen on 2026-11-25 when
+# multi-turn runs gained episode/*: a new name for these runs is a deliberate change here.
+SINGLE_TURN_METRICS = {
+    "step",
+    *(f"advantage/{k}" for k in ("mean", "std")),
+    *(f"perf/{s}_{k}" for s in ORDER for k in ("s", "mem_peak_gib", "mem_increment_gib")),
+    *(f"perf/{k}" for k in ("checkpoint_interval", "checkpoint_s", "checkpoint_wait_s")),
+    *("perf/commit_s", "perf/train_tflops", "perf/train_tokens_per_s"),
+    *(f"rollout/{k}" for k in ("response_length", "stop_frac", "reward_mean", "reward_std")),
+    *(f"rollout/reward_{k}" for k in ("dense_even_tokens", "errors", "timeouts")),
+    *(f"train/{k}" for k in ("clip_frac", "dual_clip_frac", "entropy", "grad_norm", "kl")),
+    *(f"train/{k}" for k in ("kl_coef", "lr", "pg_loss", "ratio_mean", "tokens", "updates")),
+    "train/skipped_micro_batches",
+}
+
+
 def test_metrics_jsonl_one_line_per_step(tiny_run: Path) -> None:
     lines = [json.loads(x) for x in (tiny_run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, 7))
     assert all("train/grad_norm" in m and "perf/rollout_s" in m for m in lines)
+    # Only a GPU adds its memory peaks and MFU.
+    for m in lines:
+        names = {k for k in m if "_gpu_" not in k and k != "perf/mfu"}
+        assert names == SINGLE_TURN_METRICS, names ^ SINGLE_TURN_METRICS
 
 
 def test_resume_of_finished_run_is_a_noop_and_more_steps_extend(

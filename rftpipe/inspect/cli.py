@@ -23,8 +23,18 @@ so the tool is safe on a live or preempted run. Definitions:
                          exists, otherwise the fraction with reward > 0
   advantage/mean, /std   over every token of every sample of the step (ddof=0)
   perf/STAGE_s           the stage's committed compute seconds (null if not committed)
+  episode/turns_mean     multi-turn steps only (schema version 2): turns per episode;
+  episode/STATUS_frac    the fraction of episodes that ended done, max_turns, truncated
+                         or error; episode/model_tokens_mean and /env_tokens_mean the
+                         response tokens per episode the model sampled (loss_mask 1)
+                         and the environment added (loss_mask 0)
 
---regex matches the response text (RE2 syntax, as pyarrow.compute evaluates it).
+On a multi-turn run (trajectory schema version 2) `samples` prints each episode turn by
+turn: per turn the model's message, the environment's answer, the turn's reward and its
+tokens by role (from turn_offsets and loss_mask; the text is the recorded messages).
+
+--regex matches the response text (RE2 syntax, as pyarrow.compute evaluates it; on a
+multi-turn run, the last turn's).
 CSV exports drop the list columns (token ids, logprobs, advantages): CSV has no list
 type and a spreadsheet cannot use them; JSONL keeps them as JSON arrays.
 """
@@ -37,6 +47,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +58,7 @@ import pyarrow.dataset as ds
 from rftpipe.inspect.summary import InspectError, Run, open_run, summarize
 from rftpipe.inspect.verify import verify_run
 from rftpipe.stages import ORDER as STAGES
+from rftpipe.storage.episode_stats import has_episodes
 
 PROG = "inspect"
 
@@ -82,6 +94,7 @@ def summary_columns(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
         ("rollout/response_length", "len"),
         ("rollout/response_length_max", "len_max"),
         ("rollout/stop_frac", "stop"),
+        *(EPISODE_COLUMNS if any("episode/turns_mean" in r for r in rows) else []),
         ("advantage/mean", "adv"),
         ("advantage/std", "adv_std"),
         ("train/kl", "kl"),
@@ -94,6 +107,16 @@ def summary_columns(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 _STATS = {"mean", "std", "min", "max"}
+EPISODE_COLUMNS = [
+    ("episode/turns_mean", "turns"),
+    ("episode/done_frac", "done"),
+    ("episode/max_turns_frac", "max_t"),
+    ("episode/truncated_frac", "trunc"),
+    ("episode/error_frac", "err"),
+    ("episode/model_tokens_mean", "model_tok"),
+    ("episode/env_tokens_mean", "env_tok"),
+]
+"""A multi-turn run's summary columns (schema version 2 steps only)."""
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
@@ -160,10 +183,25 @@ def _indent(s: str) -> str:
     return "\n".join("    " + line for line in _printable(s).splitlines() or [""])
 
 
+EPISODE_FIELDS = [
+    "loss_mask",
+    "turn_offsets",
+    "turn_rewards",
+    "turn_infos",
+    "num_turns",
+    "env_reward",
+    "episode_status",
+    "messages",
+]
+"""What `samples` reads of a multi-turn row (schema version 2) to print it turn by turn."""
+
+
 def cmd_samples(args: argparse.Namespace) -> int:
     run = open_run(args.run_dir)
     comps = run.reward_components
+    multi_turn = has_episodes(run.dataset.schema.names)
     cols = ["prompt", "response", "response_length", "finish_reason", *comps]
+    cols += EPISODE_FIELDS if multi_turn else []
     table = select_samples(run, args, cols)
     for r in table.to_pylist():
         print(
@@ -173,13 +211,94 @@ def cmd_samples(args: argparse.Namespace) -> int:
         )
         for c in comps:
             print(f"   {c} {'null' if r[c] is None else format(r[c], '.6g')}")
-        print("  prompt:")
-        print(_indent(r["prompt"]))
-        print("  response:")
-        print(_indent(r["response"]))
+        if multi_turn and r["num_turns"] is not None:
+            print_episode(r)
+        else:
+            print("  prompt:")
+            print(_indent(r["prompt"]))
+            print("  response:")
+            print(_indent(r["response"]))
         print()
     print(f"{table.num_rows} sample(s)", file=sys.stderr)
     return 0
+
+
+def _message(m: dict[str, Any]) -> str:
+    """A chat message as printed: `[role] content` (`[tool NAME]` for a tool's answer)."""
+    role = f"{m.get('role')} {m['name']}" if m.get("name") else str(m.get("role"))
+    return f"[{role}] {m.get('content') or ''}"
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One turn of a recorded episode, as `samples` prints it."""
+
+    action: dict[str, Any] | None
+    """The model's message (None only if `messages` lacks it)."""
+    observations: list[dict[str, Any]]
+    """The environment's messages after it: none after the last turn, or when the token
+    budget left no room for them."""
+    model_tokens: int
+    """The turn's tokens with `loss_mask` 1 (sampled)."""
+    env_tokens: int
+    """The turn's tokens with `loss_mask` 0 (the environment's answer, templated)."""
+    reward: float | None
+    info: str | None
+    """`turn_infos`' JSON: the environment's info, or the error that ended the episode."""
+
+
+def episode_turns(r: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Turn]]:
+    """A multi-turn row's prompt messages and its turns. The text comes from `messages`,
+    not from decoding tokens (no tokenizer is loaded): each assistant message opens a
+    turn, since an environment never answers as the assistant. The token counts come from
+    `turn_offsets` (where each turn starts) and `loss_mask`."""
+    messages = json.loads(r["messages"])
+    starts = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    mask, offsets = r["loss_mask"], r["turn_offsets"]
+    bounds = [*offsets, len(mask)]
+    turns = []
+    for t in range(max(len(offsets), len(starts))):
+        span = mask[bounds[t] : bounds[t + 1]] if t < len(offsets) else []
+        end = starts[t + 1] if t + 1 < len(starts) else len(messages)
+        turns.append(
+            Turn(
+                action=messages[starts[t]] if t < len(starts) else None,
+                observations=messages[starts[t] + 1 : end] if t < len(starts) else [],
+                model_tokens=sum(span),
+                env_tokens=len(span) - sum(span),
+                reward=r["turn_rewards"][t] if t < len(r["turn_rewards"]) else None,
+                info=r["turn_infos"][t] if t < len(r["turn_infos"]) else None,
+            )
+        )
+    return messages[: starts[0] if starts else len(messages)], turns
+
+
+def print_episode(r: dict[str, Any]) -> None:
+    """A multi-turn row turn by turn: the prompt, then per turn the model's text, the
+    environment's answer, the turn's tokens, reward and status; then the episode's end."""
+    prompt, turns = episode_turns(r)
+    model = sum(r["loss_mask"])
+    print(
+        f"   episode {r['episode_status']}: {r['num_turns']} turn(s), return "
+        f"{_fmt(r['env_reward'])}, {model} model + {len(r['loss_mask']) - model} "
+        "environment tokens"
+    )
+    print("  prompt:")
+    for m in prompt:
+        print(_indent(_message(m)))
+    for t, turn in enumerate(turns, 1):
+        last = t == len(turns)
+        status = f"ends the episode: {r['episode_status']}" if last else "continues"
+        print(
+            f"  turn {t}: reward {_fmt(turn.reward)}, {turn.model_tokens} model + "
+            f"{turn.env_tokens} environment tokens, {status}"
+        )
+        if turn.action is not None:
+            print(_indent(_message(turn.action)))
+        for m in turn.observations:
+            print(_indent(_message(m)))
+        if turn.info not in (None, "{}"):
+            print(f"    info {_printable(turn.info or '')}")
 
 
 def _is_list(t: pa.DataType) -> bool:

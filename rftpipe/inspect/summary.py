@@ -19,6 +19,7 @@ import pyarrow.dataset as ds
 
 from rftpipe.stages import ORDER as STAGES
 from rftpipe.stages import generation
+from rftpipe.storage import episode_stats
 from rftpipe.storage.baseline_rows import COLUMN, without_baseline
 from rftpipe.storage.layout import RunDir
 from rftpipe.storage.stage_store import StageStore
@@ -135,6 +136,8 @@ class ShardStats:
     stops: int = 0
     adv: Moments = field(default_factory=Moments)
     has_adv: bool = False
+    episodes: episode_stats.EpisodeCounts | None = None
+    """A multi-turn shard's (schema version 2) episode counts; None for version 1."""
 
     def merge(self, o: ShardStats) -> ShardStats:
         sums = dict(self.component_sums)
@@ -151,7 +154,16 @@ class ShardStats:
             self.stops + o.stops,
             self.adv.merge(o.adv),
             self.has_adv or o.has_adv,
+            _merge_episodes(self.episodes, o.episodes),
         )
+
+
+def _merge_episodes(
+    a: episode_stats.EpisodeCounts | None, b: episode_stats.EpisodeCounts | None
+) -> episode_stats.EpisodeCounts | None:
+    if a is None or b is None:
+        return a or b
+    return a.merge(b)
 
 
 def _numpy(col: pa.ChunkedArray) -> np.ndarray:
@@ -164,9 +176,15 @@ def _shard_stats(frag: ds.Fragment, components: list[str], has_adv: bool) -> Sha
     cols = ["reward", "response_length", "finish_reason", *components]
     cols += ["advantages"] if has_adv else []
     # ReMax's greedy baseline rows are not the policy's samples (as in step_metrics).
-    cols += [COLUMN] if COLUMN in frag.physical_schema.names else []
+    names = frag.physical_schema.names
+    cols += [COLUMN] if COLUMN in names else []
+    # A multi-turn shard's turn counts, statuses and loss mask (one int8 per token).
+    episodes = episode_stats.has_episodes(names)
+    cols += episode_stats.COLUMNS if episodes else []
     t = without_baseline(frag.to_table(columns=cols, use_threads=False))
     st = ShardStats(has_adv=has_adv)
+    if episodes:
+        st.episodes = episode_stats.EpisodeCounts.of(t)
     if t.num_rows == 0:
         return st
     reward = _numpy(t.column("reward"))
@@ -232,6 +250,9 @@ def summarize(run: Run | Path | str, *, threads: int | None = None) -> list[dict
         row["rollout/stop_frac"] = st.stops / n if n else None
         row["advantage/mean"] = st.adv.mean if st.adv.n else None
         row["advantage/std"] = _none_if_nan(st.adv.std) if st.adv.n else None
+        if st.episodes is not None:
+            # As step_metrics: only a multi-turn step has these (null without samples).
+            row.update(dict.fromkeys(episode_stats.METRICS) | st.episodes.metrics())
         store = StageStore(run.rundir)
         row.update(store.manifest(step, "train").get("metrics", {}))
         for stage in STAGES:

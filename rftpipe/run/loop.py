@@ -166,16 +166,16 @@ def drift_label(cfg: RunConfig) -> str:
 def bar_update(bar, m: dict[str, Any], train_metrics: dict[str, float], drift_key: str) -> None:
     if bar is None:
         return
-    bar.set_postfix(
-        {
-            "reward": f"{m.get('rollout/reward_mean', math.nan):.3f}",
-            drift_key: f"{train_metrics['train/kl']:.2e}",
-            "len": f"{m.get('rollout/response_length', math.nan):.1f}",
-            "t_roll": f"{m['perf/rollout_s']:.1f}s",
-            "t_train": f"{m['perf/train_s']:.1f}s",
-        },
-        refresh=False,
-    )
+    postfix = {
+        "reward": f"{m.get('rollout/reward_mean', math.nan):.3f}",
+        drift_key: f"{train_metrics['train/kl']:.2e}",
+        "len": f"{m.get('rollout/response_length', math.nan):.1f}",
+    }
+    if "episode/turns_mean" in m:  # a multi-turn step
+        postfix["turns"] = f"{m['episode/turns_mean']:.2f}"
+    postfix["t_roll"] = f"{m['perf/rollout_s']:.1f}s"
+    postfix["t_train"] = f"{m['perf/train_s']:.1f}s"
+    bar.set_postfix(postfix, refresh=False)
     bar.update(1)
 
 

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from rftpipe.rewards.types import data_source_of
 from rftpipe.stages import ORDER, generation
+from rftpipe.storage import episode_stats
 from rftpipe.storage.atomic import atomic_write_json
 from rftpipe.storage.baseline_rows import COLUMN, baseline_flags, without_baseline
 from rftpipe.storage.layout import list_steps
@@ -98,8 +99,9 @@ def write_summary(store: StageStore, path: Path) -> None:
 
 
 def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
-    """rollout/*, advantage/*, train/*, perf/* and (when it ran) eval/* metrics of a
-    committed step; step 0 has only the evaluation of the initial weights."""
+    """rollout/*, advantage/*, train/*, perf/*, (multi-turn) episode/* and (when it ran)
+    eval/* metrics of a committed step; step 0 has only the evaluation of the initial
+    weights."""
     evaluated = eval_metrics(store, step) if store.is_committed(step, "eval") else {}
     if step == 0:
         return {"step": 0, **evaluated}
@@ -116,7 +118,11 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
     ]
     status = ["reward_status"] if "reward_status" in schema.names else []
     baseline = [COLUMN] if COLUMN in schema.names else []
-    tables = [pq.read_table(f, columns=cols + reward_cols + status + baseline) for f in files]
+    # Multi-turn steps (schema version 2) also get episode/*; version 1 reads what it did.
+    episodes = episode_stats.COLUMNS if episode_stats.has_episodes(schema.names) else []
+    tables = [
+        pq.read_table(f, columns=cols + reward_cols + status + baseline + episodes) for f in files
+    ]
     # ReMax's greedy rows are the baseline, not the policy's samples: kept out of the means.
     rows = [without_baseline(t) for t in tables]
     reward = np.concatenate([t.column("reward").to_numpy() for t in rows])
@@ -153,6 +159,11 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
         codes = [s for t in rows for s in t.column("reward_status").to_pylist()]
         out["rollout/reward_errors"] = codes.count("error")
         out["rollout/reward_timeouts"] = codes.count("timeout")
+    if episodes:
+        counts = episode_stats.EpisodeCounts()
+        for t in rows:
+            counts = counts.merge(episode_stats.EpisodeCounts.of(t))
+        out.update(counts.metrics())
     # The advantage stage's own (rollout/logprob_abs_diff_* when the actor recomputes the
     # old logprobs); manifests committed before it reported any have none.
     out.update(store.manifest(step, "advantage").get("metrics", {}))

@@ -44,7 +44,7 @@ from rftpipe.envs.base import (
     checked_reset,
     checked_step_result,
 )
-from rftpipe.envs.pool import step_all
+from rftpipe.envs.pool import EnvFailed, step_all
 from rftpipe.errors import UserError
 from rftpipe.faults import fault
 from rftpipe.observe.events import events
@@ -340,15 +340,17 @@ def _answered(
             raise answer
         result = checked_step_result(answer, type(e.env).__name__, where)
     except Exception as exc:  # the environment's failure: the declared policy decides
+        # A worker's report already reads `Type: message` (the exception in the worker).
+        what = str(exc) if isinstance(exc, EnvFailed) else f"{type(exc).__name__}: {exc}"
         if env_cfg.on_error == "fail":
             if isinstance(exc, UserError):
                 raise
             raise UserError(
-                f"rollout.env.path: {env_cfg.path} failed on {where}: {type(exc).__name__}: "
-                f"{exc} (rollout.env.on_error=fail)"
+                f"rollout.env.path: {env_cfg.path} failed on {where}: {what} "
+                "(rollout.env.on_error=fail)"
             ) from exc
         e.turn_rewards.append(0.0)
-        e.turn_infos.append(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        e.turn_infos.append(json.dumps({"error": what}))
         e.status = "error"
         return
     e.turn_rewards.append(float(result.reward))

@@ -1,0 +1,89 @@
+"""The `episode/*` metrics of a multi-turn step (trajectory schema version 2), from its rows.
+
+One definition for both readers: `rftpipe.run.metrics.step_metrics` (what a run logs) and
+`rftpipe.inspect.summary` (recomputed offline, one shard per thread, hence mergeable
+counts). A version-1 shard has none of these columns and gets none of these metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rftpipe.storage.layout import EPISODE_SCHEMA_VERSION, schema_version
+
+EPISODE_STATUSES = ("done", "max_turns", "truncated", "error")
+"""How an episode can end (`episode_status`); each has its `episode/<status>_frac`."""
+COLUMNS = ["num_turns", "episode_status", "loss_mask"]
+"""The columns the metrics read (never the token ids or logprobs)."""
+METRICS = (
+    "episode/turns_mean",
+    *(f"episode/{s}_frac" for s in EPISODE_STATUSES),
+    "episode/model_tokens_mean",
+    "episode/env_tokens_mean",
+)
+"""The metric names, in the order `EpisodeCounts.metrics` gives them."""
+
+
+def has_episodes(names: list[str]) -> bool:
+    """Whether a shard with these columns is a multi-turn one (schema version 2)."""
+    return schema_version(names) == EPISODE_SCHEMA_VERSION
+
+
+@dataclass(slots=True)
+class EpisodeCounts:
+    """Sums over a set of episodes; `metrics()` turns them into means."""
+
+    episodes: int = 0
+    turns: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    model_tokens: int = 0
+    """Tokens the model sampled (`loss_mask` 1)."""
+    env_tokens: int = 0
+    """Tokens the environment's messages and the chat template added (`loss_mask` 0)."""
+
+    @classmethod
+    def of(cls, rows: pa.Table) -> EpisodeCounts:
+        """The counts of `rows` (a table holding at least `COLUMNS`)."""
+        if rows.num_rows == 0:
+            return cls()
+        mask = rows.column("loss_mask")
+        # Sums over the flattened int8 mask widen to int64, so no per-token Python objects.
+        total = int(pc.sum(pc.list_value_length(mask)).as_py() or 0)
+        model = int(pc.sum(pc.list_flatten(mask)).as_py() or 0)
+        counts = pc.value_counts(rows.column("episode_status")).to_pylist()
+        return cls(
+            episodes=rows.num_rows,
+            turns=int(pc.sum(rows.column("num_turns")).as_py() or 0),
+            statuses={c["values"]: int(c["counts"]) for c in counts if c["values"] is not None},
+            model_tokens=model,
+            env_tokens=total - model,
+        )
+
+    def merge(self, o: EpisodeCounts) -> EpisodeCounts:
+        statuses = dict(self.statuses)
+        for k, v in o.statuses.items():
+            statuses[k] = statuses.get(k, 0) + v
+        return EpisodeCounts(
+            self.episodes + o.episodes,
+            self.turns + o.turns,
+            statuses,
+            self.model_tokens + o.model_tokens,
+            self.env_tokens + o.env_tokens,
+        )
+
+    def metrics(self) -> dict[str, Any]:
+        """`episode/*` means per episode; empty for no episode (a dynamically sampled step
+        may keep none: then these means do not exist, as `rollout/reward_mean` does not)."""
+        n = self.episodes
+        if n == 0:
+            return {}
+        return {
+            "episode/turns_mean": self.turns / n,
+            **{f"episode/{s}_frac": self.statuses.get(s, 0) / n for s in EPISODE_STATUSES},
+            "episode/model_tokens_mean": self.model_tokens / n,
+            "episode/env_tokens_mean": self.env_tokens / n,
+        }
