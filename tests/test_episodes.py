@@ -74,7 +74,7 @@ def _episodes(cfg, engine, tok, make_env, prompts) -> list[episodes.Episode]:
     inp = episodes.EpisodeInputs(
         cfg=cfg, env_cfg=cfg.env, run_seed=0, step=1, stage="rollout", calls=[prompts]
     )
-    return episodes.run(inp, engine, tok, make_env, _OneRank())
+    return episodes.run(inp, engine, tok, make_env, _OneRank()).episodes
 
 
 ENV = EnvConfig(path="envs_toy:EvenChars", max_turns=3, max_total_tokens=200)
@@ -206,6 +206,8 @@ def test_a_multi_turn_run_learns_from_the_environment_reward(reference: Path) ->
     rows = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["rollout/reward_mean"] for r in rows]
     assert [r["rollout/reward_env"] for r in rows] == rewards  # nothing else scores
+    # Seconds waiting for environments (two worker processes by default) are recorded.
+    assert all(r["perf/env_s"] > 0 for r in rows)
     # At seed 0 (2026-11-25): 0.557 over steps 1-3, 0.761 over steps 10-12.
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     t = trajectories(reference).to_pandas()  # pandas reads version 2 as it is
@@ -299,7 +301,7 @@ def _resumable(tiny, env: EnvConfig, make_env, resumed=None, turns: int = 0):
         resumed_turns=turns,
     )
     log = _Snapshots(engine, tok)
-    return episodes.run(inp, engine, tok, make_env, log), log
+    return episodes.run(inp, engine, tok, make_env, log).episodes, log
 
 
 def test_a_resumed_episode_continues_as_the_uninterrupted_one(tiny) -> None:

@@ -164,6 +164,9 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
         for t in rows:
             counts = counts.merge(episode_stats.EpisodeCounts.of(t))
         out.update(counts.metrics())
+        # Rank 0's seconds waiting for environments, over the step's generation rounds.
+        rounds = generation.committed_rounds(store, step, "rollout")
+        out["perf/env_s"] = sum(store.manifest(step, r).get("env_s", 0.0) for r in rounds)
     # The advantage stage's own (rollout/logprob_abs_diff_* when the actor recomputes the
     # old logprobs); manifests committed before it reported any have none.
     out.update(store.manifest(step, "advantage").get("metrics", {}))

@@ -30,6 +30,7 @@ world size and batch composition of draws.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -112,18 +113,28 @@ class EpisodeInputs:
     """How many turns those rows hold."""
 
 
+@dataclass(frozen=True, slots=True)
+class EpisodeOutput:
+    episodes: list[Episode]
+    """Row-major: `cfg.n` samples of each prompt of each call."""
+    env_s: float
+    """Seconds this process spent waiting for environments (building, resetting,
+    replaying and stepping them)."""
+
+
 def run(
     inp: EpisodeInputs,
     engine: Any,
     tokenizer: Any,
     make_env: Callable[[], Environment],
     log: TurnLog,
-) -> list[Episode]:
-    """Every episode of this rank's calls, `cfg.n` samples of each prompt, row-major: run
-    turn by turn, all calls together, each turn committed through `log` before the next."""
+) -> EpisodeOutput:
+    """Every episode of this rank's calls, `cfg.n` samples of each prompt: run turn by
+    turn, all calls together, each turn committed through `log` before the next."""
     cfg, env_cfg = inp.cfg, inp.env_cfg
     eos = _eos_ids(tokenizer, cfg)
     by_call: list[list[Episode]] = []
+    clock = _Clock()
     try:
         for prompts in inp.calls:
             by_call.append([])
@@ -131,11 +142,12 @@ def run(
                 for k in range(cfg.n):
                     seed = derive_seed(inp.run_seed, inp.step, inp.stage, f"env/{p.prompt_id}/{k}")
                     row = inp.resumed.get((p.prompt_id, k))
-                    e = (
-                        _reset(env_cfg, tokenizer, make_env, p, k, seed)
-                        if row is None
-                        else _restore(env_cfg, tokenizer, make_env, p, k, seed, row)
-                    )
+                    with clock:
+                        e = (
+                            _reset(env_cfg, tokenizer, make_env, p, k, seed)
+                            if row is None
+                            else _restore(env_cfg, tokenizer, make_env, p, k, seed, row)
+                        )
                     by_call[-1].append(e)
         episodes = [e for call_eps in by_call for e in call_eps]
         for turn in range(inp.resumed_turns, env_cfg.max_turns):
@@ -143,15 +155,29 @@ def run(
                 break
             events().write("turn_begin", step=inp.step, stage=inp.stage, turn=turn)
             for call_eps in by_call:
-                _turn(inp, engine, tokenizer, eos, call_eps, turn)
+                _turn(inp, engine, tokenizer, eos, call_eps, turn, clock)
                 fault("episode_mid_turn")
             fault("episode_before_turn_commit")
             log.commit(turn + 1, episodes)
     finally:
-        for e in (e for call_eps in by_call for e in call_eps):
-            if e.env is not None:
-                call(e.env.close)
-    return episodes
+        with clock:
+            for e in (e for call_eps in by_call for e in call_eps):
+                if e.env is not None:
+                    call(e.env.close)
+    return EpisodeOutput(episodes=episodes, env_s=clock.seconds)
+
+
+class _Clock:
+    """Seconds spent inside `with clock:` blocks, summed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds += time.perf_counter() - self._t0
 
 
 def _turn(
@@ -161,6 +187,7 @@ def _turn(
     eos: set[int],
     episodes: list[Episode],
     turn: int,
+    clock: _Clock,
 ) -> None:
     """Turn `turn` of one call's running episodes: one engine call, then each environment."""
     cfg, env_cfg = inp.cfg, inp.env_cfg
@@ -188,7 +215,8 @@ def _turn(
     for e, action, _ in acted:
         assert e.env is not None, "a running episode has its environment"
         pairs.append((e.env, action))
-    answers = step_all(pairs)
+    with clock:
+        answers = step_all(pairs)
     for (e, action, stopped), answer in zip(acted, answers, strict=True):
         _answered(env_cfg, tokenizer, e, action, stopped, answer, turn, inp.step)
 

@@ -172,8 +172,10 @@ def _episode_table(
     )
     log: episodes.TurnLog = turns.log(inp, engine, tokenizer) if turns else _Unlogged()
     make = shared_pool(env).make if env.workers else (lambda: make_environment(env))
-    finished = episodes.run(ep_inp, engine, tokenizer, make, log)
-    return episode_rows(inp, engine, tokenizer, finished)
+    out = episodes.run(ep_inp, engine, tokenizer, make, log)
+    if turns is not None:
+        turns.env_s = out.env_s
+    return episode_rows(inp, engine, tokenizer, out.episodes)
 
 
 def episode_rows(
@@ -215,7 +217,7 @@ class _Unlogged:
         return flag
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TurnStore:
     """A rollout stage's committed turns: `STAGE.tK` holds every episode of the step after
     K turns (one shard per rank, like a stage). Only the newest is kept."""
@@ -223,6 +225,8 @@ class TurnStore:
     store: StageStore
     dist: Dist
     stage: str
+    env_s: float = 0.0
+    """Seconds this rank waited for environments in the stage (set once it ran)."""
 
     def name(self, step: int, k: int) -> str:
         return f"{self.stage}.t{k}"
@@ -322,6 +326,7 @@ class RolloutStage(NoSideEffects):
         )
         turns = TurnStore(rt.store, rt.dist, self.name)
         table = run(rt.cfg.rollout, rt.rollout_engine, rt.tokenizer, inp, turns)
-        return StageOutput(
-            rows=table, extra={"sampler": plan.sampler, "prompt_ids": plan.global_ids}
-        )
+        extra: dict[str, object] = {"sampler": plan.sampler, "prompt_ids": plan.global_ids}
+        if rt.cfg.rollout.env is not None:
+            extra["env_s"] = turns.env_s  # rank 0's
+        return StageOutput(rows=table, extra=extra)
