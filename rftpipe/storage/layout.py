@@ -36,8 +36,6 @@ EPISODE_SCHEMA_VERSION = "2"
 def schema_version(columns: list[str]) -> str:
     """The trajectory schema version of a shard with these columns."""
     return EPISODE_SCHEMA_VERSION if "loss_mask" in columns else TRAJECTORY_SCHEMA_VERSION
-
-
 RUN_LAYOUT_VERSION = 2
 """Version 2: every step directory is spelled ``step=N`` (1 mixed three spellings)."""
 MANIFEST = "MANIFEST.json"
