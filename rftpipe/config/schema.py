@@ -1459,10 +1459,18 @@ class RunConfig:
         """What multi-turn episodes (`rollout.env`) do not compose with yet."""
         if self.rollout.env is None:
             return
-        if self.rollout.engine != "hf":
+        if self.rollout.engine == "sglang":
             raise ValueError(
-                f"rollout.env needs rollout.engine=hf (multi-turn episodes on "
-                f"{self.rollout.engine} are not built yet), got rollout.engine={self.rollout.engine}"
+                "rollout.env needs rollout.engine=hf or vllm (multi-turn episodes on sglang "
+                "are not built yet)"
+            )
+        if self.rollout.inference.tensor_parallel_size > 1:
+            # The ranks sharing a tensor-parallel engine would have to make every turn's
+            # call together, and each rank's episodes end on their own.
+            raise ValueError(
+                "rollout.env with rollout.inference.tensor_parallel_size="
+                f"{self.rollout.inference.tensor_parallel_size}: multi-turn episodes run one "
+                "engine per rank; set tensor_parallel_size=1"
             )
         if estimator.needs_critic or estimator.needs_baseline_rollout:
             name = ADVANTAGE_ESTIMATORS.of(self.advantage.estimator).name

@@ -43,6 +43,16 @@ def _hf_engine(
     )
 
 
+def max_model_len(cfg: RunConfig) -> int:
+    """The longest sequence a serving engine is sized for: the longest prompt plus a
+    response, which in a multi-turn episode is the whole conversation after the prompt
+    (`rollout.env.max_total_tokens`, the model's and the environment's tokens)."""
+    env = cfg.rollout.env
+    return cfg.data.max_prompt_tokens + (
+        env.max_total_tokens if env is not None else cfg.rollout.max_new_tokens
+    )
+
+
 def engine_spec(cfg: RunConfig, model_dir: Path, tokenizer: Any) -> Any:
     """The run's `rftpipe.engines.rollout.vllm.EngineSpec` (what a vLLM engine is built from
     besides the rollout config)."""
@@ -54,7 +64,7 @@ def engine_spec(cfg: RunConfig, model_dir: Path, tokenizer: Any) -> Any:
         eos_id=tokenizer.eos_token_id,
         pad_id=tokenizer.pad_token_id,
         seed=cfg.seed,
-        max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+        max_model_len=max_model_len(cfg),
         lora_rank=cfg.model.lora.r if cfg.model.lora is not None else None,
     )
 
@@ -85,7 +95,7 @@ def _sglang_engine(
 def _vllm_preflight(cfg: RunConfig, model_dir: Path) -> None:
     from rftpipe.engines.rollout.vllm import preflight
 
-    preflight(model_dir, cfg.model.dtype)
+    preflight(model_dir, cfg.model.dtype, max_model_len(cfg))
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
 Every engine (the HF loop in `hf`, vLLM in `vllm`, SGLang in `sglang`) implements the same
 Protocol: generate one group with per-token logprobs of the sampling distribution
-(logits / T, before top-k/top-p), take new weights, and sleep/wake around training.
+(logits / T, before top-k/top-p), generate one sample per row for multi-turn episodes
+(`generate_rows`; HF and vLLM), take new weights, and sleep/wake around training.
 `rftpipe.engines.rollout.ROLLOUT_ENGINES` builds one by `rollout.engine`.
 """
 
@@ -61,6 +62,15 @@ class RolloutEngine(Protocol):
         """n samples of each prompt; `seeds[g]` is group g's seed, derived from (run seed,
         step, stage, prompt id). An engine seeds each sample from its group's seed and its
         index, or (HF loop) one generator per call from the first group's seed."""
+        ...
+
+    def generate_rows(
+        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new: Sequence[int]
+    ) -> list[SampleOutput]:
+        """One sample of each prompt (a multi-turn episode's next turn): row r drawn from
+        `seeds[r]` alone (from run seed, step, stage, prompt id, sample, turn) and cut at
+        `max_new[r]` new tokens (0: not generated, an empty `length` sample), so a row does
+        not depend on the other rows' seeds. SGLang raises NotImplementedError."""
         ...
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:

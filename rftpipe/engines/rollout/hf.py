@@ -134,8 +134,10 @@ class HFGenerateEngine:
         mask = mask.repeat_interleave(n, dim=0)
         pos = pos[:, -1:].repeat_interleave(n, dim=0)
         rows = logits.shape[0]
-        done = torch.zeros(rows, dtype=torch.bool, device=device)
         limit = torch.tensor(list(limits), device=device)
+        # A row with no budget is done before its first token (its draws still happen, so
+        # the other rows' draws do not move).
+        done = limit <= 0
         eos = torch.tensor(self.eos_ids, device=device)
         # Per row, its length once it ended (EOS or stop string), None while it runs.
         ends: list[int | None] = [None] * rows

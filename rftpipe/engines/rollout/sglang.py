@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 from rftpipe.config.schema import RolloutConfig
-from rftpipe.engines.rollout.base import FinishReason, GroupOutput, split_groups
+from rftpipe.engines.rollout.base import FinishReason, GroupOutput, SampleOutput, split_groups
 from rftpipe.errors import UserError
 from rftpipe.seeding import sample_seed
 
@@ -297,6 +297,16 @@ class SGLangEngine:
                 params.append({**base, "sampling_seed": _sglang_seed(seeds[g], j)})
         rows = [self._parse(out) for out in self._generate(input_ids, params)]
         return split_groups([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], n)
+
+    def generate_rows(
+        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new: Sequence[int]
+    ) -> list[SampleOutput]:
+        """Multi-turn episodes are not built on SGLang (the config refuses `rollout.env` with
+        `rollout.engine=sglang`; this guards any other caller)."""
+        raise NotImplementedError(
+            "multi-turn episodes (rollout.env) are not built for rollout.engine=sglang; "
+            "use rollout.engine=vllm or hf"
+        )
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy completions without the EOS (for evaluation, not for training rows)."""

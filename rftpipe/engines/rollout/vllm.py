@@ -29,7 +29,7 @@ import torch.distributed as tdist
 
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.dist import Dist
-from rftpipe.engines.rollout.base import FinishReason, GroupOutput, split_groups
+from rftpipe.engines.rollout.base import FinishReason, GroupOutput, SampleOutput, split_groups
 from rftpipe.errors import UserError
 from rftpipe.seeding import sample_seed
 
@@ -79,8 +79,11 @@ def import_vllm() -> Any:
     return vllm
 
 
-def preflight(model_dir: Path, dtype: Literal["float32", "bfloat16"]) -> None:
-    """Exit 2 before anything is written if vLLM is missing or cannot load the model.
+def preflight(
+    model_dir: Path, dtype: Literal["float32", "bfloat16"], max_model_len: int | None = None
+) -> None:
+    """Exit 2 before anything is written if vLLM is missing, cannot load the model, or the
+    model's context is shorter than `max_model_len` (the engine's sequence length).
 
     vLLM's own model config decides, since it also loads architectures outside its registry
     through its transformers backend; only what it refuses is refused.
@@ -89,7 +92,7 @@ def preflight(model_dir: Path, dtype: Literal["float32", "bfloat16"]) -> None:
     from vllm.config import ModelConfig
 
     try:
-        ModelConfig(model=str(model_dir), dtype=dtype)
+        model = ModelConfig(model=str(model_dir), dtype=dtype)
     except ValueError as exc:
         if "not supported" not in str(exc):
             raise
@@ -100,6 +103,13 @@ def preflight(model_dir: Path, dtype: Literal["float32", "bfloat16"]) -> None:
             f"model.path: vLLM cannot load architecture {archs} of {model_dir}; "
             "use rollout.engine=hf"
         ) from exc
+    if max_model_len is not None and max_model_len > model.max_model_len:
+        raise UserError(
+            f"data.max_prompt_tokens: the vLLM engine needs sequences of {max_model_len} "
+            "tokens (data.max_prompt_tokens + rollout.max_new_tokens, or + "
+            f"rollout.env.max_total_tokens with an environment), but {model_dir.name} "
+            f"holds {model.max_model_len}; lower them"
+        )
 
 
 @contextmanager
@@ -136,6 +146,8 @@ class VLLMEngine:
         self.weight_version = 0
         self.eos_ids = [spec.eos_id, *(t for t in cfg.eos_token_ids if t != spec.eos_id)]
         """Every id that ends a response."""
+        self.last_cached_tokens = 0
+        """Prompt tokens of the last `generate_rows` call served from the prefix cache."""
         self._asleep = False
         self._needs_weights = False
         self._on_gpu = torch.cuda.is_available()
@@ -297,19 +309,45 @@ class VLLMEngine:
                 for p, s in zip(prompts, seeds, strict=True)
             ]
         )
-        tokens: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        reasons: list[FinishReason] = []
-        for out in outs:
-            comp = out.outputs[0]
-            toks = list(comp.token_ids)
-            tokens.append(toks)
-            lps = comp.logprobs or []
-            logprobs.append([float(step[tok].logprob) for tok, step in zip(toks, lps, strict=True)])
-            # vLLM's `stop`: an EOS id or a stop string ended it; anything else (`length`,
-            # or an abort) counts as cut short.
-            reasons.append("stop" if comp.finish_reason == "stop" else "length")
-        return split_groups(tokens, logprobs, reasons, n)
+        done = [_completion(o) for o in outs]
+        return split_groups([d[0] for d in done], [d[1] for d in done], [d[2] for d in done], n)
+
+    def generate_rows(
+        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new: Sequence[int]
+    ) -> list[SampleOutput]:
+        """One sample of each prompt (a multi-turn episode's next turn): row r is its own
+        request, seeded `seeds[r]` and cut at `max_new[r]` tokens, so its tokens depend on
+        its own prompt, seed and limit alone, whatever else shares the call. A row with no
+        budget left is not sent (an empty `length` sample).
+
+        An episode's prompt is its previous turn's prompt and response plus the
+        environment's tokens, so prefix caching (on for every engine) reuses the earlier
+        turns' KV blocks instead of prefilling the whole conversation again.
+        """
+        sent = [r for r, m in enumerate(max_new) if m > 0]
+        for r in sent:
+            self._check_fits(len(prompts[r]), max_new[r])
+        outs = self._run([(list(prompts[r]), max_new[r], [seeds[r]]) for r in sent])
+        self.last_cached_tokens = sum(o.num_cached_tokens or 0 for o in outs)
+        got = {r: _completion(o) for r, o in zip(sent, outs, strict=True)}
+        empty: tuple[list[int], list[float], FinishReason] = ([], [], "length")
+        return [
+            SampleOutput(tokens=t, logprobs=lp, finish_reason=why)
+            for t, lp, why in (got.get(r, empty) for r in range(len(prompts)))
+        ]
+
+    def _check_fits(self, prompt_len: int, max_new: int) -> None:
+        """vLLM would silently end a request at `max_model_len` (finish reason `length`,
+        short of its own limit); an episode's prompt outgrows it only when an environment's
+        reset messages are longer than `data.max_prompt_tokens`."""
+        room = self.spec.max_model_len
+        if prompt_len + max_new > room:
+            raise UserError(
+                f"data.max_prompt_tokens: a turn of {prompt_len} prompt tokens (the "
+                f"environment's reset messages and the episode so far) plus {max_new} new ones "
+                f"exceeds the vLLM engine's max_model_len {room} (data.max_prompt_tokens + "
+                "rollout.env.max_total_tokens); raise data.max_prompt_tokens"
+            )
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         outs = self._run([(list(p), max_new_tokens, None) for p in prompts])
@@ -379,6 +417,17 @@ class VLLMEngine:
     def close(self) -> None:
         """Release the engine (its memory goes when the process ends in any case)."""
         del self.llm
+
+
+def _completion(out: Any) -> tuple[list[int], list[float], FinishReason]:
+    """(tokens, logprobs of the sampled tokens, finish reason) of one vLLM request's output."""
+    comp = out.outputs[0]
+    toks = list(comp.token_ids)
+    lps = comp.logprobs or []
+    logprobs = [float(step[tok].logprob) for tok, step in zip(toks, lps, strict=True)]
+    # vLLM's `stop`: an EOS id or a stop string ended it; anything else (`length`, or an
+    # abort) counts as cut short.
+    return toks, logprobs, "stop" if comp.finish_reason == "stop" else "length"
 
 
 def _samples(ask: list[Request]) -> list[tuple[list[int], int, int | None]]:
