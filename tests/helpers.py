@@ -226,3 +226,49 @@ def backend_workers(out: Path, world: int, *fields: str) -> dict:
         "saved": json.loads((out / "saved_activations.json").read_text()),
         "state_keys": json.loads((out / "state_keys.json").read_text()),
     }
+
+
+def close_engine(engine) -> None:  # engine: rftpipe.engines.rollout.base.RolloutEngine
+    """Close a rollout engine a test built; vLLM's in-process engine also leaves a one-rank
+    process group that later tests must not find."""
+    if hasattr(engine, "close"):
+        engine.close()
+    if type(engine).__name__ == "VLLMEngine":
+        from vllm.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
+        )
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+class OneRankLog:
+    """A multi-turn episode log for direct calls of `rftpipe.stages.episodes.run`: no
+    turn commits, one rank."""
+
+    def commit(self, turns: int, finished: object) -> None:
+        pass
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+
+def episode_prompts(tok, n: int = 2) -> list:  # -> list[rftpipe.data.prompts.Prompt]
+    """`n` chat prompts of the multi-turn tests, templated with `tok`."""
+    from rftpipe.data.prompts import Prompt, prompt_messages, template_prompt
+
+    out = []
+    for i in range(n):
+        text = f"Say something even, {i}."
+        out.append(
+            Prompt(
+                prompt_id=10 + i,
+                text=text,
+                token_ids=tuple(template_prompt(tok, "Be brief.", text)),
+                answer=None,
+                metadata={},
+                messages=tuple(prompt_messages("Be brief.", text)),
+            )
+        )
+    return out

@@ -12,10 +12,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from envs_toy import Drifts, EvenChars, Raises, Remembers, StopsOnA, WrongTypes
-from helpers import ROOT, events, final_weights, submit, trajectories
+from helpers import (
+    ROOT,
+    OneRankLog,
+    episode_prompts,
+    events,
+    final_weights,
+    submit,
+    trajectories,
+)
 
 from rftpipe.config.schema import EnvConfig, RolloutConfig, TrainConfig
-from rftpipe.data.prompts import Prompt, prompt_messages, template_prompt
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
 from rftpipe.engines.rollout.hf import HFGenerateEngine
@@ -33,48 +40,20 @@ def tiny():
     return load_causal_lm(path, "float32"), load_tokenizer(path)
 
 
-def _prompts(tok, n: int = 2) -> list[Prompt]:
-    out = []
-    for i in range(n):
-        text = f"Say something even, {i}."
-        messages = prompt_messages("Be brief.", text)
-        out.append(
-            Prompt(
-                prompt_id=10 + i,
-                text=text,
-                token_ids=tuple(template_prompt(tok, "Be brief.", text)),
-                answer=None,
-                metadata={},
-                messages=tuple(messages),
-            )
-        )
-    return out
-
-
 def _run(
     tiny, make_env: Callable[[], Environment], env: EnvConfig, n: int = 2, max_new: int = 6
 ) -> list[episodes.Episode]:
     model, tok = tiny
     cfg = RolloutConfig(n=n, max_new_tokens=max_new, env=env)
     engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
-    return _episodes(cfg, engine, tok, make_env, _prompts(tok))
-
-
-class _OneRank:
-    """No turn commits (a direct call), one rank."""
-
-    def commit(self, turns: int, finished: object) -> None:
-        pass
-
-    def any(self, flag: bool) -> bool:
-        return flag
+    return _episodes(cfg, engine, tok, make_env, episode_prompts(tok))
 
 
 def _episodes(cfg, engine, tok, make_env, prompts) -> list[episodes.Episode]:
     inp = episodes.EpisodeInputs(
         cfg=cfg, env_cfg=cfg.env, run_seed=0, step=1, stage="rollout", calls=[prompts]
     )
-    return episodes.run(inp, engine, tok, make_env, _OneRank()).episodes
+    return episodes.run(inp, engine, tok, make_env, OneRankLog()).episodes
 
 
 ENV = EnvConfig(path="envs_toy:EvenChars", max_turns=3, max_total_tokens=200)
@@ -173,7 +152,7 @@ def test_an_unstable_template_prefix_is_refused(tiny) -> None:
     cfg = RolloutConfig(n=1, max_new_tokens=4, env=ENV)
     engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     with pytest.raises(UserError, match="prefix is unstable") as err:
-        _episodes(cfg, engine, shifty, EvenChars, _prompts(tok, 1))
+        _episodes(cfg, engine, shifty, EvenChars, episode_prompts(tok, 1))
     assert "\n" not in str(err.value)
 
 
@@ -296,7 +275,7 @@ def _resumable(tiny, env: EnvConfig, make_env, resumed=None, turns: int = 0):
         run_seed=0,
         step=1,
         stage="rollout",
-        calls=[_prompts(tok)],
+        calls=[episode_prompts(tok)],
         resumed=resumed or {},
         resumed_turns=turns,
     )

@@ -23,11 +23,19 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT, save_perturbed_tiny, submit, trajectories, vllm_spec
+from helpers import (
+    ROOT,
+    OneRankLog,
+    close_engine,
+    episode_prompts,
+    save_perturbed_tiny,
+    submit,
+    trajectories,
+    vllm_spec,
+)
 
 from rftpipe.config.loader import ConfigError, load_config
 from rftpipe.config.schema import EnvConfig, RolloutConfig, RunConfig
-from rftpipe.data.prompts import Prompt, prompt_messages, template_prompt
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, load_tokenizer
 from rftpipe.engines.rollout.base import RolloutEngine, SampleOutput
@@ -80,20 +88,6 @@ def _build(name: str, model_dir: Path) -> RolloutEngine:
     return SGLangEngine(model_dir, CFG, tok.eos_token_id, tok.pad_token_id, "float32", 0)
 
 
-def _close(engine: RolloutEngine) -> None:
-    if hasattr(engine, "close"):
-        engine.close()
-    if type(engine).__name__ == "VLLMEngine":
-        # The in-process engine set up a one-rank process group; later tests expect none.
-        from vllm.distributed.parallel_state import (
-            destroy_distributed_environment,
-            destroy_model_parallel,
-        )
-
-        destroy_model_parallel()
-        destroy_distributed_environment()
-
-
 @pytest.fixture(scope="module", params=ENGINES)
 def engine(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[RolloutEngine]:
     eng = _build(request.param, model_dir)
@@ -104,7 +98,7 @@ def engine(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[RolloutE
             pytest.skip("SGLang: multi-turn episodes are not built (NotImplementedError checked)")
         yield eng
     finally:
-        _close(eng)
+        close_engine(eng)
 
 
 def _eos(model_dir: Path) -> set[int]:
@@ -175,40 +169,13 @@ def test_each_row_stops_at_its_own_limit_or_an_eos(engine: RolloutEngine, model_
 # ---------------------------------------------------------------------------------------------
 
 
-class _OneRank:
-    """No turn commits (a direct call), one rank."""
-
-    def commit(self, turns: int, finished: object) -> None:
-        pass
-
-    def any(self, flag: bool) -> bool:
-        return flag
-
-
-def _prompts(tok) -> list[Prompt]:
-    out = []
-    for i in range(2):
-        text = f"Say something even, {i}."
-        out.append(
-            Prompt(
-                prompt_id=10 + i,
-                text=text,
-                token_ids=tuple(template_prompt(tok, "Be brief.", text)),
-                answer=None,
-                metadata={},
-                messages=tuple(prompt_messages("Be brief.", text)),
-            )
-        )
-    return out
-
-
 def _run_episodes(engine: RolloutEngine, tok) -> list[episodes.Episode]:
     from envs_toy import EvenChars
 
     inp = episodes.EpisodeInputs(
-        cfg=CFG, env_cfg=ENV, run_seed=0, step=1, stage="rollout", calls=[_prompts(tok)]
+        cfg=CFG, env_cfg=ENV, run_seed=0, step=1, stage="rollout", calls=[episode_prompts(tok)]
     )
-    return episodes.run(inp, engine, tok, EvenChars, _OneRank()).episodes
+    return episodes.run(inp, engine, tok, EvenChars, OneRankLog()).episodes
 
 
 @pytest.fixture(scope="module")

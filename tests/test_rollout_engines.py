@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_perturbed_tiny, vllm_spec
+from helpers import close_engine, save_perturbed_tiny, vllm_spec
 
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.dist import Dist
@@ -68,25 +68,11 @@ def _build(name: str, model_dir: Path, cfg: RolloutConfig) -> RolloutEngine:
     return SGLangEngine(model_dir, cfg, tok.eos_token_id, tok.pad_token_id, "float32", 0)
 
 
-def _close(engine: RolloutEngine) -> None:
-    if hasattr(engine, "close"):
-        engine.close()
-    if type(engine).__name__ == "VLLMEngine":
-        # The in-process engine set up a one-rank process group; later tests expect none.
-        from vllm.distributed.parallel_state import (
-            destroy_distributed_environment,
-            destroy_model_parallel,
-        )
-
-        destroy_model_parallel()
-        destroy_distributed_environment()
-
-
 @pytest.fixture(scope="module", params=ENGINES)
 def engine(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[RolloutEngine]:
     eng = _build(request.param, model_dir, CFG)
     yield eng
-    _close(eng)
+    close_engine(eng)
 
 
 def _trainer_logprobs(model_dir: Path, prompts, responses, temperature: float) -> list[list[float]]:
@@ -188,7 +174,7 @@ def test_serving_engine_samples_do_not_depend_on_their_batch(name: str, model_di
         assert together == alone
         assert all(eos not in t[:5] and len(t) >= 5 for g in together for t in g.tokens)
     finally:
-        _close(eng)
+        close_engine(eng)
 
 
 def _ascii_pair(groups, decode) -> str:
@@ -225,7 +211,7 @@ def test_stop_strings_and_extra_eos_ids(name: str, model_dir: Path) -> None:
     try:
         ref = plain.generate_groups(PROMPTS * 4, CFG.n, seeds)
     finally:
-        _close(plain)
+        close_engine(plain)
     stop = _ascii_pair(ref, decode)
     extra_eos = ref[-1].tokens[0][2]
     cfg = dataclasses.replace(CFG, stop=(stop,), eos_token_ids=(extra_eos,))
@@ -234,7 +220,7 @@ def test_stop_strings_and_extra_eos_ids(name: str, model_dir: Path) -> None:
         got = eng.generate_groups(PROMPTS * 4, CFG.n, seeds)
         greedy = eng.greedy(PROMPTS, 8)
     finally:
-        _close(eng)
+        close_engine(eng)
     eos_ids = {load_tokenizer(model_dir).eos_token_id, extra_eos}
     cut_by = {"eos": 0, "stop": 0, "length": 0}
     for r, g in zip(ref, got, strict=True):
