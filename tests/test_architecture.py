@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "rftpipe.faults",
         "rftpipe.dist",
         "rftpipe.observe.events",
+        "rftpipe.workers",
     ),
     ("rftpipe.algos",),
     ("rftpipe.config",),

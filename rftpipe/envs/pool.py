@@ -10,33 +10,27 @@ are rebuilt in the new one by replaying their recorded actions through `reset` a
 (each answer checked against the record, as after a restart); the timed-out call, and its
 episode, fail with `EnvTimeout` and the run's `rollout.env.on_error` policy decides.
 
-A worker is a plain ``python -m rftpipe.envs.worker`` subprocess: it imports the user's
-module, never the run's torch, and it dies with the run (see `rftpipe.envs.worker`).
+A worker is a `rftpipe.workers` process running ``python -m rftpipe.envs.worker``: it
+imports the user's module, never the run's torch, and it dies with the run.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import json
-import os
 import selectors
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import rftpipe
 from rftpipe.config.schema import EnvConfig
 from rftpipe.envs.base import Environment, Task, call
-from rftpipe.envs.worker import HEADER, frame
+from rftpipe.envs.worker import encode
 from rftpipe.errors import UserError
-
-_PACKAGE_ROOT = str(Path(rftpipe.__file__).resolve().parent.parent)
+from rftpipe.workers import WorkerGone, WorkerProcess
 
 WORKER_START_S = 120.0
 """How long a new worker may take to start (not a call's time)."""
@@ -50,75 +44,16 @@ class EnvFailed(Exception):
     """An environment raised inside its worker (the message is its `Type: message`)."""
 
 
-class _Worker:
-    """One worker process and the bytes of its next reply read so far."""
+class _Worker(WorkerProcess):
+    """One environment worker (`rftpipe.envs.worker`), started and ready."""
 
     def __init__(self) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rftpipe.envs.worker", str(os.getpid())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=1,
-            env=env,
-        )
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.stdin = self.proc.stdin
-        self.fd = self.proc.stdout.fileno()
-        os.set_blocking(self.fd, False)
-        self.buf = bytearray()
+        super().__init__("rftpipe.envs.worker", encode, json.loads)
         self.send(["init", list(sys.path)])
         reply = self.wait(WORKER_START_S)
         if reply is None or reply[0] != "ready":
             self.kill()
-            raise RuntimeError(f"environment worker {self.proc.pid} did not start")
-
-    def send(self, msg: Any) -> None:
-        self.stdin.write(frame(msg))
-        self.stdin.flush()
-
-    def poll(self) -> Any | None:
-        """The next whole reply if it has arrived (None: not yet); raises EOFError if the
-        worker is gone."""
-        while True:
-            if len(self.buf) >= HEADER.size:
-                (size,) = HEADER.unpack_from(self.buf)
-                if len(self.buf) >= HEADER.size + size:
-                    data = bytes(self.buf[HEADER.size : HEADER.size + size])
-                    del self.buf[: HEADER.size + size]
-                    return json.loads(data)
-            try:
-                chunk = os.read(self.fd, 1 << 16)
-            except BlockingIOError:
-                return None
-            if not chunk:
-                raise EOFError(f"environment worker {self.proc.pid} exited")
-            self.buf += chunk
-
-    def wait(self, timeout_s: float) -> Any | None:
-        """The next reply within `timeout_s` (None: it did not come)."""
-        deadline = time.monotonic() + timeout_s
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.fd, selectors.EVENT_READ)
-            while (left := deadline - time.monotonic()) > 0:
-                if (reply := self.poll()) is not None:
-                    return reply
-                sel.select(timeout=left)
-        return self.poll()
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        self.proc.wait()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.stdin.close()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.kill()
+            raise RuntimeError(f"environment worker {self.pid} did not start")
 
 
 @dataclass
@@ -185,7 +120,7 @@ class EnvPool:
                 for w, (i, deadline) in list(busy.items()):
                     try:
                         reply = self.workers[w].poll()
-                    except EOFError as exc:
+                    except WorkerGone as exc:
                         reply, deadline = None, 0.0  # died on its own: as a timeout
                         why = str(exc)
                     else:

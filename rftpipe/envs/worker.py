@@ -11,44 +11,22 @@ frames on stdin, replies on the stdout it started with. Requests:
 Replies are ``["ok", value]`` or ``["error", "Type: message"]``. Everything crosses as JSON
 (values an environment returns that JSON cannot hold become their `str`), never pickled. The
 parent (`rftpipe.envs.pool`) SIGKILLs this process when a call outlives its timeout; it
-also dies with its parent (Linux `PR_SET_PDEATHSIG`), so no environment outlives the run.
+also dies with its parent (`rftpipe.workers`), so no environment outlives the run.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import json
-import os
-import struct
 import sys
-from typing import Any, BinaryIO
+from typing import Any
 
-HEADER = struct.Struct("<Q")
-_PR_SET_PDEATHSIG = 1
-
-
-def read_frame(f: BinaryIO) -> bytes | None:
-    """One length-prefixed frame, or None at end of input."""
-    head = f.read(HEADER.size)
-    if len(head) < HEADER.size:
-        return None
-    (size,) = HEADER.unpack(head)
-    data = f.read(size)
-    return data if len(data) == size else None
+from rftpipe.workers import serve_frames
 
 
-def frame(msg: Any) -> bytes:
-    data = json.dumps(msg, default=str).encode()
-    return HEADER.pack(len(data)) + data
-
-
-def _die_with_parent(parent: int) -> None:
-    with contextlib.suppress(OSError, AttributeError):  # no prctl: not Linux
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, 9)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(0)
+def encode(msg: Any) -> bytes:
+    # Values JSON cannot hold (an environment's info objects) become their `str`.
+    return json.dumps(msg, default=str).encode()
 
 
 def _handle(envs: dict[int, Any], msg: list[Any]) -> Any:
@@ -78,25 +56,19 @@ def _handle(envs: dict[int, Any], msg: list[Any]) -> Any:
 
 
 def main() -> None:
-    _die_with_parent(int(sys.argv[1]))
-    requests = sys.stdin.buffer
-    replies = os.fdopen(os.dup(1), "wb")
-    # What an environment prints goes where this process's stderr goes (the run's log),
-    # never into the reply stream.
-    os.dup2(2, 1)
     envs: dict[int, Any] = {}
-    while (data := read_frame(requests)) is not None:
+
+    def handle(data: bytes) -> bytes:
         msg = json.loads(data)
         if msg[0] == "init":
             sys.path[:] = msg[1]
-            reply: list[Any] = ["ready", None]
-        else:
-            try:
-                reply = ["ok", _handle(envs, msg)]
-            except BaseException as exc:  # the user's code: report anything, SystemExit too
-                reply = ["error", f"{type(exc).__name__}: {exc}"]
-        replies.write(frame(reply))
-        replies.flush()
+            return encode(["ready", None])
+        try:
+            return encode(["ok", _handle(envs, msg)])
+        except BaseException as exc:  # the user's code: report anything, SystemExit too
+            return encode(["error", f"{type(exc).__name__}: {exc}"])
+
+    serve_frames(handle)
 
 
 if __name__ == "__main__":

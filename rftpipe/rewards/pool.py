@@ -1,127 +1,55 @@
 """Import-path reward functions, run in worker processes with a hard timeout.
 
-A call that outlives its timeout cannot be stopped from inside Python (`signal.alarm`
-works only in the main thread and not while C code holds the GIL; a thread cannot be
-killed), so each call runs in a worker process (`rftpipe.rewards.worker`) that is
-SIGKILLed on timeout and replaced. A worker is a plain ``python -m`` subprocess rather
-than a multiprocessing child: it imports only the user's module, never the run's
-``__main__`` (torch), and its pid is ours to kill.
+Each call runs in a worker process (`rftpipe.rewards.worker`, a `rftpipe.workers`
+process) that is SIGKILLed on timeout and replaced.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import os
 import pickle
 import selectors
-import subprocess
 import sys
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import rftpipe
 from rftpipe.config.schema import RewardFunctionConfig, RewardSignature
 from rftpipe.errors import UserError
 from rftpipe.observe.events import events
 from rftpipe.rewards.signatures import batches, split_batch
 from rftpipe.rewards.types import Outcome, RewardSample
-from rftpipe.rewards.worker import HEADER, frame
+from rftpipe.workers import WorkerGone, WorkerProcess
 
 log = logging.getLogger(__name__)
 
-_PACKAGE_ROOT = str(Path(rftpipe.__file__).resolve().parent.parent)
 
-
-class _WorkerDied(Exception):
-    pass
+_WorkerDied = WorkerGone
 
 
 WORKER_START_S = 120.0
 """How long a new worker may take to start (a Python start and our imports)."""
 
 
-class _Worker:
-    """One worker process and the bytes of its next reply read so far."""
+class _Worker(WorkerProcess):
+    """One reward worker (`rftpipe.rewards.worker`), started and ready."""
 
     def __init__(self) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rftpipe.rewards.worker", str(os.getpid())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            # The user's prints and tracebacks join the run's log (stdout): stderr carries
-            # only the run's one-line fatal error.
-            stderr=1,
-            env=env,
-        )
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.stdin = self.proc.stdin
-        self.fd = self.proc.stdout.fileno()
-        os.set_blocking(self.fd, False)
-        self.buf = bytearray()
+        # Our own requests and replies between our own processes (import paths and rows),
+        # never data at rest.
+        super().__init__("rftpipe.rewards.worker", pickle.dumps, pickle.loads)
         self.send(("init", list(sys.path)))
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        """Block until the worker has started (its start-up is not a call's time)."""
-        deadline = time.monotonic() + WORKER_START_S
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.fd, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                sel.select(timeout=max(0.0, deadline - time.monotonic()))
-                if (reply := self.poll_reply()) is not None:
-                    if reply[0] != "ready":
-                        raise _WorkerDied(f"worker {self.pid} answered {reply[0]!r} to init")
-                    return
-        self.kill()
-        raise _WorkerDied(f"worker {self.pid} did not start within {WORKER_START_S} s")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def send(self, msg: Any) -> None:
-        try:
-            self.stdin.write(frame(pickle.dumps(msg)))
-            self.stdin.flush()
-        except (BrokenPipeError, OSError) as exc:
-            raise _WorkerDied(f"worker {self.pid} is gone") from exc
+        reply = self.wait(WORKER_START_S)
+        if reply is None or reply[0] != "ready":
+            self.kill()
+            what = "did not start" if reply is None else f"answered {reply[0]!r} to init"
+            raise _WorkerDied(f"worker {self.pid} {what} within {WORKER_START_S} s")
 
     def poll_reply(self) -> Any | None:
-        """The reply if it has fully arrived, else None; _WorkerDied at end of output."""
-        try:
-            chunk = os.read(self.fd, 1 << 16)
-        except BlockingIOError:
-            return None
-        if not chunk:
-            code = self.proc.wait()
-            raise _WorkerDied(f"the worker process died (exit code {code})")
-        self.buf += chunk
-        if len(self.buf) < HEADER.size:
-            return None
-        (size,) = HEADER.unpack_from(self.buf)
-        if len(self.buf) < HEADER.size + size:
-            return None
-        data = bytes(self.buf[HEADER.size : HEADER.size + size])
-        del self.buf[: HEADER.size + size]
-        return pickle.loads(data)
-
-    def kill(self) -> None:
-        self.proc.kill()  # SIGKILL: the call is abandoned wherever it is
-        self.proc.wait()
-
-    def close(self) -> None:
-        self.stdin.close()  # an idle worker exits at end of input
-        try:
-            self.proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        return self.poll()
 
 
 @dataclass(frozen=True, slots=True)
