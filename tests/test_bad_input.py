@@ -503,3 +503,40 @@ def test_packing_with_a_sliding_window_model(tmp_path: Path) -> None:
         f"model.path={model_dir}",
         needles=("train.packing=true", "sliding-window", "train.packing=false"),
     )
+
+
+ENV_PATH = {"PYTHONPATH": str(TESTS)}
+"""The runs import the test environments (tests/envs_toy.py)."""
+
+ENV_CASES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "env_path_that_does_not_import": (
+        ("rollout.env.path=no_such_pkg.envs:Env",),
+        ("rollout.env.path", "no_such_pkg"),
+    ),
+    "env_class_without_step": (
+        ("rollout.env.path=envs_toy:Task",),
+        ("rollout.env.path", "envs_toy:Task", "step"),
+    ),
+    "env_max_turns_below_1": (
+        ("rollout.env.path=envs_toy:EvenChars", "rollout.env.max_turns=0"),
+        ("rollout.env", "max_turns"),
+    ),
+    "env_unknown_tool_parser": (
+        ("rollout.env.path=envs_toy:EvenChars", "rollout.env.tool_parser=xml"),
+        ("rollout.env.tool_parser", "hermes"),
+    ),
+    "env_step_returning_the_wrong_types": (
+        ("rollout.env.path=envs_toy:WrongTypes", "reward.functions=[]"),
+        ("rollout.env.path", "WrongTypes.step", "reward"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ENV_CASES))
+def test_bad_environment_input(case: str, tmp_path: Path) -> None:
+    overrides, needles = ENV_CASES[case]
+    run = tmp_path / "new"
+    res = submit(run, *overrides, env=ENV_PATH)
+    _expect_error(res, *needles)
+    # Nothing was committed (the rollout stage of step 1 never committed).
+    assert not (run / "stages").exists() or not any((run / "stages").rglob("MANIFEST.json"))

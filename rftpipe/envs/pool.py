@@ -91,7 +91,7 @@ class EnvPool:
         if isinstance(out, BaseException):
             raise out
         self.records[env_id].replayable = bool(out["replayable"])
-        return RemoteEnv(self, env_id, self.records[env_id].replayable)
+        return RemoteEnv(self, env_id, self.records[env_id].replayable, str(out["name"]))
 
     def call_many(self, calls: Sequence[tuple[int, str, list[Any]]]) -> list[Any]:
         """Each call's answer, or its EnvTimeout / EnvFailed; the workers run in parallel,
@@ -210,8 +210,10 @@ def _config(cfg: EnvConfig) -> dict[str, Any]:
 class RemoteEnv:
     """An environment in a worker process, called like a local one."""
 
-    def __init__(self, pool: EnvPool, env_id: int, replayable: bool) -> None:
+    def __init__(self, pool: EnvPool, env_id: int, replayable: bool, class_name: str) -> None:
         self.pool, self.env_id = pool, env_id
+        self.class_name = class_name
+        """The environment's class in the worker (what errors name)."""
         self.replayable = replayable
         """What the environment in the worker declares (`replayable = False`: see
         `rftpipe.stages.episodes`)."""
@@ -237,6 +239,11 @@ class RemoteEnv:
             self._one("close", [])
         else:
             self.pool.records.pop(self.env_id, None)
+
+
+def env_name(env: Environment) -> str:
+    """The environment's class name, as errors name it (the remote one's, for a worker's)."""
+    return env.class_name if isinstance(env, RemoteEnv) else type(env).__name__
 
 
 def step_all(pairs: Sequence[tuple[Environment, str]]) -> list[Any]:

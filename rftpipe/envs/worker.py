@@ -37,7 +37,11 @@ def _handle(envs: dict[int, Any], msg: list[Any]) -> Any:
     kind, env_id = msg[0], msg[1]
     if kind == "make":
         envs[env_id] = make_environment(EnvConfig(**msg[2]))
-        return {"replayable": getattr(envs[env_id], "replayable", True) is not False}
+        env = envs[env_id]
+        return {
+            "replayable": getattr(env, "replayable", True) is not False,
+            "name": type(env).__name__,
+        }
     env = envs[env_id]
     if kind == "reset":
         messages, info = call(env.reset, Task(**msg[2]), msg[3])

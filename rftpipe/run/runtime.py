@@ -26,6 +26,8 @@ from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train import TRAIN_ENGINES
 from rftpipe.engines.train.base import AdaptersOffReference, TrainEngine
 from rftpipe.engines.train.critic import Critic, critic_train_config, head_seed, load_value_model
+from rftpipe.envs.base import call
+from rftpipe.envs.loader import make_environment
 from rftpipe.errors import UserError
 from rftpipe.rewards import check_coverage, resolve_all
 from rftpipe.run.preemption import NoStop, StopFlag
@@ -150,6 +152,10 @@ def build(
     rewards = resolve_all(cfg.reward, prompts.scorer, cfg.rollout.max_new_tokens, dist.device)
     if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
         preflight(cfg, model_dir)
+    if cfg.rollout.env is not None:
+        # One environment built and closed here: a path that does not import, a class
+        # without step, or kwargs it does not take fail before any model loads.
+        call(make_environment(cfg.rollout.env).close)
     if cfg.model.lora is not None:
         lora_mod.check_targets_of(model_dir, cfg.model.lora)
     model_fp = models.model_fingerprint(model_dir, ref_dir)

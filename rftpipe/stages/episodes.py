@@ -45,7 +45,7 @@ from rftpipe.envs.base import (
     checked_reset,
     checked_step_result,
 )
-from rftpipe.envs.pool import EnvFailed, step_all
+from rftpipe.envs.pool import EnvFailed, env_name, step_all
 from rftpipe.errors import UserError
 from rftpipe.faults import fault
 from rftpipe.observe.events import events
@@ -268,7 +268,7 @@ def _restore(
     turns = _recorded_turns(messages[len(fresh.messages) :])
     for t, (action, observations) in enumerate(turns):
         result = checked_step_result(
-            call(env.step, action), type(env).__name__, f"{where} turn {t} (replay)"
+            call(env.step, action), env_name(env), f"{where} turn {t} (replay)"
         )
         if float(result.reward) != e.turn_rewards[t]:
             raise _replay_error(env_cfg, f"{where} turn {t}", "step", "its reward")
@@ -313,7 +313,7 @@ def _reset(
         metadata=dict(p.metadata),
     )
     where = f"prompt_id {p.prompt_id} sample_idx {k}"
-    messages, info = checked_reset(call(env.reset, task, seed), type(env).__name__, where)
+    messages, info = checked_reset(call(env.reset, task, seed), env_name(env), where)
     # Tool schemas an environment offers go to the template's `tools=` (Hermes/Qwen
     # templates render them into the system turn; others ignore them).
     tools = info.get("tools") or None
@@ -366,7 +366,8 @@ def _answered(
     try:
         if isinstance(answer, BaseException):
             raise answer
-        result = checked_step_result(answer, type(e.env).__name__, where)
+        assert e.env is not None, "a running episode has its environment"
+        result = checked_step_result(answer, env_name(e.env), where)
     except Exception as exc:  # the environment's failure: the declared policy decides
         # A worker's report already reads `Type: message` (the exception in the worker).
         what = str(exc) if isinstance(exc, EnvFailed) else f"{type(exc).__name__}: {exc}"
