@@ -393,8 +393,10 @@ def test_tool_environment_runs_calls_reports_errors_and_scores_the_answer(
             "content": "{'error': \"LookupError: no tool named 'mul' (tools: ['add', 'divide'])\"}",
         },
     ]
+    assert r.info == {"tool_calls": ["add", "divide", "mul"], "tool_errors": 2}
     broken = env.step({"hermes": "<tool_call>{</tool_call>", "plain": "CALL add(1)"}[parser])
     assert not broken.done and "error" in broken.observations[0]["content"]
+    assert broken.info["tool_errors"] == 1 and broken.info["tool_calls"] == []
     assert env.step("4").reward == 0.0
     final = env.step("5")
     assert final.done and final.reward == 1.0 and final.observations == []

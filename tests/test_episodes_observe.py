@@ -69,6 +69,13 @@ def expected_episode_metrics(g: pd.DataFrame) -> dict[str, float]:
         **{f"episode/{s}_frac": (g["episode_status"] == s).mean() for s in EPISODE_STATUSES},
         "episode/model_tokens_mean": model.mean(),
         "episode/env_tokens_mean": (g["loss_mask"].map(len) - model).mean(),
+        # EndsFourWays has no tools: every turn's info has neither key.
+        "episode/tool_calls_mean": g["turn_infos"]
+        .map(lambda ts: sum(len(json.loads(t).get("tool_calls") or []) for t in ts))
+        .mean(),
+        "episode/tool_errors_mean": g["turn_infos"]
+        .map(lambda ts: sum(int(json.loads(t).get("tool_errors") or 0) for t in ts))
+        .mean(),
     }
 
 

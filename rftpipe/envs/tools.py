@@ -273,10 +273,12 @@ def tool_message(name: str, content: str) -> dict[str, str]:
 
 def run_calls(
     calls: Sequence[ToolCall], tools: Mapping[str, Callable[..., Any]]
-) -> list[dict[str, str]]:
+) -> tuple[list[dict[str, str]], int]:
     """One tool message per call, in order: the tool's result as text, or (like TRL) its
-    exception as `{'error': 'Type: message'}`, so the model sees what went wrong."""
+    exception as `{'error': 'Type: message'}`, so the model sees what went wrong; and how
+    many of the calls failed."""
     out = []
+    errors = 0
     for c in calls:
         try:
             if c.name not in tools:
@@ -284,8 +286,9 @@ def run_calls(
             content = str(call(tools[c.name], **c.arguments))
         except Exception as exc:  # the tool's failure is the model's observation
             content = str({"error": f"{type(exc).__name__}: {exc}"})
+            errors += 1
         out.append(tool_message(c.name, content))
-    return out
+    return out, errors
 
 
 def with_tools_prompt(messages: Sequence[Mapping[str, Any]], text: str) -> list[dict[str, Any]]:
@@ -343,16 +346,18 @@ class ToolEnvironment:
                 observations=[{"role": "tool", "content": str({"error": error})}],
                 reward=0.0,
                 done=False,
-                info={"parse_error": error},
+                # A malformed call is a call that failed.
+                info={"parse_error": error, "tool_calls": [], "tool_errors": 1},
             )
         if not calls:
             reward = call(self.reward, action_text, self.task)
             return StepResult(observations=[], reward=reward, done=True)
+        messages, errors = run_calls(calls, self.tools)
         return StepResult(
-            observations=run_calls(calls, self.tools),
+            observations=messages,
             reward=0.0,
             done=False,
-            info={"tool_calls": [c.name for c in calls]},
+            info={"tool_calls": [c.name for c in calls], "tool_errors": errors},
         )
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ counts). A version-1 shard has none of these columns and gets none of these metr
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,13 +18,15 @@ from rftpipe.storage.layout import EPISODE_SCHEMA_VERSION, schema_version
 
 EPISODE_STATUSES = ("done", "max_turns", "truncated", "error")
 """How an episode can end (`episode_status`); each has its `episode/<status>_frac`."""
-COLUMNS = ["num_turns", "episode_status", "loss_mask"]
+COLUMNS = ["num_turns", "episode_status", "loss_mask", "turn_infos"]
 """The columns the metrics read (never the token ids or logprobs)."""
 METRICS = (
     "episode/turns_mean",
     *(f"episode/{s}_frac" for s in EPISODE_STATUSES),
     "episode/model_tokens_mean",
     "episode/env_tokens_mean",
+    "episode/tool_calls_mean",
+    "episode/tool_errors_mean",
 )
 """The metric names, in the order `EpisodeCounts.metrics` gives them."""
 
@@ -44,6 +47,10 @@ class EpisodeCounts:
     """Tokens the model sampled (`loss_mask` 1)."""
     env_tokens: int = 0
     """Tokens the environment's messages and the chat template added (`loss_mask` 0)."""
+    tool_calls: int = 0
+    """Tool calls the environments reported (a turn info's `tool_calls`, a list of names)."""
+    tool_errors: int = 0
+    """Of those, the ones that failed or did not parse (a turn info's `tool_errors`)."""
 
     @classmethod
     def of(cls, rows: pa.Table) -> EpisodeCounts:
@@ -61,6 +68,7 @@ class EpisodeCounts:
             statuses={c["values"]: int(c["counts"]) for c in counts if c["values"] is not None},
             model_tokens=model,
             env_tokens=total - model,
+            **_tool_counts(rows.column("turn_infos").to_pylist()),
         )
 
     def merge(self, o: EpisodeCounts) -> EpisodeCounts:
@@ -73,6 +81,8 @@ class EpisodeCounts:
             statuses,
             self.model_tokens + o.model_tokens,
             self.env_tokens + o.env_tokens,
+            self.tool_calls + o.tool_calls,
+            self.tool_errors + o.tool_errors,
         )
 
     def metrics(self) -> dict[str, Any]:
@@ -86,4 +96,19 @@ class EpisodeCounts:
             **{f"episode/{s}_frac": self.statuses.get(s, 0) / n for s in EPISODE_STATUSES},
             "episode/model_tokens_mean": self.model_tokens / n,
             "episode/env_tokens_mean": self.env_tokens / n,
+            "episode/tool_calls_mean": self.tool_calls / n,
+            "episode/tool_errors_mean": self.tool_errors / n,
         }
+
+
+def _tool_counts(infos: list[list[str] | None]) -> dict[str, int]:
+    """Tool calls and tool errors over every turn's info (JSON; environments without tools
+    report neither)."""
+    calls = errors = 0
+    for turns in infos:
+        for text in turns or []:
+            info = json.loads(text)
+            if isinstance(info, dict):
+                calls += len(info.get("tool_calls") or [])
+                errors += int(info.get("tool_errors") or 0)
+    return {"tool_calls": calls, "tool_errors": errors}
