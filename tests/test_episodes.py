@@ -338,3 +338,24 @@ def test_environments_in_worker_processes_give_the_same_episodes(tiny, monkeypat
     for a, b in zip(local, remote, strict=True):
         assert (a.response, a.messages, a.turn_rewards) == (b.response, b.messages, b.turn_rewards)
         assert a.turn_infos == b.turn_infos
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_after_a_turn_commit_resume_bitwise(tmp_path: Path) -> None:
+    """On 2 gloo ranks (FSDP2), killed right after step 2's first turn committed (each rank
+    wrote its shard of the turn) and resumed: bitwise the uninterrupted 2-rank run."""
+    steps = (*RUN[:-1], "total_steps=3", "train.backend=fsdp2")
+    two = ("--tasks-per-node", "2")
+    ref, run = tmp_path / "ref", tmp_path / "killed"
+    assert submit(ref, *steps, env=ENV_PATH, extra=two).returncode == 0
+    env = {**ENV_PATH, "RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "7"}
+    assert submit(run, *steps, env=env, extra=two).returncode != 0
+    out = submit(run, *steps, env=ENV_PATH, extra=two)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [(e["step"], e["turns"]) for e in events(run) if e["event"] == "resume_turns"] == [
+        (2, 1),
+        (2, 1),
+    ]  # both ranks
+    assert trajectories(run).equals(trajectories(ref))
+    a, b = final_weights(run), final_weights(ref)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
