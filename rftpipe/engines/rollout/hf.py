@@ -95,7 +95,10 @@ class HFGenerateEngine:
                 [torch.rand(1, 1, generator=g, dtype=torch.float64, device=device) for g in gens]
             )
 
-        tokens, logprobs, reasons = self._decode(prompts, 1, draw, max_new)
+        # A group's first turn: n consecutive rows of one prompt, prefilled once and its cache
+        # shared, as `generate_groups` does (the draws stay each row's own).
+        n = _run_length(prompts)
+        tokens, logprobs, reasons = self._decode(prompts[::n], n, draw, max_new)
         return [
             SampleOutput(tokens=t, logprobs=lp, finish_reason=r)
             for t, lp, r in zip(tokens, logprobs, reasons, strict=True)
@@ -317,6 +320,16 @@ class _StopText:
                 self.tokens[r].append(tok)
                 hits[r] = check and last_token_stops(self.decode, self.tokens[r], self.stop)
         return hits
+
+
+def _run_length(rows: Sequence[Sequence[int]]) -> int:
+    """n if `rows` are runs of n equal rows one after another (n > 1), else 1."""
+    for n in range(len(rows), 1, -1):
+        if len(rows) % n == 0 and all(
+            list(rows[i]) == list(rows[i - i % n]) for i in range(len(rows))
+        ):
+            return n
+    return 1
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
