@@ -30,7 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     import pyarrow.dataset as ds
 
     table = ds.dataset(args.run_dir / "trajectories", format="parquet", partitioning="hive")
-    cols = [c for c in table.schema.names if c.startswith("reward_")] + ["response_length", "step"]
+    import pyarrow as pa
+
+    # Numeric components only (`reward_status` and `reward_error` are text).
+    rewards = [
+        f.name
+        for f in table.schema
+        if f.name.startswith("reward_") and pa.types.is_floating(f.type)
+    ]
+    # A multi-turn run (trajectory schema version 2): turns per episode beside the length.
+    turns = ["num_turns"] if "num_turns" in table.schema.names else []
+    cols = [*rewards, *turns, "response_length", "step"]
     df = table.to_table(columns=cols).to_pandas()
     df["step"] = df["step"].astype(int)
     per_step = df.groupby("step").mean()
@@ -46,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     ax2.plot(per_step.index, per_step["response_length"], marker="o", ms=3, color="tab:gray")
     ax2.set_xlabel("step")
     ax2.set_ylabel("response length (tokens)")
+    if turns:
+        ax3 = ax2.twinx()
+        ax3.plot(per_step.index, per_step["num_turns"], marker="s", ms=3, color="tab:red")
+        ax3.set_ylabel("turns per episode", color="tab:red")
     ax2.grid(alpha=0.3)
     fig.suptitle(f"{args.run_dir.name}: reward components and response length")
     fig.tight_layout()
