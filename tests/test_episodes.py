@@ -359,3 +359,25 @@ def test_two_ranks_killed_after_a_turn_commit_resume_bitwise(tmp_path: Path) -> 
     assert trajectories(run).equals(trajectories(ref))
     a, b = final_weights(run), final_weights(ref)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_rounds_run_episodes(tmp_path: Path) -> None:
+    """DAPO's rounds with turns: each generation round runs (and commits) its own episodes."""
+    run = tmp_path / "rounds"
+    out = submit(
+        run,
+        *RUN[:-1],
+        "total_steps=2",
+        "rollout.dynamic_sampling.enabled=true",
+        "rollout.dynamic_sampling.metric=reward",
+        "rollout.dynamic_sampling.prompts_per_round=2",
+        "rollout.dynamic_sampling.max_rounds=4",
+        env=ENV_PATH,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = events(run)
+    rounds = {e["stage"] for e in log if e["event"] == "turn_begin"}
+    assert "rollout" in rounds and "rollout.r1" in rounds, rounds
+    t = trajectories(run).to_pandas()
+    assert len(t) == 2 * 4 * 4 and (t["num_turns"] >= 1).all()  # 4 varied groups a step
