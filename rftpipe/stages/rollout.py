@@ -128,7 +128,9 @@ def _row(
     toks: list[int],
     lps: list[float],
     reason: str,
+    response: str | None = None,
 ) -> dict:
+    """One row; `response` is its text if the caller has it (else `toks` decoded)."""
     return {
         "step": inp.step,
         "prompt_id": p.prompt_id,
@@ -136,7 +138,9 @@ def _row(
         "rank": inp.rank,
         "prompt": p.text,
         "prompt_token_ids": list(p.token_ids),
-        "response": tokenizer.decode(toks, skip_special_tokens=True),
+        "response": tokenizer.decode(toks, skip_special_tokens=True)
+        if response is None
+        else response,
         "response_token_ids": toks,
         "response_length": len(toks),
         "finish_reason": reason,
@@ -185,15 +189,23 @@ def episode_rows(
     cols: dict[str, list] = {name: [] for name in EPISODE_SCHEMA.names}
     for e in finished:
         row = _row(
-            inp, engine, tokenizer, e.prompt, e.sample_idx, e.response, e.logprobs, e.finish_reason
+            inp,
+            engine,
+            tokenizer,
+            e.prompt,
+            e.sample_idx,
+            e.response,
+            e.logprobs,
+            e.finish_reason,
+            # What reward functions read as the response: the last action's text (the
+            # whole sequence holds environment tokens too, so it is not decoded).
+            response=e.last_action,
         )
         _append(
             cols,
             {
                 **row,
                 "prompt_token_ids": e.prompt_ids,
-                # What reward functions read as the response: the last action's text.
-                "response": e.last_action,
                 "loss_mask": e.loss_mask,
                 "turn_offsets": e.turn_offsets,
                 "turn_rewards": e.turn_rewards,
@@ -228,17 +240,13 @@ class TurnStore:
     env_s: float = 0.0
     """Seconds this rank waited for environments in the stage (set once it ran)."""
 
-    def name(self, step: int, k: int) -> str:
+    def name(self, k: int) -> str:
         return f"{self.stage}.t{k}"
 
     def newest(self, step: int, max_turns: int) -> int:
         """How many turns the newest committed turn directory holds (0: none)."""
         return next(
-            (
-                k
-                for k in range(max_turns, 0, -1)
-                if self.store.is_committed(step, self.name(step, k))
-            ),
+            (k for k in range(max_turns, 0, -1) if self.store.is_committed(step, self.name(k))),
             0,
         )
 
@@ -250,7 +258,7 @@ class TurnStore:
             return {}, 0
         table = self.store.read_for(
             inp.step,
-            self.name(inp.step, k),
+            self.name(k),
             self.dist.rank,
             self.dist.world,
             [p.prompt_id for p in inp.prompts],
@@ -272,7 +280,7 @@ class _StoreLog:
 
     def commit(self, k: int, finished: Sequence[episodes.Episode]) -> None:
         t, step = self.turns, self.inp.step
-        name = t.name(step, k)
+        name = t.name(k)
         table = episode_rows(self.inp, self.engine, self.tokenizer, finished)
         meta = {
             "rftpipe.schema_version": EPISODE_SCHEMA_VERSION,
@@ -285,7 +293,7 @@ class _StoreLog:
             t.store.commit(step, name, t.dist.world, {"turns": k})
             if k > 1:
                 # The newer turn holds every episode: the older one is not read again.
-                t.store.uncommit(step, t.name(step, k - 1))
+                t.store.uncommit(step, t.name(k - 1))
         t.dist.barrier()
 
     def any(self, flag: bool) -> bool:
