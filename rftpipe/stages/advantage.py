@@ -106,7 +106,7 @@ def run(
             scored.column("turn_offsets").to_pylist(),
             scored.column("turn_rewards").to_pylist(),
             losses,
-            tuple(padded.shape),
+            (padded.shape[0], padded.shape[1]),
         )
     group = torch.tensor(scored.column("prompt_id").to_pylist(), dtype=torch.int64)
     # The behaviour policy's logprobs, as committed: the optimal token baseline reads them.
