@@ -26,7 +26,8 @@ from rftpipe.engines.vision import (
     rope_position_ids,
 )
 from rftpipe.errors import UserError
-from rftpipe.storage.images import ImageStore, verify_images
+from rftpipe.inspect.verify import verify_run
+from rftpipe.storage.images import ImageStore, quarantine_corrupt_images, verify_images
 
 
 def png(seed: int, width: int = 56, height: int = 56) -> bytes:
@@ -218,6 +219,14 @@ def test_the_store_writes_each_image_once_and_verify_rehashes(
     victim.write_bytes(bytes(data))
     bad = verify_images(tmp_path)
     assert [b.path for b in bad] == [victim]
+    audit = verify_run(tmp_path)
+    assert audit.images == 2 and [b["path"] for b in audit.corrupt] == [str(victim)]
+
+    # The repair path: the corrupt file leaves the store, the next put writes it afresh.
+    assert quarantine_corrupt_images(tmp_path, tmp_path / "quarantine") == [victim]
+    assert not victim.exists() and verify_images(tmp_path) == []
+    other.store(store)
+    assert victim.exists() and verify_images(tmp_path) == []
 
 
 BAD_INPUTS: dict[str, tuple[dict[str, Any], str]] = {
@@ -269,3 +278,10 @@ def test_an_image_prompt_for_a_text_only_model(images: list[Path]) -> None:
         require_vision_model(prepare_tiny(), prompt, "row 4", "prompt")
     with pytest.raises(UserError, match="text-only"):
         VisionEncoder.load(prepare_tiny())
+
+
+def test_a_prompt_spelling_the_image_token(encoder: VisionEncoder) -> None:
+    """Text that spells the image-pad token would shift every image's tokens: refused."""
+    prompt = vision_prompt("say <|image_pad|> please", row="row 9")
+    with pytest.raises(UserError, match=r"^row 9: .* rendered 1 '<\|image_pad\|>' tokens"):
+        encoder.encode(prompt, row="row 9")

@@ -89,7 +89,7 @@ class VisionEncoder:
         if not is_vision_model(model_dir):
             raise UserError(f"model.path: '{model_dir}' is a text-only model (no vision_config)")
         tok = load_tokenizer(model_dir)
-        pixels = {"min_pixels": min_pixels, "max_pixels": max_pixels}
+        pixels: dict[str, Any] = {"min_pixels": min_pixels, "max_pixels": max_pixels}
         processor = Qwen2VLImageProcessorPil.from_pretrained(
             model_dir, **{k: v for k, v in pixels.items() if v is not None}
         )
@@ -102,19 +102,20 @@ class VisionEncoder:
         patches = self.image_processor.get_number_of_image_patches(size[1], size[0])
         return int(patches) // self.merge**2
 
-    def count_tokens(self, prompt: VisionPrompt) -> int:
+    def count_tokens(self, prompt: VisionPrompt, row: str = "prompt") -> int:
         """The prompt's length in tokens, image tokens included (what the prompt-length
         policy and `max_tokens_per_micro_batch` count), from the images' sizes alone."""
-        text_ids = self._template_ids(prompt)
+        text_ids = self._template_ids(prompt, row)
         return (
             len(text_ids)
             - len(prompt.images)
             + sum(self.image_tokens(im.size) for im in prompt.images)
         )
 
-    def encode(self, prompt: VisionPrompt) -> EncodedPrompt:
-        """Token ids, image-token mask, pixel values and patch grids of `prompt`."""
-        ids = self._template_ids(prompt)
+    def encode(self, prompt: VisionPrompt, row: str = "prompt") -> EncodedPrompt:
+        """Token ids, image-token mask, pixel values and patch grids of `prompt` (`row`
+        names it in errors)."""
+        ids = self._template_ids(prompt, row)
         if not prompt.images:
             return EncodedPrompt(
                 input_ids=tuple(ids),
@@ -135,7 +136,7 @@ class VisionEncoder:
             image_grid_thw=grid,
         )
 
-    def _template_ids(self, prompt: VisionPrompt) -> list[int]:
+    def _template_ids(self, prompt: VisionPrompt, row: str) -> list[int]:
         """The chat-templated prompt with one image-pad token per image."""
         text = self.tokenizer.apply_chat_template(
             list(prompt.messages), tokenize=False, add_generation_prompt=True
@@ -145,8 +146,8 @@ class VisionEncoder:
         if pads != len(prompt.images):
             # A template that drops image parts, or a prompt whose text spells the token.
             raise UserError(
-                f"model.path: the chat template rendered {pads} '{IMAGE_PAD}' tokens for a "
-                f"prompt with {len(prompt.images)} images"
+                f"{row}: model.path's chat template rendered {pads} '{IMAGE_PAD}' tokens "
+                f"for a prompt with {len(prompt.images)} images"
             )
         return ids
 

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from rftpipe.storage.atomic import TMP_PREFIX, CorruptionError, atomic_write_bytes
+from rftpipe.storage.atomic import TMP_PREFIX, CorruptionError, atomic_write_bytes, fsync_dir
 
 IMAGES_DIR = "images"
 """The store's folder under the run directory."""
@@ -63,28 +63,42 @@ class ImageStore:
         return ref
 
 
+def stored_images(run_root: Path) -> list[Path]:
+    """Every image file of the run's store (temporary files of unfinished writes aside:
+    a write that died before its rename was never referenced)."""
+    root = Path(run_root) / IMAGES_DIR
+    if not root.is_dir():
+        return []
+    return sorted(f for f in root.glob("*/*") if not f.name.startswith(TMP_PREFIX))
+
+
+def image_corruption(path: Path) -> CorruptionError | None:
+    """The error of a stored image whose bytes no longer hash to its name, else None."""
+    want = path.name.partition(".")[0]
+    if hashlib.sha256(path.read_bytes()).hexdigest() != want or path.parent.name != want[:2]:
+        return CorruptionError(path, "image bytes disagree with their sha256 name")
+    return None
+
+
 def verify_images(run_root: Path) -> list[CorruptionError]:
     """Every stored image whose bytes no longer hash to its name (empty: all sound)."""
-    root = Path(run_root) / IMAGES_DIR
-    bad: list[CorruptionError] = []
-    if not root.is_dir():
-        return bad
-    for sub in sorted(root.iterdir()):
-        for f in sorted(sub.iterdir()) if sub.is_dir() else ():
-            if f.name.startswith(TMP_PREFIX):
-                continue  # a write that died before its rename: never referenced
-            want = f.name.partition(".")[0]
-            got = hashlib.sha256(f.read_bytes()).hexdigest()
-            if got != want or sub.name != want[:2]:
-                bad.append(CorruptionError(f, "image bytes disagree with their sha256 name"))
-    return bad
+    return [e for f in stored_images(run_root) if (e := image_corruption(f)) is not None]
 
 
-def remove_stray_tmp(run_root: Path) -> int:
-    """Delete temporary files left by writes that died mid-way; returns how many."""
+def quarantine_corrupt_images(run_root: Path, quarantine: Path) -> list[Path]:
+    """The repair path: move every corrupt image (and every temporary file of a write
+    that died) out of the store into `quarantine`, and return the moved images' old
+    paths. The next `ImageStore.put` of the same image writes it afresh, as the prompts
+    that reference it still hold its bytes in their dataset."""
     root = Path(run_root) / IMAGES_DIR
-    n = 0
-    for f in root.glob(f"*/{TMP_PREFIX}*") if root.is_dir() else ():
-        os.unlink(f)
-        n += 1
-    return n
+    for tmp in root.glob(f"*/{TMP_PREFIX}*") if root.is_dir() else ():
+        os.unlink(tmp)
+    moved = [e.path for e in verify_images(run_root)]
+    if moved:
+        quarantine.mkdir(parents=True, exist_ok=True)
+    for path in moved:
+        os.replace(path, quarantine / path.name)
+        fsync_dir(path.parent)
+    if moved:
+        fsync_dir(quarantine)
+    return moved
