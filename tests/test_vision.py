@@ -285,3 +285,23 @@ def test_a_prompt_spelling_the_image_token(encoder: VisionEncoder) -> None:
     prompt = vision_prompt("say <|image_pad|> please", row="row 9")
     with pytest.raises(UserError, match=r"^row 9: .* rendered 1 '<\|image_pad\|>' tokens"):
         encoder.encode(prompt, row="row 9")
+
+
+def test_greedy_generate_from_a_mixed_batch(
+    model: Any, encoder: VisionEncoder, images: list[Path]
+) -> None:
+    """What a rollout engine will call: the batched continuation is each prompt's alone."""
+    from transformers import GenerationConfig
+
+    pad = encoder.tokenizer.pad_token_id
+    gen = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=pad)
+    prompts = [
+        vision_prompt("<image>What is it?", str(images[0]), row="row 0"),
+        vision_prompt("just text", row="row 1"),
+    ]
+    encoded = [encoder.encode(p) for p in prompts]
+    with torch.no_grad():
+        batch = model.generate(**collate(encoded, pad), generation_config=gen)[:, -4:]
+        for e, row in zip(encoded, batch, strict=True):
+            alone = model.generate(**collate([e], pad), generation_config=gen)[0, -4:]
+            assert row.tolist() == alone.tolist()
