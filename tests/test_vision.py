@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,15 @@ def test_an_image_prompt_for_a_text_only_model(images: list[Path]) -> None:
         require_vision_model(prepare_tiny(), prompt, "row 4", "prompt")
     with pytest.raises(UserError, match="text-only"):
         VisionEncoder.load(prepare_tiny())
+
+
+def test_another_vision_family_is_refused(tmp_path: Path) -> None:
+    config = {"model_type": "llava", "vision_config": {}, "image_token_id": 32000}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        UserError, match=r"^model.path: .* is a 'llava' model; images are encoded for"
+    ):
+        VisionEncoder.load(tmp_path)
 
 
 def test_a_prompt_spelling_the_image_token(encoder: VisionEncoder) -> None:

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     import torch
 
 IMAGE_PAD = "<|image_pad|>"
+QWEN_VL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+"""The `model_type`s whose prompts `VisionEncoder` encodes (one image processor, one
+image-pad token, M-RoPE)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,12 +91,19 @@ class VisionEncoder:
 
         if not is_vision_model(model_dir):
             raise UserError(f"model.path: '{model_dir}' is a text-only model (no vision_config)")
+        config = json.loads((model_dir / "config.json").read_text())
+        if config.get("model_type") not in QWEN_VL_TYPES:
+            # Other families have other processors and token layouts; encoding their
+            # prompts with Qwen2-VL's would silently feed the model garbage.
+            raise UserError(
+                f"model.path: '{model_dir}' is a {config.get('model_type')!r} model; images "
+                f"are encoded for {sorted(QWEN_VL_TYPES)} only so far"
+            )
         tok = load_tokenizer(model_dir)
         pixels: dict[str, Any] = {"min_pixels": min_pixels, "max_pixels": max_pixels}
         processor = Qwen2VLImageProcessorPil.from_pretrained(
             model_dir, **{k: v for k, v in pixels.items() if v is not None}
         )
-        config = json.loads((model_dir / "config.json").read_text())
         return cls(tok, processor, int(config["image_token_id"]))
 
     def image_tokens(self, size: tuple[int, int]) -> int:
