@@ -145,11 +145,13 @@ class HFGenerateEngine:
         - Only prefill forwards write the kept cache. After a turn's decode its K/V for the
           sampled tokens (computed one token at a time) are cropped off; the next turn
           prefills those tokens again within its chunk.
-        - Per-row results depend on the batch on CPU (the same row prefilled beside other
-          rows or other padding widths differs in the last bits: different GEMM shapes and
-          attention widths), so one cache is one call's rows, batched as the call batched
-          them (left padding; each chunk left-padded to the call's longest, its pad columns
-          masked), and ended rows are dropped by exact row selection.
+        - Per-row results depend on the batch: on the tiny model on CPU (2026-11-26) a row
+          prefilled alone or beside 1 or 3 others of its width was bitwise the same, but
+          left-padded by 17 positions (beside a longer row) its logits moved by up to
+          9e-8, and padding follows the batch's longest row. So one cache is one call's
+          rows, batched as the call batched them (left padding; each chunk left-padded to
+          the call's longest, its pad columns masked), and ended rows are dropped by exact
+          row selection (the kept rows' values unchanged).
         - A resumed stage (its caches empty) replays the committed turns through the same
           calls with `max_new` 0 (`stages.episodes`): the same prefills in the same batches,
           so the same cache bit for bit, before it decodes the next turn.
