@@ -271,9 +271,11 @@ def test_hf_continued_turns_equal_the_whole_history_prefilled_again(
     if not isinstance(engine, HFGenerateEngine):
         pytest.skip("the HF loop only")
     tok = load_tokenizer(model_dir)
+    whole_cfg = dataclasses.replace(CFG, env=dataclasses.replace(ENV, keep_kv_cache=False))
     again = HFGenerateEngine(
-        engine.model, CFG, tok.eos_token_id, tok.pad_token_id, engine.decode, continue_turns=False
+        engine.model, whole_cfg, tok.eos_token_id, tok.pad_token_id, engine.decode
     )
+    assert not again.continues_turns
     whole = _run_episodes(again, tok)
     worst = 0.0
     for a, b in zip(played, whole, strict=True):

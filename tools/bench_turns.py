@@ -13,8 +13,8 @@ top; the printout gives the environment tokens measured per turn). Every turn sa
 (`min_new_tokens` = `max_new_tokens`, EOS masked), so both sides do the same work even
 where float rounding changes a sampled token.
 
-Sides: `continued` (`HFGenerateEngine(continue_turns=True)`, the default: the next turn
-prefills only its new chunk on the kept cache) and `reprefill` (`continue_turns=False`:
+Sides: `continued` (`rollout.env.keep_kv_cache=true`, the default: the next turn
+prefills only its new chunk on the kept cache) and `reprefill` (`keep_kv_cache=false`:
 every turn prefills the prompt and all earlier turns again). They alternate run by run
 after one warm-up each; prints per side the median over `--runs` of each turn's engine call
 and of the whole episode batch (all turns, environment included), and the largest logprob
@@ -118,7 +118,9 @@ def observation(tok: Any, tokens: int) -> str:
 
 
 def run_side(a: argparse.Namespace, model: Any, tok: Any, continued: bool) -> dict[str, Any]:
-    env = EnvConfig(path="bench:Answers", max_turns=a.turns, max_total_tokens=1 << 20)
+    env = EnvConfig(
+        path="bench:Answers", max_turns=a.turns, max_total_tokens=1 << 20, keep_kv_cache=continued
+    )
     cfg = RolloutConfig(
         n=a.n,
         max_new_tokens=a.max_new,
@@ -126,9 +128,7 @@ def run_side(a: argparse.Namespace, model: Any, tok: Any, continued: bool) -> di
         groups_per_call=a.episodes // a.n,
         env=env,
     )
-    engine = HFGenerateEngine(
-        model, cfg, tok.eos_token_id, tok.pad_token_id, continue_turns=continued
-    )
+    engine = HFGenerateEngine(model, cfg, tok.eos_token_id, tok.pad_token_id)
     timed = _Timed(engine, a.device)
     inp = episodes.EpisodeInputs(
         cfg=cfg,

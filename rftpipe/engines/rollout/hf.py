@@ -41,7 +41,6 @@ class HFGenerateEngine:
         eos_id: int,
         pad_id: int,
         decode: Callable[[list[int]], str] | None = None,
-        continue_turns: bool = True,
     ) -> None:
         if cfg.stop and decode is None:
             raise ValueError("rollout.stop needs the tokenizer's decode to find stop strings")
@@ -53,8 +52,8 @@ class HFGenerateEngine:
         self.pad_id = pad_id
         self.decode = decode
         self.weight_version = 0
-        self.continue_turns = continue_turns
-        """False: every turn prefills its whole history again (the benchmark's baseline)."""
+        self.continue_turns = cfg.env is None or cfg.env.keep_kv_cache
+        """False (`rollout.env.keep_kv_cache`): every turn prefills its whole history."""
         self._sessions: dict[Hashable, _Session] = {}
         """Each live episode's kept cache (one per call: its rows share it), by key."""
 
