@@ -320,6 +320,28 @@ def test_resumed_in_any_turn_the_kept_kv_caches_are_rebuilt_bitwise(tiny) -> Non
             assert (a.messages, a.turn_rewards, a.status) == (b.messages, b.turn_rewards, b.status)
 
 
+def test_kept_kv_caches_refuse_rows_that_do_not_continue_their_episodes(tiny) -> None:
+    model, tok = tiny
+    engine = HFGenerateEngine(model, RolloutConfig(n=1, env=ENV), tok.eos_token_id, 0)
+    a, b = [5, 6, 7, 8], [9, 10, 11]
+    first = engine.generate_rows([a, b], [1, 2], [3, 3], keys=["a", "b"])
+    a2, b2 = a + first[0].tokens + [20], b + first[1].tokens + [21]
+    for rows, keys, what in (
+        ([a2, a2], ["a", "a"], "appears twice"),
+        ([b2, a2], ["b", "a"], "order"),
+        ([a2, b2], ["a", "c"], "not one earlier call's"),
+        ([[5, 6, 99, 8, 1], b2], ["a", "b"], "row 0's prompt does not extend"),
+        ([a, b2], ["a", "b"], "row 0's prompt does not extend"),  # adds nothing
+    ):
+        with pytest.raises(ValueError, match=what):
+            engine.generate_rows(rows, [1, 2], [3, 3], keys=keys)
+    engine.end_episodes(["a"])
+    assert set(engine._sessions) == {"b"}  # "b" continues alone
+    assert len(engine.generate_rows([b2], [2], [3], keys=["b"])[0].tokens) == 3
+    engine.sleep()
+    assert engine._sessions == {}
+
+
 def test_an_environment_that_replays_differently_is_refused_unless_it_says_so(tiny) -> None:
     env = EnvConfig(path="envs_toy:Drifts", max_turns=3, max_total_tokens=200)
     _, log = _resumable(tiny, env, Drifts)

@@ -143,7 +143,9 @@ class HFGenerateEngine:
 
         - Only prefill forwards write the kept cache. After a turn's decode its K/V for the
           sampled tokens (computed one token at a time) are cropped off; the next turn
-          prefills those tokens again within its chunk.
+          prefills those tokens again within its chunk. Keeping them would spare that
+          (at most `max_new_tokens` a row a turn), but a replay would then have to redo
+          every decode step in its batch, ended rows' pad steps included.
         - Per-row results depend on the batch: on the tiny model on CPU (2026-11-26) a row
           prefilled alone or beside 1 or 3 others of its width was bitwise the same, but
           left-padded by 17 positions (beside a longer row) its logits moved by up to
@@ -160,8 +162,10 @@ class HFGenerateEngine:
 
         Memory: the caches hold every live episode of the stage's calls at once (all calls
         take each turn in order), each row as wide as its call's longest prompt plus each
-        earlier turn's longest chunk; an episode's row is freed when it ends
-        (`end_episodes`), and all at the stage's end, on `sleep` and on new weights.
+        earlier turn's longest chunk, at 2 x layers x KV heads x head dim values a position
+        (SmolLM2-135M in fp32: 45 KiB); re-prefilling holds one call's rows at a time. An
+        episode's row is freed when it ends (`end_episodes`), and all at the stage's end,
+        on `sleep` and on new weights. `rollout.env.keep_kv_cache=false` turns it off.
         """
         return self.continue_turns
 
