@@ -17,8 +17,9 @@ Sides: `continued` (`rollout.env.keep_kv_cache=true`, the default: the next turn
 prefills only its new chunk on the kept cache) and `reprefill` (`keep_kv_cache=false`:
 every turn prefills the prompt and all earlier turns again). They alternate run by run
 after one warm-up each; prints per side the median over `--runs` of each turn's engine call
-and of the whole episode batch (all turns, environment included), and the largest logprob
-difference between the two sides' first runs.
+and of the whole episode batch (all turns, environment included), and between the two
+sides' first runs whether the episodes' tokens are equal and the largest logprob
+difference.
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def run_side(a: argparse.Namespace, model: Any, tok: Any, continued: bool) -> di
     return {
         "turns": timed.calls,
         "total": total,
+        "tokens": [e.response for e in eps],
         "logprobs": [lp for e in eps for lp in e.logprobs],
         "obs_tokens": statistics.mean(obs) if obs else 0.0,
         "prompt_tokens": statistics.mean(len(e.prompt_ids) for e in eps),
@@ -196,6 +198,7 @@ def main() -> None:
         "max_new": a.max_new,
         "prompt_tokens": first["continued"]["prompt_tokens"],
         "obs_tokens": first["continued"]["obs_tokens"],
+        "tokens_equal": first["continued"]["tokens"] == first["reprefill"]["tokens"],
         "logprob_abs_diff_max": diff,
     }
     for s in SIDES:
