@@ -249,6 +249,32 @@ def test_sigkill_mid_turn_and_around_turn_commits_resumes_bitwise(
     ]
 
 
+@pytest.mark.slow
+def test_sigkill_mid_turn_3_resumes_on_replayed_kv_caches_bitwise(tmp_path: Path) -> None:
+    """Killed in the middle of step 2's third turn (after the second of its 4 calls): the
+    resumed rollout rebuilds the HF loop's kept KV caches by replaying two committed turns
+    (the kills above replay one), and the run is bitwise the uninterrupted one."""
+    steps = (
+        *RUN[:1],
+        "rollout.env.max_turns=3",
+        "rollout.env.max_total_tokens=200",
+        "reward.functions=[]",
+        "total_steps=2",
+    )
+    ref, run = tmp_path / "ref", tmp_path / "killed"
+    assert submit(ref, *steps, env=ENV_PATH).returncode == 0
+    # Step 1 is 3 turns of 4 calls; step 2's third turn is hit 21 after 8 more.
+    env = {**ENV_PATH, "RFTPIPE_FAULT": "episode_mid_turn", "RFTPIPE_FAULT_SKIP": "21"}
+    assert submit(run, *steps, env=env).returncode != 0
+    out = submit(run, *steps, env=ENV_PATH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = [(e["step"], e["turns"]) for e in events(run) if e["event"] == "resume_turns"]
+    assert resumed == [(2, 2)], resumed
+    assert trajectories(run).equals(trajectories(ref))
+    a, b = final_weights(run), final_weights(ref)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 class _Snapshots:
     """A one-rank log keeping every episode's committed row after each turn."""
 
