@@ -446,7 +446,8 @@ class EnvConfig:
     environment's answer), not the whole conversation. The kept caches hold every running
     episode of the rank at once (about its history's length each); false prefills the
     whole history at every turn and holds one engine call's rows at a time. Either way a
-    resumed run is bitwise the uninterrupted one. vLLM's prefix cache does this by itself."""
+    resumed run is bitwise the uninterrupted one; the two differ in float rounding, so a
+    resume refuses a change of it. vLLM's prefix cache does this by itself."""
 
     def __post_init__(self) -> None:
         if not _ENV_PATH.match(self.path):
