@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from envs_toy import Drifts, EvenChars, Raises, Remembers, StopsOnA, WrongTypes
+from envs_toy import Drifts, EndsFourWays, EvenChars, Raises, Remembers, StopsOnA, WrongTypes
 from helpers import (
     ROOT,
     OneRankLog,
@@ -249,23 +249,52 @@ def test_sigkill_mid_turn_and_around_turn_commits_resumes_bitwise(
     ]
 
 
+@pytest.mark.slow
+def test_sigkill_mid_turn_3_resumes_on_replayed_kv_caches_bitwise(tmp_path: Path) -> None:
+    """Killed in the middle of step 2's third turn (after the second of its 4 calls): the
+    resumed rollout rebuilds the HF loop's kept KV caches by replaying two committed turns
+    (the kills above replay one), and the run is bitwise the uninterrupted one."""
+    steps = (
+        *RUN[:1],
+        "rollout.env.max_turns=3",
+        "rollout.env.max_total_tokens=200",
+        "reward.functions=[]",
+        "total_steps=2",
+    )
+    ref, run = tmp_path / "ref", tmp_path / "killed"
+    assert submit(ref, *steps, env=ENV_PATH).returncode == 0
+    # Step 1 is 3 turns of 4 calls; step 2's third turn is hit 21 after 8 more.
+    env = {**ENV_PATH, "RFTPIPE_FAULT": "episode_mid_turn", "RFTPIPE_FAULT_SKIP": "21"}
+    assert submit(run, *steps, env=env).returncode != 0
+    out = submit(run, *steps, env=ENV_PATH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = [(e["step"], e["turns"]) for e in events(run) if e["event"] == "resume_turns"]
+    assert resumed == [(2, 2)], resumed
+    assert trajectories(run).equals(trajectories(ref))
+    a, b = final_weights(run), final_weights(ref)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 class _Snapshots:
     """A one-rank log keeping every episode's committed row after each turn."""
 
     def __init__(self, engine, tok) -> None:
         self.engine, self.tok = engine, tok
         self.rows: dict[int, dict[tuple[int, int], dict]] = {}
+        self.kept: dict[int, set] = {}
+        """The episodes whose KV caches the engine kept after each turn."""
 
     def commit(self, turns: int, finished) -> None:
         inp = rollout.RolloutInputs(step=1, rank=0, run_seed=0, prompts=[])
         table = rollout.episode_rows(inp, self.engine, self.tok, finished)
         self.rows[turns] = {(r["prompt_id"], r["sample_idx"]): r for r in table.to_pylist()}
+        self.kept[turns] = set(self.engine._sessions)
 
     def any(self, flag: bool) -> bool:
         return flag
 
 
-def _resumable(tiny, env: EnvConfig, make_env, resumed=None, turns: int = 0):
+def _resumable(tiny, env: EnvConfig, make_env, resumed=None, turns: int = 0, calls=None):
     model, tok = tiny
     cfg = RolloutConfig(n=2, max_new_tokens=6, env=env)
     engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
@@ -275,7 +304,7 @@ def _resumable(tiny, env: EnvConfig, make_env, resumed=None, turns: int = 0):
         run_seed=0,
         step=1,
         stage="rollout",
-        calls=[episode_prompts(tok)],
+        calls=calls or [episode_prompts(tok)],
         resumed=resumed or {},
         resumed_turns=turns,
     )
@@ -291,6 +320,52 @@ def test_a_resumed_episode_continues_as_the_uninterrupted_one(tiny) -> None:
     for a, b in zip(full, again, strict=True):
         assert (a.response, a.logprobs, a.loss_mask) == (b.response, b.logprobs, b.loss_mask)
         assert (a.messages, a.turn_rewards, a.status) == (b.messages, b.turn_rewards, b.status)
+
+
+def test_resumed_in_any_turn_the_kept_kv_caches_are_rebuilt_bitwise(tiny) -> None:
+    """The HF loop keeps each episode's KV cache across its turns (`continues_turns`); a
+    stage killed in turn 2, 3 or 4 resumes on caches rebuilt by replaying the committed
+    turns, with episodes ending at different turns, in two calls: bit for bit the
+    uninterrupted episodes. An episode's cache is freed when it ends."""
+    env = EnvConfig(
+        path="envs_toy:EndsFourWays", max_turns=4, max_total_tokens=200, on_error="end_episode"
+    )
+    prompts = episode_prompts(tiny[1], 3)
+    calls = [prompts[:1], prompts[1:]]
+    full, log = _resumable(tiny, env, EndsFourWays, calls=calls)
+    turns = [len(e.turn_offsets) for e in full]
+    # Some episodes ended early (their rows dropped from a call's cache), some ran on.
+    assert min(turns) < 3 and max(turns) == 4, turns
+    for t, rows in log.rows.items():
+        assert log.kept[t] == {k for k, r in rows.items() if r["episode_status"] is None}
+    assert log.kept[4] == set() and log.engine._sessions == {}
+    for done in (1, 2, 3):
+        again, _ = _resumable(tiny, env, EndsFourWays, log.rows[done], done, calls=calls)
+        for a, b in zip(full, again, strict=True):
+            assert (a.response, a.logprobs, a.loss_mask) == (b.response, b.logprobs, b.loss_mask)
+            assert (a.messages, a.turn_rewards, a.status) == (b.messages, b.turn_rewards, b.status)
+
+
+def test_kept_kv_caches_refuse_rows_that_do_not_continue_their_episodes(tiny) -> None:
+    model, tok = tiny
+    engine = HFGenerateEngine(model, RolloutConfig(n=1, env=ENV), tok.eos_token_id, 0)
+    a, b = [5, 6, 7, 8], [9, 10, 11]
+    first = engine.generate_rows([a, b], [1, 2], [3, 3], keys=["a", "b"])
+    a2, b2 = a + first[0].tokens + [20], b + first[1].tokens + [21]
+    for rows, keys, what in (
+        ([a2, a2], ["a", "a"], "appears twice"),
+        ([b2, a2], ["b", "a"], "order"),
+        ([a2, b2], ["a", "c"], "not one earlier call's"),
+        ([[5, 6, 99, 8, 1], b2], ["a", "b"], "row 0's prompt does not extend"),
+        ([a, b2], ["a", "b"], "row 0's prompt does not extend"),  # adds nothing
+    ):
+        with pytest.raises(ValueError, match=what):
+            engine.generate_rows(rows, [1, 2], [3, 3], keys=keys)
+    engine.end_episodes(["a"])
+    assert set(engine._sessions) == {"b"}  # "b" continues alone
+    assert len(engine.generate_rows([b2], [2], [3], keys=["b"])[0].tokens) == 3
+    engine.sleep()
+    assert engine._sessions == {}
 
 
 def test_an_environment_that_replays_differently_is_refused_unless_it_says_so(tiny) -> None:

@@ -236,14 +236,52 @@ def test_an_episode_is_three_turns_with_masked_environment_tokens_and_redoes_exa
     ]
     seeds = [derive_seed(0, 1, "rollout", f"{e.prompt.prompt_id}/{e.sample_idx}/2") for e in played]
     redo = engine.generate_rows([p for p, _ in last], seeds, [CFG.max_new_tokens] * len(last))
+    # The HF loop sampled the turn on its kept cache, here the whole history is prefilled:
+    # float rounding apart (fp32; 1.7e-6 seen on 2026-11-26).
+    tol = 1e-5 if engine.continues_turns else 1e-6
     for (_, turn), e, row in zip(last, played, redo, strict=True):
         assert row.tokens == turn
-        assert row.logprobs == pytest.approx(e.logprobs[e.turn_offsets[2] :], abs=1e-6)
+        assert row.logprobs == pytest.approx(e.logprobs[e.turn_offsets[2] :], abs=tol)
+    if engine.continues_turns:
+        # As a resumed stage redoes it: the committed turns replayed onto empty caches, then
+        # the turn, bit for bit.
+        engine.end_episodes()
+        keys = [(e.prompt.prompt_id, e.sample_idx) for e in played]
+        for t in range(2):
+            prefixes = [e.prompt_ids + e.response[: e.turn_offsets[t]] for e in played]
+            assert engine.generate_rows(prefixes, seeds, [0] * 4, keys=keys)[0].tokens == []
+        again = engine.generate_rows([p for p, _ in last], seeds, [CFG.max_new_tokens] * 4, keys)
+        engine.end_episodes()
+        assert [(r.tokens, r.logprobs) for r in again] == [
+            (e.response[e.turn_offsets[2] :], e.logprobs[e.turn_offsets[2] :]) for e in played
+        ]
     # And the whole episodes again.
     again = _run_episodes(engine, tok)
     assert [(e.response, e.loss_mask, e.messages) for e in again] == [
         (e.response, e.loss_mask, e.messages) for e in played
     ]
+
+
+def test_hf_continued_turns_equal_the_whole_history_prefilled_again(
+    engine: RolloutEngine, played: list[episodes.Episode], model_dir: Path
+) -> None:
+    """The HF loop's kept KV cache (prefilled chunks on top of earlier turns') against the
+    same episodes with each turn's whole history prefilled again: the same tokens, and
+    logprobs equal up to fp32 rounding."""
+    if not isinstance(engine, HFGenerateEngine):
+        pytest.skip("the HF loop only")
+    tok = load_tokenizer(model_dir)
+    whole_cfg = dataclasses.replace(CFG, env=dataclasses.replace(ENV, keep_kv_cache=False))
+    again = HFGenerateEngine(
+        engine.model, whole_cfg, tok.eos_token_id, tok.pad_token_id, engine.decode
+    )
+    assert not again.continues_turns
+    whole = _run_episodes(again, tok)
+    worst = 0.0
+    for a, b in zip(played, whole, strict=True):
+        assert (a.response, a.loss_mask, a.messages) == (b.response, b.loss_mask, b.messages)
+        worst = max(worst, *(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)))
+    assert worst < 1e-5, worst
 
 
 # ---------------------------------------------------------------------------------------------

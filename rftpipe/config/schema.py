@@ -440,6 +440,15 @@ class EnvConfig:
     run (exit 2, naming the environment and the sample), `end_episode` ends that episode
     with the reward it had so far and records the error."""
 
+    keep_kv_cache: bool = True
+    """`rollout.engine=hf`: keep each running episode's KV cache from one turn to the
+    next, so a turn prefills only the tokens added since (the last action and the
+    environment's answer), not the whole conversation. The kept caches hold every running
+    episode of the rank at once (about its history's length each); false prefills the
+    whole history at every turn and holds one engine call's rows at a time. Either way a
+    resumed run is bitwise the uninterrupted one; the two differ in float rounding, so a
+    resume refuses a change of it. vLLM's prefix cache does this by itself."""
+
     def __post_init__(self) -> None:
         if not _ENV_PATH.match(self.path):
             raise ValueError(

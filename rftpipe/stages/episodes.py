@@ -25,6 +25,11 @@ observation that would not fit is not appended. Either way the episode ends as `
 Seeds: turn t of sample k of prompt p draws from (run seed, step, stage, p, k, t) alone, and
 an environment is reset with (run seed, step, stage, p, k), so an episode is the same on any
 world size and batch composition of draws.
+
+Engine state: every turn names its rows' episodes (`(prompt id, sample)`) to the engine, so
+one that `continues_turns` (the HF loop) keeps each episode's KV cache from turn to turn; an
+episode's is freed when it ends, and all at the end. A resumed stage replays the committed
+turns' prefills through the same calls first, which rebuilds those caches bit for bit.
 """
 
 from __future__ import annotations
@@ -150,6 +155,9 @@ def run(
                         )
                     by_call[-1].append(e)
         episodes = [e for call_eps in by_call for e in call_eps]
+        if inp.resumed_turns and engine.continues_turns:
+            for call_eps in by_call:
+                _replay(inp, engine, call_eps)
         for turn in range(inp.resumed_turns, env_cfg.max_turns):
             if not log.any(any(e.status is None for e in episodes)):
                 break
@@ -160,6 +168,7 @@ def run(
             fault("episode_before_turn_commit")
             log.commit(turn + 1, episodes)
     finally:
+        engine.end_episodes([_key(e) for call_eps in by_call for e in call_eps])
         with clock:
             for e in (e for call_eps in by_call for e in call_eps):
                 if e.env is not None:
@@ -198,16 +207,13 @@ def _turn(
             e.status = "truncated"
     go = [(e, lim) for e, lim in zip(live, limits, strict=True) if lim > 0]
     if not go:
+        engine.end_episodes([_key(e) for e in live])
         return
     outs = engine.generate_rows(
         [e.prompt_ids + e.response for e, _ in go],
-        [
-            derive_seed(
-                inp.run_seed, inp.step, inp.stage, f"{e.prompt.prompt_id}/{e.sample_idx}/{turn}"
-            )
-            for e, _ in go
-        ],
+        [_turn_seed(inp, e, turn) for e, _ in go],
         [lim for _, lim in go],
+        keys=[_key(e) for e, _ in go],
     )
     acted = [(e, *_sampled(tokenizer, eos, e, out)) for (e, _), out in zip(go, outs, strict=True)]
     # Every episode's step at once: environments in worker processes run in parallel.
@@ -219,6 +225,35 @@ def _turn(
         answers = step_all(pairs)
     for (e, action, stopped), answer in zip(acted, answers, strict=True):
         _answered(env_cfg, tokenizer, e, action, stopped, answer, turn, inp.step)
+    engine.end_episodes([_key(e) for e in live if e.status is not None])
+
+
+def _key(e: Episode) -> tuple[int, int]:
+    """An episode's name to the engine."""
+    return (e.prompt.prompt_id, e.sample_idx)
+
+
+def _turn_seed(inp: EpisodeInputs, e: Episode, turn: int) -> int:
+    return derive_seed(
+        inp.run_seed, inp.step, inp.stage, f"{e.prompt.prompt_id}/{e.sample_idx}/{turn}"
+    )
+
+
+def _replay(inp: EpisodeInputs, engine: Any, episodes: list[Episode]) -> None:
+    """Rebuild an engine's kept state for one call's restored episodes: each committed
+    turn's call again, with the rows it had (the episodes that sampled that turn) and their
+    prompts then, prefilled and not sampled (`max_new` 0)."""
+    for turn in range(inp.resumed_turns):
+        rows = [e for e in episodes if len(e.turn_offsets) > turn]
+        if not rows:
+            break
+        engine.generate_rows(
+            [e.prompt_ids + e.response[: e.turn_offsets[turn]] for e in rows],
+            [_turn_seed(inp, e, turn) for e in rows],
+            [0] * len(rows),
+            keys=[_key(e) for e in rows],
+        )
+    engine.end_episodes([_key(e) for e in episodes if e.status is not None])
 
 
 def _restore(

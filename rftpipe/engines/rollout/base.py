@@ -9,7 +9,7 @@ Protocol: generate one group with per-token logprobs of the sampling distributio
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -65,12 +65,29 @@ class RolloutEngine(Protocol):
         ...
 
     def generate_rows(
-        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new: Sequence[int]
+        self,
+        prompts: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        max_new: Sequence[int],
+        keys: Sequence[Hashable] | None = None,
     ) -> list[SampleOutput]:
         """One sample of each prompt (a multi-turn episode's next turn): row r drawn from
         `seeds[r]` alone (from run seed, step, stage, prompt id, sample, turn) and cut at
         `max_new[r]` new tokens (0: not generated, an empty `length` sample), so a row does
-        not depend on the other rows' seeds. SGLang raises NotImplementedError."""
+        not depend on the other rows' seeds. `keys` name each row's episode, for an engine
+        that `continues_turns`; the others ignore them. SGLang raises NotImplementedError."""
+        ...
+
+    @property
+    def continues_turns(self) -> bool:
+        """Whether the engine keeps each episode's computation between turns (the HF loop's
+        KV cache) by `generate_rows`' keys: a resumed stage must then replay the committed
+        turns through it (`max_new` 0) before the next. vLLM's prefix cache needs no keys."""
+        ...
+
+    def end_episodes(self, keys: Iterable[Hashable] | None = None) -> None:
+        """Free what is kept for the episodes `keys` (None: all); a no-op for engines that
+        keep nothing."""
         ...
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:

@@ -3,7 +3,8 @@ transformers model, and its stop-string check (vLLM's rule)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,6 +52,10 @@ class HFGenerateEngine:
         self.pad_id = pad_id
         self.decode = decode
         self.weight_version = 0
+        self.continue_turns = cfg.env is None or cfg.env.keep_kv_cache
+        """False (`rollout.env.keep_kv_cache`): every turn prefills its whole history."""
+        self._sessions: dict[Hashable, _Session] = {}
+        """Each live episode's kept cache (one per call: its rows share it), by key."""
 
     @property
     def groups_per_call(self) -> int:
@@ -80,11 +85,21 @@ class HFGenerateEngine:
 
     @torch.no_grad()
     def generate_rows(
-        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new: Sequence[int]
+        self,
+        prompts: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        max_new: Sequence[int],
+        keys: Sequence[Hashable] | None = None,
     ) -> list[SampleOutput]:
         """One sample of each prompt, row r drawn from its own generator seeded `seeds[r]`
         and cut at `max_new[r]` new tokens: a multi-turn episode's next turn, whose draws
-        then depend on its own (run seed, step, prompt id, sample, turn) alone."""
+        then depend on its own (run seed, step, prompt id, sample, turn) alone.
+
+        With `keys` (each row's episode) the call continues those episodes' KV caches (see
+        `continues_turns`): every key new (a first turn, or a resumed stage's first replayed
+        turn), or every key held by one earlier call's rows, in their order; rows of that
+        call left out have ended and are dropped. A row with `max_new` 0 is only prefilled.
+        """
         if not prompts:
             return []
         device = next(self.model.parameters()).device
@@ -95,33 +110,152 @@ class HFGenerateEngine:
                 [torch.rand(1, 1, generator=g, dtype=torch.float64, device=device) for g in gens]
             )
 
-        # A group's first turn: n consecutive rows of one prompt, prefilled once and its cache
-        # shared, as `generate_groups` does (the draws stay each row's own).
-        n = _run_length(prompts)
-        tokens, logprobs, reasons = self._decode(prompts[::n], n, draw, max_new)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            if keys is not None and self.continue_turns:
+                tokens, logprobs, reasons = self._continue(prompts, list(keys), draw, max_new)
+            else:
+                # A group's first turn: n consecutive rows of one prompt, prefilled once and
+                # its cache shared, as `generate_groups` does (the draws stay each row's own).
+                n = _run_length(prompts)
+                first = self._prefill(prompts[::n], n)
+                tokens, logprobs, reasons = self._sample_loop(first, draw, max_new)
+        finally:
+            self.model.train(was_training)
         return [
             SampleOutput(tokens=t, logprobs=lp, finish_reason=r)
             for t, lp, r in zip(tokens, logprobs, reasons, strict=True)
         ]
 
-    def _decode(
+    @property
+    def continues_turns(self) -> bool:
+        """Whether `generate_rows(keys=...)` keeps each episode's KV cache between its turns.
+
+        Re-prefilling an episode's whole history at every turn costs a prefill that grows
+        with the turn; instead each episode's cache holds its history's prefilled positions
+        and the next turn prefills only what was appended since (the last turn's sampled
+        tokens and the environment's tokens), as one chunk, on top of it.
+
+        A resumed stage must sample the same turns bitwise, so the cache at the start of a
+        turn is a deterministic function of the committed tokens and of which episodes were
+        live at each earlier turn:
+
+        - Only prefill forwards write the kept cache. After a turn's decode its K/V for the
+          sampled tokens (computed one token at a time) are cropped off; the next turn
+          prefills those tokens again within its chunk. Keeping them would spare that
+          (at most `max_new_tokens` a row a turn), but a replay would then have to redo
+          every decode step in its batch, ended rows' pad steps included.
+        - Per-row results depend on the batch: on the tiny model on CPU (2026-11-26) a row
+          prefilled alone or beside 1 or 3 others of its width was bitwise the same, but
+          left-padded by 17 positions (beside a longer row) its logits moved by up to
+          9e-8, and padding follows the batch's longest row. So one cache is one call's
+          rows, batched as the call batched them (left padding; each chunk left-padded to
+          the call's longest, its pad columns masked), and ended rows are dropped by exact
+          row selection (the kept rows' values unchanged).
+        - A resumed stage (its caches empty) replays the committed turns through the same
+          calls with `max_new` 0 (`stages.episodes`): the same prefills in the same batches,
+          so the same cache bit for bit, before it decodes the next turn.
+
+        Against the trainer's forward over the whole sequence, the logprobs differ by float
+        rounding only, as re-prefilled ones do (tests/test_multiturn_engines.py bounds both).
+
+        Memory: the caches hold every live episode of the stage's calls at once (all calls
+        take each turn in order), each row as wide as its call's longest prompt plus each
+        earlier turn's longest chunk, at 2 x layers x KV heads x head dim values a position
+        (SmolLM2-135M in fp32: 45 KiB); re-prefilling holds one call's rows at a time. An
+        episode's row is freed when it ends (`end_episodes`), and all at the stage's end,
+        on `sleep` and on new weights. `rollout.env.keep_kv_cache=false` turns it off.
+        """
+        return self.continue_turns
+
+    def end_episodes(self, keys: Iterable[Hashable] | None = None) -> None:
+        """Free the kept caches of the episodes `keys` (None: all)."""
+        if keys is None:
+            self._sessions.clear()
+            return
+        gone = set(keys)
+        for sess in {id(s): s for k in gone if (s := self._sessions.get(k))}.values():
+            sess.keep([k not in gone for k in sess.keys])
+        for k in gone:
+            self._sessions.pop(k, None)
+
+    def _continue(
         self,
         prompts: Sequence[Sequence[int]],
-        n: int,
+        keys: list[Hashable],
         draw: Callable[[int], torch.Tensor],
         limits: Sequence[int],
     ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
-        """n samples of each prompt, row-major; `draw(rows)` gives each decode step's
-        uniform draws, and row r stops with "length" after `limits[r]` new tokens."""
-        cfg = self.cfg
+        """`generate_rows` on the kept caches of `keys`' episodes."""
+        if len(set(keys)) != len(keys):
+            raise ValueError("generate_rows: a key appears twice in one call")
+        held = {id(s): s for k in keys if (s := self._sessions.get(k)) is not None}
+        if not held:
+            n = _run_length(prompts)
+            first = self._prefill(prompts[::n], n)
+            sess = _Session(
+                keys=list(keys),
+                cache=first.cache,
+                mask=first.mask,
+                next_pos=first.pos[:, -1] + 1,
+                tokens=[list(p) for p in prompts],
+            )
+        else:
+            sess = next(iter(held.values()))
+            if len(held) > 1 or any(k not in sess.keys for k in keys):
+                raise ValueError("generate_rows: the keys are not one earlier call's episodes")
+            where = [sess.keys.index(k) for k in keys]
+            if where != sorted(where):
+                raise ValueError("generate_rows: the keys are not in their earlier call's order")
+            sess.keep([k in set(keys) for k in sess.keys])
+            first = self._prefill_chunk(sess, prompts)
+        for k in keys:
+            self._sessions[k] = sess
+        width = first.mask.shape[1]
+        out = self._sample_loop(first, draw, limits)
+        # Only prefilled positions stay: the decode steps' K/V are computed one token at a
+        # time, which a resumed stage's replay would not reproduce.
+        grown = first.cache.get_seq_length() - width
+        if grown > 0:
+            first.cache.crop(-grown)
+        return out
+
+    def _prefill_chunk(self, sess: _Session, prompts: Sequence[Sequence[int]]) -> _Prefilled:
+        """Prefill what each row's prompt adds to its kept tokens, on top of `sess`."""
+        chunks = []
+        for r, (held, prompt) in enumerate(zip(sess.tokens, prompts, strict=True)):
+            if len(prompt) <= len(held) or list(prompt[: len(held)]) != list(held):
+                raise ValueError(
+                    f"generate_rows: row {r}'s prompt does not extend its episode's earlier "
+                    "turns (the same key, another conversation)"
+                )
+            chunks.append(prompt[len(held) :])
+        device = next(self.model.parameters()).device
+        ids, cmask = (t.to(device) for t in _left_pad(chunks, self.pad_id))
+        # Chunk padding sits between the kept positions and the chunk, masked out; a pad's
+        # position is its row's previous one (never attended, any value would do).
+        pos = sess.next_pos[:, None] + cmask.cumsum(-1) - 1
+        mask = torch.cat([sess.mask, cmask], dim=1)
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=sess.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        sess.mask, sess.next_pos = mask, pos[:, -1] + 1
+        sess.tokens = [list(p) for p in prompts]
+        return _Prefilled(sess.cache, mask, pos[:, -1:], logits)
+
+    def _prefill(self, prompts: Sequence[Sequence[int]], n: int) -> _Prefilled:
+        """Prefill each prompt once (left padding) and repeat its cache n-fold, row-major:
+        prefill costs one row per group instead of n."""
         device = next(self.model.parameters()).device
         # Left padding; a single group has none, so its numerics never see padding.
         ids, mask = (t.to(device) for t in _left_pad(prompts, self.pad_id))
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        was_training = self.model.training
-        self.model.eval()
-        # Each distinct prompt is prefilled once; its n samples then share that KV cache
-        # (repeated n-fold), so prefill costs one row per group instead of n.
         cache = DynamicCache(config=as_causal_lm(self.model).config)
         logits = self.model(
             input_ids=ids,
@@ -133,9 +267,37 @@ class HFGenerateEngine:
         ).logits[:, -1]
         if n > 1:
             cache.batch_repeat_interleave(n)
-        logits = logits.repeat_interleave(n, dim=0)
-        mask = mask.repeat_interleave(n, dim=0)
-        pos = pos[:, -1:].repeat_interleave(n, dim=0)
+        return _Prefilled(
+            cache,
+            mask.repeat_interleave(n, dim=0),
+            pos[:, -1:].repeat_interleave(n, dim=0),
+            logits.repeat_interleave(n, dim=0),
+        )
+
+    def _decode(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        draw: Callable[[int], torch.Tensor],
+        limits: Sequence[int],
+    ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
+        """n samples of each prompt, row-major; `draw(rows)` gives each decode step's
+        uniform draws, and row r stops with "length" after `limits[r]` new tokens."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._sample_loop(self._prefill(prompts, n), draw, limits)
+        finally:
+            self.model.train(was_training)
+
+    def _sample_loop(
+        self, first: _Prefilled, draw: Callable[[int], torch.Tensor], limits: Sequence[int]
+    ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
+        """Decode from a prefill's next-token logits: `draw(rows)` gives each step's uniform
+        draws, and row r stops with "length" after `limits[r]` new tokens."""
+        cfg = self.cfg
+        device = first.logits.device
+        cache, mask, pos, logits = first.cache, first.mask, first.pos, first.logits
         rows = logits.shape[0]
         limit = torch.tensor(list(limits), device=device)
         # A row with no budget is done before its first token (its draws still happen, so
@@ -176,7 +338,6 @@ class HFGenerateEngine:
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1]
-        self.model.train(was_training)
         tokens: list[list[int]] = []
         logprobs: list[list[float]] = []
         reasons: list[FinishReason] = []
@@ -261,12 +422,56 @@ class HFGenerateEngine:
             state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
             self.model.load_state_dict(state)
         self.weight_version = version
+        self.end_episodes()  # caches of the old weights
 
     def sleep(self) -> None:
-        """Nothing to release: the HF engine shares the trainer's memory."""
+        """Free the kept episode caches (`continues_turns`); the weights are the trainer's
+        own memory."""
+        self.end_episodes()
 
     def wake(self) -> None:
         """See `sleep`."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefilled:
+    """A prefill forward's result, where decoding starts."""
+
+    cache: DynamicCache
+    mask: torch.Tensor
+    """(rows, width): 1 on the cached positions that are tokens, 0 on padding."""
+    pos: torch.Tensor
+    """(rows, 1): each row's last position."""
+    logits: torch.Tensor
+    """(rows, vocab): the next token's."""
+
+
+@dataclass(kw_only=True, slots=True)
+class _Session:
+    """One call's episodes' kept cache between turns: prefilled positions only."""
+
+    keys: list[Hashable]
+    """The rows' episodes, in the call's order."""
+    cache: DynamicCache
+    mask: torch.Tensor
+    """(rows, width) over the cached positions: 1 on tokens, 0 on padding."""
+    next_pos: torch.Tensor
+    """(rows,): the position the row's next token takes."""
+    tokens: list[list[int]]
+    """Each row's tokens in the cache (its prompt at the last call)."""
+
+    def keep(self, rows: list[bool]) -> None:
+        """Drop the rows not kept (exact row selection: the kept rows' values are
+        unchanged)."""
+        if all(rows):
+            return
+        idx = torch.tensor(
+            [r for r, k in enumerate(rows) if k], dtype=torch.long, device=self.mask.device
+        )
+        self.cache.batch_select_indices(idx)
+        self.mask, self.next_pos = self.mask[idx], self.next_pos[idx]
+        self.keys = [k for k, kept in zip(self.keys, rows, strict=True) if kept]
+        self.tokens = [t for t, kept in zip(self.tokens, rows, strict=True) if kept]
 
 
 def completes_stop(before: str, after: str, stop: Sequence[str]) -> bool:

@@ -60,7 +60,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -298,8 +298,19 @@ class SGLangEngine:
         rows = [self._parse(out) for out in self._generate(input_ids, params)]
         return split_groups([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], n)
 
+    @property
+    def continues_turns(self) -> bool:
+        return False
+
+    def end_episodes(self, keys: Iterable[Hashable] | None = None) -> None:
+        """Nothing kept: SGLang runs no episodes."""
+
     def generate_rows(
-        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new: Sequence[int]
+        self,
+        prompts: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        max_new: Sequence[int],
+        keys: Sequence[Hashable] | None = None,
     ) -> list[SampleOutput]:
         """Multi-turn episodes are not built on SGLang (the config refuses `rollout.env` with
         `rollout.engine=sglang`; this guards any other caller)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,8 +312,20 @@ class VLLMEngine:
         done = [_completion(o) for o in outs]
         return split_groups([d[0] for d in done], [d[1] for d in done], [d[2] for d in done], n)
 
+    @property
+    def continues_turns(self) -> bool:
+        """No: the prefix cache finds an episode's earlier turns by their tokens."""
+        return False
+
+    def end_episodes(self, keys: Iterable[Hashable] | None = None) -> None:
+        """Nothing kept by episode (the prefix cache evicts by itself)."""
+
     def generate_rows(
-        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new: Sequence[int]
+        self,
+        prompts: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        max_new: Sequence[int],
+        keys: Sequence[Hashable] | None = None,
     ) -> list[SampleOutput]:
         """One sample of each prompt (a multi-turn episode's next turn): row r is its own
         request, seeded `seeds[r]` and cut at `max_new[r]` tokens, so its tokens depend on
@@ -322,7 +334,8 @@ class VLLMEngine:
 
         An episode's prompt is its previous turn's prompt and response plus the
         environment's tokens, so prefix caching (on for every engine) reuses the earlier
-        turns' KV blocks instead of prefilling the whole conversation again.
+        turns' KV blocks instead of prefilling the whole conversation again; `keys` are
+        not needed for that.
         """
         sent = [r for r, m in enumerate(max_new) if m > 0]
         for r in sent:
