@@ -154,13 +154,12 @@ def test_a_killed_evaluation_reruns_to_the_rows_of_two_ranks(tmp_path: Path) -> 
     run = tmp_path / "killed"
     env = {**ENV_PATH, "RFTPIPE_FAULT": "episode_mid_turn", "RFTPIPE_FAULT_SKIP": "0"}
     assert submit(run, *RUN, env=env).returncode != 0
+    # Killed in the evaluation of the initial weights: before step 1 began.
     assert not (run / "stages" / "step=0" / "eval" / "MANIFEST.json").exists()
+    assert not (run / "stages" / "step=1").exists()
     out = submit(run, *RUN, env=ENV_PATH)
     assert out.returncode == 0, out.stderr[-3000:]
-    log = events(run)
-    assert [(e["point"], e.get("step")) for e in log if e["event"] == "fault"][0][0] == (
-        "episode_mid_turn"
-    )
+    assert [e["point"] for e in events(run) if e["event"] == "fault"] == ["episode_mid_turn"]
     assert stage_history(run)[(0, "eval")].count("commit") == 1
     rows = _eval_rows(run, 0)
     assert set(rows.column("mode").to_pylist()) == {"greedy", "sampled"}
