@@ -28,6 +28,8 @@ from rftpipe.config.schema import (
 from rftpipe.data.sampler import rank_slice
 from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
 from rftpipe.engines.rollout.hf import HFGenerateEngine
+from rftpipe.inspect.summary import summarize as inspect_summary
+from rftpipe.inspect.verify import verify_run
 from rftpipe.rewards import resolve_all
 from rftpipe.run.metrics import summarize
 from rftpipe.stages import evaluation
@@ -170,6 +172,11 @@ def test_a_killed_evaluation_reruns_to_the_rows_of_two_ranks(tmp_path: Path) -> 
     assert rows.num_rows == summary["before"]["eval/problems"] * 3
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert "eval/pass@2" in metrics[0] and metrics[1]["episode/turns_mean"] > 1
+    # The run-directory tools read a run with episode evaluation rows.
+    audit = verify_run(run)
+    # Two evaluations, step 1's five stages and its newest turn (`rollout.t2`).
+    assert not audit.corrupt and audit.stages == 2 + 5 + 1
+    assert [r["step"] for r in inspect_summary(run)] == [1]
 
     two = tmp_path / "two"
     out = submit(two, *RUN, "train.backend=fsdp2", env=ENV_PATH, extra=("--tasks-per-node", "2"))
