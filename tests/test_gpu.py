@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, events, final_weights, submit, trajectories
+from helpers import ROOT, TINY, events, final_weights, submit, trajectories
 from safetensors.torch import load_file
 
 from rftpipe.checkpoint import writer
@@ -128,3 +129,42 @@ def test_greedy_eval_runs_on_the_models_device() -> None:
     cpu, gpu = (engines[d].greedy(prompts, max_new_tokens=6) for d in ("cpu", "cuda"))
     assert [len(x) for x in gpu] == [len(x) for x in cpu]
     assert [x[:1] for x in gpu] == [x[:1] for x in cpu]
+
+
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        pytest.param(("advantage.estimator=grpo",), id="grpo"),
+        pytest.param(("advantage.estimator=gae", "critic.lr=1e-4"), id="gae-critic"),
+    ],
+)
+def test_multi_turn_episodes_on_gpu(
+    estimator: tuple[str, ...], prompts: Path, tmp_path: Path
+) -> None:
+    """Multi-turn episodes with the HF loop on the device: 2-turn episodes of the tests'
+    dense synthetic environment, trained in bf16 on the model's tokens only."""
+    run = tmp_path / "run"
+    out = submit(
+        run,
+        *estimator,
+        "data.source=file",
+        f"data.file.path={prompts}",
+        "rollout.env.path=envs_toy:EvenChars",
+        "rollout.env.max_turns=2",
+        "rollout.env.max_total_tokens=96",
+        "reward.functions=[]",
+        "total_steps=3",
+        "train.param_dtype=bfloat16",
+        "logging.tensorboard=false",
+        env={"PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    t = trajectories(run).to_pandas()
+    assert (t["num_turns"] == 2).any()
+    for _, r in t.iterrows():
+        assert all(a == 0.0 for a, m in zip(r["advantages"], r["loss_mask"], strict=True) if not m)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    for m in lines:
+        assert m["episode/turns_mean"] >= 1 and 0 < m["perf/mfu"] < 1, m

@@ -293,6 +293,27 @@ def test_prefix_forest_one_padded_row_per_group() -> None:
         assert not bool(forest.attention_mask[g, 0, :size, size:].any())
 
 
+def test_prefix_forest_splits_a_prompt_met_in_two_groups() -> None:
+    """A problem repeated in two groups of a step makes two trees, not one twice as wide
+    that every other tree is padded to (the 8x8x64 benchmark's fourth-step jump)."""
+    prompts, responses = _rows()
+    n = len(RESPONSE_LENGTHS[1])
+    # The widest group's prompt again, with its response lengths: one tree of both would
+    # be 45 positions wide, and 4 x 45 > 5 x 28.
+    prompts += prompts[n : 2 * n]
+    responses += [r[::-1] for r in responses[n : 2 * n]]
+    forest = prefix_forest(prompts, responses, t_max=9)
+    whole = [
+        n + sum(r - 1 for r in lengths)
+        for n, lengths in zip(PROMPT_LENGTHS, RESPONSE_LENGTHS, strict=True)
+    ]
+    assert forest.input_ids.shape == (5, max(whole))
+    # Each row's first response token is predicted by its own tree's last prompt position.
+    trees = forest.gather[:, 0] // max(whole)
+    assert trees[n : 2 * n].unique().numel() == 1 and trees[-n:].unique().numel() == 1
+    assert int(trees[n]) != int(trees[-1])
+
+
 def test_grouped_rows_equal_per_row_full_forwards() -> None:
     """Unequal groups (padding) and rows out of group order, against one full forward per row."""
     model = load_causal_lm(prepare_tiny(), "float32")

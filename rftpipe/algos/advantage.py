@@ -99,6 +99,13 @@ class AdvantageInputs:
     values: Tensor | None = None
     """``(B, T)`` the critic's ``V(s_t)`` per response token, for estimators with a learned
     baseline (``gae``); None without a critic."""
+    turn_rewards: Tensor | None = None
+    """``(B, T)`` the part of ``rewards`` a multi-turn environment paid during the episode,
+    each turn's reward on that turn's last model token; None for single-turn rows. The
+    token-level estimators (``gae``, ``reinforce_pp`` and the reward-to-go of the optimal
+    token baseline) credit it there and the rest of ``rewards`` on the last token, so a
+    turn's tokens are not credited with rewards paid before them; the sequence-level
+    estimators read ``rewards`` alone."""
 
 
 class AdvantageEstimator(Protocol):
@@ -127,7 +134,7 @@ def _validate(inputs: AdvantageInputs) -> None:
         raise ValueError(
             f"is_baseline must be a ({batch},) bool tensor, got {flags.dtype} {flags.shape}"
         )
-    for name in ("token_kl_penalty", "logprobs", "sum_pi_squared"):
+    for name in ("token_kl_penalty", "logprobs", "sum_pi_squared", "turn_rewards"):
         value = getattr(inputs, name)
         if value is not None and value.shape != mask.shape:
             raise ValueError(f"{name} must have shape {tuple(mask.shape)}, got {value.shape}")
@@ -229,16 +236,19 @@ def rloo_advantages(
     return _broadcast(adv, inputs.response_mask)
 
 
-def _discounted_returns(token_rewards: Tensor, gamma: float) -> Tensor:
-    """``(B, T)`` -> ``(B, T)``: ``G_t = sum_{k >= t} gamma^(k-t) r_k`` along T."""
+def _discounted_returns(token_rewards: Tensor, gamma: float, mask: Tensor) -> Tensor:
+    """``(B, T)`` -> ``(B, T)``: ``G_t = sum_{k >= t} gamma^(k-t) r_k`` along the positions
+    where ``mask`` is True (a multi-turn episode's environment tokens are not steps, so
+    they are not discounted over); 0 elsewhere."""
+    rewards = torch.where(mask, token_rewards, 0.0)
     if gamma == 1.0:
-        return token_rewards.flip(-1).cumsum(-1).flip(-1)
+        return torch.where(mask, rewards.flip(-1).cumsum(-1).flip(-1), 0.0)
     # A closed form via gamma^-t overflows float64 for long responses, so scan backwards.
-    returns = torch.empty_like(token_rewards)
+    returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running
-        returns[:, t] = running
+        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(mask[:, t], running, 0.0)
     return returns
 
 
@@ -250,6 +260,18 @@ def _last_token(mask: Tensor) -> Tensor:
     positions = torch.arange(mask.shape[1], device=mask.device)
     last = torch.where(mask, positions, -1).amax(dim=-1, keepdim=True)
     return positions == last
+
+
+def _token_outcome(inputs: AdvantageInputs) -> Tensor:
+    """``(B, T)`` float64 reward per token before any KL term: the environment's turn rewards
+    where they were paid and the rest of the outcome on the last valid token."""
+    mask = inputs.response_mask
+    outcome = inputs.rewards.to(torch.float64)[:, None]
+    if inputs.turn_rewards is None:
+        return torch.where(_last_token(mask), outcome, 0.0)
+    paid = torch.where(mask, inputs.turn_rewards.to(torch.float64), 0.0)
+    rest = outcome - paid.sum(dim=-1, keepdim=True)
+    return paid + torch.where(_last_token(mask), rest, 0.0)
 
 
 @ADVANTAGE_ESTIMATORS.implements("reinforce_pp")
@@ -265,9 +287,8 @@ def reinforce_pp_advantages(
     equal verl's for the same settings (``gamma``; the 1e-8 is verl's).
     """
     mask = inputs.response_mask
-    outcome = inputs.rewards.to(torch.float64)
-    token_rewards = -_masked_kl(inputs) + torch.where(_last_token(mask), outcome[:, None], 0.0)
-    returns = _discounted_returns(token_rewards, settings.gamma)
+    token_rewards = -_masked_kl(inputs) + _token_outcome(inputs)
+    returns = _discounted_returns(token_rewards, settings.gamma, mask)
     return masked_whiten(returns, mask, reduce_sum)
 
 
@@ -372,10 +393,8 @@ def grpo_passk_advantages(
 def _token_returns(inputs: AdvantageInputs) -> Tensor:
     """``(B, T)`` undiscounted reward-to-go: the outcome reward on the last valid token minus
     the KL penalty of every token from t on."""
-    mask = inputs.response_mask
-    outcome = inputs.rewards.to(torch.float64)
-    token_rewards = -_masked_kl(inputs) + torch.where(_last_token(mask), outcome[:, None], 0.0)
-    return torch.where(mask, _discounted_returns(token_rewards, 1.0), 0.0)
+    token_rewards = -_masked_kl(inputs) + _token_outcome(inputs)
+    return _discounted_returns(token_rewards, 1.0, inputs.response_mask)
 
 
 @ADVANTAGE_ESTIMATORS.implements("optimal_token_baseline")
@@ -451,8 +470,7 @@ def _gae(inputs: AdvantageInputs, settings: GAESettings) -> GAEOutput:
     if inputs.values.shape != mask.shape:
         raise ValueError(f"values must have shape {tuple(mask.shape)}, got {inputs.values.shape}")
     # The outcome on the last token and the KL penalty on every token, as REINFORCE++.
-    outcome = inputs.rewards.to(torch.float64)[:, None]
-    token_rewards = -_masked_kl(inputs) + torch.where(_last_token(mask), outcome, 0.0)
+    token_rewards = -_masked_kl(inputs) + _token_outcome(inputs)
     return gae(token_rewards, inputs.values, mask, gamma=settings.gamma, lam=settings.lam)
 
 

@@ -1,7 +1,8 @@
 """Value-function pieces of actor-critic PPO: GAE, masked whitening and the clipped value loss.
 
 Pure functions on ``(B, T)`` tensors of response tokens, right-padded, with a bool mask
-that is True on valid tokens; every output is exactly 0 on padding.
+that is True on valid tokens (a multi-turn episode's model tokens: its environment tokens
+are masked like padding); every output is exactly 0 where the mask is False.
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ def gae(
         token_rewards: ``(B, T)`` per-token reward (the outcome on the last token, minus a
             per-token KL penalty where one is in the reward).
         values: ``(B, T)`` the critic's ``V(s_t)``: the value of the state before token t.
-        mask: ``(B, T)`` bool, valid tokens contiguous from position 0 (right padding).
-        gamma: discount.
+        mask: ``(B, T)`` bool, True on the tokens that are actions. They need not be
+            contiguous: a multi-turn episode's environment tokens (False between turns) are
+            not steps, so the scan carries its running advantage and next value across them
+            and the last model token of a turn bootstraps from the first of the next.
+        gamma: discount, per action token.
         lam: GAE's lambda (1: Monte-Carlo returns minus V; 0: one-step TD errors).
     """
     values = torch.where(mask, values.to(torch.float64), 0.0)
@@ -51,10 +55,12 @@ def gae(
     # A backward scan: a closed form through (gamma*lam)^-t overflows for long responses.
     for t in reversed(range(values.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        # Padding carries nothing back into the valid tokens before it.
-        running = torch.where(mask[:, t], delta + gamma * lam * running, 0.0)
-        adv[:, t] = running
-        next_value = values[:, t]
+        step = delta + gamma * lam * running
+        adv[:, t] = torch.where(mask[:, t], step, 0.0)
+        # Masked positions are skipped: right padding carries the zeros it started from,
+        # an environment turn carries the next turn's running advantage and value.
+        running = torch.where(mask[:, t], step, running)
+        next_value = torch.where(mask[:, t], values[:, t], next_value)
     return GAEOutput(advantages=adv, returns=torch.where(mask, adv + values, 0.0))
 
 

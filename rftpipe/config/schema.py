@@ -1478,12 +1478,12 @@ class RunConfig:
                 f"{self.rollout.inference.tensor_parallel_size}: multi-turn episodes run one "
                 "engine per rank; set tensor_parallel_size=1"
             )
-        if estimator.needs_critic or estimator.needs_baseline_rollout:
+        if estimator.needs_baseline_rollout:
             name = ADVANTAGE_ESTIMATORS.of(self.advantage.estimator).name
             raise ValueError(
-                f"rollout.env with advantage.estimator={name}: its critic values or greedy "
-                "baseline rows are not built for multi-turn episodes yet; use grpo, rloo, "
-                "dr_grpo or another group estimator"
+                f"rollout.env with advantage.estimator={name}: its greedy baseline rows are "
+                "not built for multi-turn episodes (a greedy episode per group); use grpo, "
+                "rloo, gae or another estimator"
             )
 
     def _check_dynamic_sampling(self, columns: list[str]) -> None:

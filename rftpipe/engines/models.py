@@ -103,6 +103,8 @@ def resolve_model_path(spec: str, field: str = "model.path") -> Path:
         return prepare_smollm2()
     if spec == "builtin:tiny":
         return prepare_tiny()
+    if spec == TINY_VL:
+        return prepare_tiny_vl()
     path = Path(spec).expanduser()
     if not (path / "config.json").exists():
         raise UserError(f"{field}: '{spec}' is not a local HF model directory (no config.json)")
@@ -153,14 +155,15 @@ def prepare_smollm2() -> Path:
     return _publish_dir(tmp, final)
 
 
-def build_tiny_tokenizer():  # -> PreTrainedTokenizerFast
-    """A byte-level tokenizer (256 bytes + 3 specials) with a ChatML template."""
+def build_tiny_tokenizer(extra_specials: tuple[str, ...] = ()):  # -> PreTrainedTokenizerFast
+    """A byte-level tokenizer (256 bytes + 3 specials, then `extra_specials`) with a
+    ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_map = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(byte_map))}
-    specials = ["<|im_start|>", "<|im_end|>", "<pad>"]
+    specials = ["<|im_start|>", "<|im_end|>", "<pad>", *extra_specials]
     for s in specials:
         vocab[s] = len(vocab)
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -211,6 +214,87 @@ def prepare_tiny() -> Path:
     tmp = final.with_name(f".tmp-tiny-v2-{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    return _publish_dir(tmp, final)
+
+
+TINY_VL = "builtin:tiny-vl"
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+"""Qwen2-VL's vision special tokens, which `builtin:tiny-vl` appends to the tiny vocabulary."""
+TINY_VL_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML whose image parts render as Qwen2-VL's ``<|vision_start|><|image_pad|><|vision_end|>``."""
+TINY_VL_PIXELS = (56 * 56, 112 * 112)
+"""`builtin:tiny-vl`'s default (min_pixels, max_pixels): 4 to 16 image tokens an image."""
+
+
+def prepare_tiny_vl() -> Path:
+    """A seeded random-init Qwen2-VL (13.6M parameters: a 4-layer text model of width
+    384 and a 4-block vision tower of width 256), the tiny tokenizer with the vision tokens
+    and a chat template that renders image parts, and its image processor's config."""
+    final = cache_root() / "tiny-vl-v1"
+    if (final / "config.json").exists():
+        return final
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    tok = build_tiny_tokenizer(VISION_TOKENS)
+    tok.chat_template = TINY_VL_TEMPLATE
+    ids = dict(zip(VISION_TOKENS, tok.convert_tokens_to_ids(list(VISION_TOKENS)), strict=True))
+    special = dict(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=384,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        # Head size 64: the three M-RoPE sections (time, height, width) split its 32
+        # rotary frequencies.
+        rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},
+        tie_word_embeddings=True,
+        **special,
+    )
+    vision = dict(
+        depth=4,
+        embed_dim=256,
+        hidden_size=384,  # the merger projects into the text model's width
+        num_heads=4,
+        mlp_ratio=4,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+        **special,
+    )
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config)
+    processor = Qwen2VLImageProcessorPil(min_pixels=TINY_VL_PIXELS[0], max_pixels=TINY_VL_PIXELS[1])
+    tmp = final.with_name(f".tmp-tiny-vl-v1-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
     return _publish_dir(tmp, final)
 
 
@@ -317,7 +401,13 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["prepare-tiny"]:
         print(prepare_tiny())
         return 0
-    print("usage: python -m rftpipe.engines.models prepare-default|prepare-tiny", file=sys.stderr)
+    if argv[:1] == ["prepare-tiny-vl"]:
+        print(prepare_tiny_vl())
+        return 0
+    print(
+        "usage: python -m rftpipe.engines.models prepare-default|prepare-tiny|prepare-tiny-vl",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -492,19 +492,20 @@ def _add_filters(p: argparse.ArgumentParser, default_limit: int | None) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Check every committed stage and checkpoint; print each corrupt file; exit 1 if any."""
+    """Check every committed stage, checkpoint and stored image; print each corrupt file;
+    exit 1 if any."""
     if not args.run_dir.is_dir():
         raise InspectError(f"no run directory at {args.run_dir}")
     audit = verify_run(args.run_dir)
-    checked = {"stages": audit.stages, "checkpoints": audit.checkpoints}
+    checked = {"stages": audit.stages, "checkpoints": audit.checkpoints, "images": audit.images}
     if args.json:
         print(json.dumps({"checked": checked, "corrupt": audit.corrupt}, indent=1))
     else:
         for b in audit.corrupt:
             print(f"corrupt: {b['path']} ({b['why']})")
         print(
-            f"checked {audit.stages} committed stages and {audit.checkpoints} "
-            f"checkpoints: {len(audit.corrupt)} corrupt file(s)"
+            f"checked {audit.stages} committed stages, {audit.checkpoints} checkpoints and "
+            f"{audit.images} images: {len(audit.corrupt)} corrupt file(s)"
         )
     return 1 if audit.corrupt else 0
 

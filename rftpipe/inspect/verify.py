@@ -1,5 +1,6 @@
 """The full integrity audit of a run directory (`rftpipe inspect RUN verify`): every
-committed stage shard, published trajectory file and checkpoint file against its record.
+committed stage shard, published trajectory file and checkpoint file against its record,
+and every image of the run's content-addressed store against its sha256 name.
 A restart checks only what it reads; this checks everything, for a quiet moment or a cron job.
 """
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from rftpipe.checkpoint.folder import checkpoint_corruption, committed_checkpoints
 from rftpipe.storage.atomic import CorruptionError
+from rftpipe.storage.images import image_corruption, stored_images
 from rftpipe.storage.layout import RunDir, list_steps
 from rftpipe.storage.stage_store import StageStore
 
@@ -22,12 +24,14 @@ class Audit:
     """Committed stage directories checked (generation rounds and evaluation included)."""
     checkpoints: int = 0
     """Committed checkpoints checked."""
+    images: int = 0
+    """Images of the run's image store rehashed."""
     corrupt: list[dict[str, str]] = field(default_factory=list)
     """One {"path", "why"} per missing, truncated or altered file."""
 
 
 def verify_run(run_dir: Path) -> Audit:
-    """Check every committed stage and checkpoint of the run at `run_dir`."""
+    """Check every committed stage, checkpoint and stored image of the run at `run_dir`."""
     rundir = RunDir(run_dir)
     store = StageStore(rundir)
     audit = Audit()
@@ -41,4 +45,8 @@ def verify_run(run_dir: Path) -> Audit:
     for _, path in committed_checkpoints(rundir.checkpoints):
         audit.checkpoints += 1
         audit.corrupt += [{"path": str(e.path), "why": e.why} for e in checkpoint_corruption(path)]
+    for image in stored_images(rundir.root):
+        audit.images += 1
+        if (bad := image_corruption(image)) is not None:
+            audit.corrupt.append({"path": str(bad.path), "why": bad.why})
     return audit

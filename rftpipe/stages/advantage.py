@@ -15,7 +15,7 @@ from rftpipe.algos.losses import kl_estimate
 from rftpipe.config.schema import AdvantageConfig, KLConfig, old_logprobs_source
 from rftpipe.stages import StageName
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
-from rftpipe.stages.batching import model_token_mask, pad_ragged
+from rftpipe.stages.batching import model_token_mask, pad_ragged, turn_reward_tokens
 from rftpipe.storage.baseline_rows import baseline_flags
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
@@ -99,6 +99,15 @@ def run(
         )
         # Read back through float32, exactly as the train stage will see the column.
         values, _ = pad_ragged(out.column("values").to_pylist(), torch.float64)
+    turn_rewards = None
+    if losses:
+        # Token-level estimators credit each turn's environment reward where it was paid.
+        turn_rewards = turn_reward_tokens(
+            scored.column("turn_offsets").to_pylist(),
+            scored.column("turn_rewards").to_pylist(),
+            losses,
+            (padded.shape[0], padded.shape[1]),
+        )
     group = torch.tensor(scored.column("prompt_id").to_pylist(), dtype=torch.int64)
     # The behaviour policy's logprobs, as committed: the optimal token baseline reads them.
     behaviour, _ = pad_ragged(out.column(old_column).to_pylist(), torch.float64)
@@ -110,6 +119,7 @@ def run(
         logprobs=behaviour,
         is_baseline=is_baseline,
         values=values,
+        turn_rewards=turn_rewards,
     )
     adv = compute_advantages(cfg.advantage.estimator, inputs, reduce_sum=reduce_sum)
     table = out.append_column(

@@ -104,6 +104,28 @@ def model_token_mask(
     return mask & own
 
 
+def turn_reward_tokens(
+    turn_offsets: Sequence[Sequence[int]],
+    turn_rewards: Sequence[Sequence[float]],
+    loss_masks: Sequence[Sequence[int]],
+    shape: tuple[int, int],
+) -> torch.Tensor:
+    """(B, T) float64: each multi-turn row's environment reward of turn t on the last token
+    the model sampled in turn t (`turn_offsets[t]` is where its tokens begin), 0 elsewhere.
+    A turn whose action has no model token (a budget cut it to nothing) pays on the last
+    model token before it, or, with none, is left to the outcome on the last token."""
+    out = torch.zeros(shape, dtype=torch.float64)
+    for i, (offsets, rewards, mask) in enumerate(
+        zip(turn_offsets, turn_rewards, loss_masks, strict=True)
+    ):
+        ends = [*offsets[1:], len(mask)]
+        for end, reward in zip(ends, rewards, strict=False):
+            model = [j for j in range(min(end, len(mask))) if mask[j]]
+            if model:
+                out[i, model[-1]] += reward
+    return out
+
+
 def pad_ragged(
     rows: Sequence[Sequence[float]], dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:

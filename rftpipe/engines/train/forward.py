@@ -202,9 +202,9 @@ def root_forward_logprobs(
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PrefixForest:
-    """A micro-batch as one prefix tree per distinct prompt, each tree a batch row of its own:
-    the prompt once, then each of its rows' responses but their last token, right-padded to
-    the longest tree."""
+    """A micro-batch as prefix trees, each a batch row of its own: a prompt once, then each
+    of its rows' responses but their last token, right-padded to a common width. A prompt's
+    rows share one tree unless that would widen every tree (`_trees`)."""
 
     input_ids: torch.Tensor
     """(G, L) the trees' tokens, 0 on padding."""
@@ -219,22 +219,59 @@ class PrefixForest:
     response token t (the prompt's last position predicts token 0; 0 past the row's end)."""
 
 
+def _trees(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+) -> tuple[list[tuple[tuple[int, ...], list[int]]], int]:
+    """The rows cut into prefix trees, and the width every tree is padded to.
+
+    Rows sharing a prompt share a tree, but a tree is capped at a width W: a prompt's rows
+    (in first-seen order) start a new tree of that prompt when the next would pass W. W is
+    the candidate that minimises the padded positions (trees x W), ties to the narrower.
+    Without the cap, a prompt met in two groups of a step (a repeated problem) made one
+    tree twice as wide as the others, and every row was padded to it: 7 rows of 1,037 positions instead of 8 of 534 in the
+    8x8x64 benchmark, 14.1 instead of 8.3 GiB of saved activations (docs/benchmarks.md).
+    """
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_prompt.setdefault(tuple(p), []).append(i)
+
+    def cut(width: int) -> list[tuple[tuple[int, ...], list[int]]]:
+        trees: list[tuple[tuple[int, ...], list[int]]] = []
+        for prompt, rows in by_prompt.items():
+            size = width + 1  # forces a new tree at the first row
+            for i in rows:
+                k = max(0, len(responses[i]) - 1)
+                if size + k > width:
+                    trees.append((prompt, []))
+                    size = len(prompt)
+                trees[-1][1].append(i)
+                size += k
+        return trees
+
+    # Candidates: the width of each prompt's first j rows as one tree (a repeated prompt's
+    # first group among them), never below the widest single row, which must fit alone.
+    floor = max(len(prompts[i]) + max(0, len(responses[i]) - 1) for i in range(len(prompts)))
+    candidates = {floor}
+    for prompt, rows in by_prompt.items():
+        size = len(prompt)
+        for i in rows:
+            size += max(0, len(responses[i]) - 1)
+            candidates.add(max(floor, size))
+    best = min((len(cut(w)) * w, w) for w in candidates)[1]
+    return cut(best), best
+
+
 def prefix_forest(
     prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], t_max: int
 ) -> PrefixForest:
-    """Rows grouped by prompt (in first-seen order) into a `PrefixForest`."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(tuple(p), []).append(i)
-    width = max(
-        len(p) + sum(max(0, len(responses[i]) - 1) for i in rows) for p, rows in groups.items()
-    )
-    ids = torch.zeros((len(groups), width), dtype=torch.long)
-    pos = torch.zeros((len(groups), width), dtype=torch.long)
+    """Rows grouped by prompt (in first-seen order) into a `PrefixForest` (see `_trees`)."""
+    trees, width = _trees(prompts, responses)
+    ids = torch.zeros((len(trees), width), dtype=torch.long)
+    pos = torch.zeros((len(trees), width), dtype=torch.long)
     # Whose token each slot holds: -1 the prompt, -2 padding, else the row index.
-    owner = torch.full((len(groups), width), -2, dtype=torch.long)
+    owner = torch.full((len(trees), width), -2, dtype=torch.long)
     gather = torch.zeros((len(responses), t_max), dtype=torch.long)
-    for g, (prompt, rows) in enumerate(groups.items()):
+    for g, (prompt, rows) in enumerate(trees):
         n = len(prompt)
         ids[g, :n] = torch.tensor(prompt, dtype=torch.long)
         pos[g, :n] = torch.arange(n)
@@ -269,9 +306,10 @@ def grouped_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) logprobs for rows in any order: rows sharing a prompt share its forward.
 
-    Each prompt group runs as one batch row, its prefix tree (`prefix_forest`): the prompt
-    once, then its rows' responses, under a mask that lets a response see only its prompt
-    and its own earlier tokens, at their true positions. The prompt's gradient flows back
+    Each prompt group runs as one batch row, its prefix tree (`prefix_forest`; a prompt
+    repeated across groups may make several): the prompt once, then its rows' responses,
+    under a mask that lets a response see only its prompt and its own earlier tokens, at
+    their true positions. The prompt's gradient flows back
     from all of its rows, so the result equals one full forward per row. Attention costs
     the sum over groups of L_max^2, not the square of the whole micro-batch as one packed
     sequence did, and the linear layers see the same tokens plus the padding to the

@@ -1,0 +1,202 @@
+"""Encoding prompts with images for processor-based vision-language models (the Qwen2-VL /
+Qwen2.5-VL family): chat template, image-pad expansion, pixel values, M-RoPE positions.
+
+transformers' `Qwen2VLProcessor` cannot be built without a video processor, which needs
+torchvision (which setup removes), so the tokenizer and the PIL image processor are driven
+directly here: the template renders one ``<|image_pad|>`` per image and `encode` repeats
+it as many times as the image has tokens (its patch grid over the 2x2 merge).
+
+Usage::
+
+    enc = VisionEncoder.load(resolve_model_path("builtin:tiny-vl"))
+    prompt = vision_prompt("<image>What colour?", "cat.png", row="row 3")
+    e = enc.encode(prompt)  # e.input_ids holds e.num_image_tokens image-pad ids
+    batch = collate([e, enc.encode(text_only)], pad_id=enc.tokenizer.pad_token_id)
+    logits = model(**batch).logits
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rftpipe.data.images import VisionPrompt
+from rftpipe.engines.models import load_tokenizer
+from rftpipe.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+IMAGE_PAD = "<|image_pad|>"
+QWEN_VL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+"""The `model_type`s whose prompts `VisionEncoder` encodes (one image processor, one
+image-pad token, M-RoPE)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EncodedPrompt:
+    """One prompt as a vision-language model takes it."""
+
+    input_ids: tuple[int, ...]
+    """Chat-templated tokens, each image's pad token repeated once per image token."""
+    mm_token_type_ids: tuple[int, ...]
+    """1 on image tokens, 0 elsewhere (what M-RoPE groups positions by)."""
+    pixel_values: torch.Tensor | None
+    """(patches, channels * temporal_patch * patch * patch) of all the prompt's images."""
+    image_grid_thw: torch.Tensor | None
+    """(images, 3): each image's (time, height, width) patch grid."""
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(self.mm_token_type_ids)
+
+
+def is_vision_model(model_dir: Path) -> bool:
+    """Whether the model in `model_dir` takes images (its config has a vision tower)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return "vision_config" in config and "image_token_id" in config
+
+
+def require_vision_model(model_dir: Path, prompt: VisionPrompt, row: str, field: str) -> None:
+    """Exit 2 when `prompt` has images and the model in `model_dir` is text-only."""
+    if prompt.images and not is_vision_model(model_dir):
+        raise UserError(
+            f"{row}: '{field}' holds {len(prompt.images)} images but the model "
+            f"'{model_dir}' is text-only (its config.json has no vision_config)"
+        )
+
+
+class VisionEncoder:
+    """The tokenizer and image processor of one vision-language model directory."""
+
+    def __init__(self, tokenizer: Any, image_processor: Any, image_token_id: int) -> None:
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.image_token_id = image_token_id
+        self.merge = int(image_processor.merge_size)
+
+    @classmethod
+    def load(
+        cls, model_dir: Path, *, min_pixels: int | None = None, max_pixels: int | None = None
+    ) -> VisionEncoder:
+        """The encoder of `model_dir`; `min_pixels`/`max_pixels` override the pixel range
+        of its ``preprocessor_config.json`` (each image is resized to lie within it)."""
+        # Imported directly: the Auto class would pick the torchvision backend and warn.
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        if not is_vision_model(model_dir):
+            raise UserError(f"model.path: '{model_dir}' is a text-only model (no vision_config)")
+        config = json.loads((model_dir / "config.json").read_text())
+        if config.get("model_type") not in QWEN_VL_TYPES:
+            # Other families have other processors and token layouts; encoding their
+            # prompts with Qwen2-VL's would silently feed the model garbage.
+            raise UserError(
+                f"model.path: '{model_dir}' is a {config.get('model_type')!r} model; images "
+                f"are encoded for {sorted(QWEN_VL_TYPES)} only so far"
+            )
+        tok = load_tokenizer(model_dir)
+        pixels: dict[str, Any] = {"min_pixels": min_pixels, "max_pixels": max_pixels}
+        processor = Qwen2VLImageProcessorPil.from_pretrained(
+            model_dir, **{k: v for k, v in pixels.items() if v is not None}
+        )
+        return cls(tok, processor, int(config["image_token_id"]))
+
+    def image_tokens(self, size: tuple[int, int]) -> int:
+        """How many tokens an image of (width, height) pixels becomes, without decoding
+        it: the patches of its resized size over the merge."""
+        patches = self.image_processor.get_number_of_image_patches(size[1], size[0])
+        return int(patches) // self.merge**2
+
+    def count_tokens(self, prompt: VisionPrompt, row: str = "prompt") -> int:
+        """The prompt's length in tokens, image tokens included (what the prompt-length
+        policy and `max_tokens_per_micro_batch` count), from the images' sizes alone."""
+        text_ids = self._template_ids(prompt, row)
+        return (
+            len(text_ids)
+            - len(prompt.images)
+            + sum(self.image_tokens(im.size) for im in prompt.images)
+        )
+
+    def encode(self, prompt: VisionPrompt, row: str = "prompt") -> EncodedPrompt:
+        """Token ids, image-token mask, pixel values and patch grids of `prompt` (`row`
+        names it in errors)."""
+        ids = self._template_ids(prompt, row)
+        if not prompt.images:
+            return EncodedPrompt(
+                input_ids=tuple(ids),
+                mm_token_type_ids=(0,) * len(ids),
+                pixel_values=None,
+                image_grid_thw=None,
+            )
+        out = self.image_processor(images=[im.pil() for im in prompt.images], return_tensors="pt")
+        grid = out["image_grid_thw"]
+        counts = iter((grid.prod(-1) // self.merge**2).tolist())
+        expanded: list[int] = []
+        for t in ids:
+            expanded.extend([t] * next(counts) if t == self.image_token_id else [t])
+        return EncodedPrompt(
+            input_ids=tuple(expanded),
+            mm_token_type_ids=tuple(int(t == self.image_token_id) for t in expanded),
+            pixel_values=out["pixel_values"],
+            image_grid_thw=grid,
+        )
+
+    def _template_ids(self, prompt: VisionPrompt, row: str) -> list[int]:
+        """The chat-templated prompt with one image-pad token per image."""
+        text = self.tokenizer.apply_chat_template(
+            list(prompt.messages), tokenize=False, add_generation_prompt=True
+        )
+        ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        pads = ids.count(self.image_token_id)
+        if pads != len(prompt.images):
+            # A template that drops image parts, or a prompt whose text spells the token.
+            raise UserError(
+                f"{row}: model.path's chat template rendered {pads} '{IMAGE_PAD}' tokens "
+                f"for a prompt with {len(prompt.images)} images"
+            )
+        return ids
+
+
+def collate(encoded: Sequence[EncodedPrompt], pad_id: int, *, left: bool = True) -> dict[str, Any]:
+    """One padded batch of `encoded` prompts (left-padded for generation by default),
+    with and without images mixed: the images' pixel values and grids are concatenated in
+    row order, as the model matches them to the image tokens in that order.
+
+    Returns input_ids, attention_mask, mm_token_type_ids (B, L), and pixel_values /
+    image_grid_thw when any prompt has images.
+    """
+    import torch
+
+    width = max(len(e.input_ids) for e in encoded)
+
+    def pad(seq: Sequence[int], value: int) -> list[int]:
+        fill = [value] * (width - len(seq))
+        return [*fill, *seq] if left else [*seq, *fill]
+
+    batch: dict[str, Any] = {
+        "input_ids": torch.tensor([pad(e.input_ids, pad_id) for e in encoded]),
+        "attention_mask": torch.tensor([pad([1] * len(e.input_ids), 0) for e in encoded]),
+        "mm_token_type_ids": torch.tensor([pad(e.mm_token_type_ids, 0) for e in encoded]),
+    }
+    with_images = [e for e in encoded if e.pixel_values is not None]
+    if with_images:
+        batch["pixel_values"] = torch.cat([e.pixel_values for e in with_images])  # type: ignore[misc]
+        batch["image_grid_thw"] = torch.cat([e.image_grid_thw for e in with_images])  # type: ignore[misc]
+    return batch
+
+
+def rope_position_ids(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """The 3-D (time, height, width) M-RoPE position ids (3, B, L) of a `collate`d batch,
+    from the model's own `get_rope_index` (what a packed or cached forward must pass)."""
+    position_ids, _ = model.model.get_rope_index(
+        batch["input_ids"],
+        mm_token_type_ids=batch["mm_token_type_ids"],
+        image_grid_thw=batch.get("image_grid_thw"),
+        attention_mask=batch["attention_mask"],
+    )
+    return position_ids
