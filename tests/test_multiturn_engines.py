@@ -164,6 +164,24 @@ def test_each_row_stops_at_its_own_limit_or_an_eos(engine: RolloutEngine, model_
     assert reasons["stop"] and reasons["length"], reasons  # both ends were exercised
 
 
+def test_greedy_rows_are_the_greedy_continuations_cut_at_their_limits(
+    engine: RolloutEngine, model_dir: Path
+) -> None:
+    """Held-out evaluation's greedy turns: the engine's `greedy` (which drops the EOS)
+    continuations, the EOS kept, each cut at its own limit; 0 sends nothing."""
+    eos = _eos(model_dir)
+    full = engine.greedy(PROMPTS, 6)
+    limits = [6, 3, 0, 6]
+    rows = engine.greedy_rows(PROMPTS, limits)
+    assert engine.greedy_rows(PROMPTS, limits) == rows
+    for row, want, lim in zip(rows, full, limits, strict=True):
+        assert len(row.logprobs) == len(row.tokens)
+        if row.finish_reason == "stop":
+            assert row.tokens[-1] in eos and row.tokens[:-1] == want and len(want) < lim
+        else:
+            assert row.tokens == want[:lim] and len(row.tokens) == lim
+
+
 # ---------------------------------------------------------------------------------------------
 # Episodes through `episodes.run`
 # ---------------------------------------------------------------------------------------------

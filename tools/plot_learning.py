@@ -2,12 +2,15 @@
 
     python -m tools.plot_learning RUN_DIR [--out curve.png]
 
-Reads only RUN/trajectories (plain Parquet), so it works on a live or preempted run.
+Reads only RUN/trajectories (plain Parquet), so it works on a live or preempted run, and,
+when the run evaluates held-out problems, RUN/eval.json: greedy accuracy (and, for
+episodes, first-try accuracy) by evaluated step, dashed, beside the training rewards.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -48,6 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     for c in per_step.columns:
         if c.startswith("reward_"):
             ax1.plot(per_step.index, per_step[c], marker="o", ms=3, label=c.removeprefix("reward_"))
+    held = _held_out(args.run_dir / "eval.json")
+    for key, label in (
+        ("eval/greedy_accuracy", "held-out greedy accuracy"),
+        ("eval/greedy_first_turn_accuracy", "held-out greedy, first try"),
+    ):
+        points = [(s, m[key]) for s, m in held if key in m]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax1.plot(xs, ys, ls="--", marker="s", ms=4, label=label)
     ax1.set_xlabel("step")
     ax1.set_ylabel("mean over samples")
     ax1.set_ylim(-0.02, 1.02)
@@ -67,6 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     fig.savefig(out, dpi=110)
     print(out)
     return 0
+
+
+def _held_out(path: Path) -> list[tuple[int, dict[str, float]]]:
+    """(step, eval/* metrics) of every committed evaluation, by step (none: no file)."""
+    if not path.exists():
+        return []
+    steps = json.loads(path.read_text())["steps"]
+    return sorted((int(s), m) for s, m in steps.items())
 
 
 if __name__ == "__main__":

@@ -1255,7 +1255,9 @@ class EvalConfig:
 
     samples: int = 0
     """Sampled completions per problem (at rollout.temperature and filters) for pass@k,
-    besides the greedy one; seeds derive from (run seed, step, "eval", prompt id)."""
+    besides the greedy one; seeds derive from (run seed, step, "eval", prompt id). With
+    `rollout.env` each completion is an episode (greedy: every turn greedy), its turn t
+    of sample k seeded from (run seed, step, "eval", prompt id, k, t)."""
 
     k: tuple[int, ...] = (1,)
     """pass@k reported for each k (unbiased estimator over `samples`; each k <= samples)."""
@@ -1267,7 +1269,8 @@ class EvalConfig:
 
     metric: str = "accuracy"
     """The reward component (`reward_<metric>` column) that decides whether a completion
-    is correct."""
+    is correct; with `rollout.env`, `env` is the episode's environment return
+    (`reward_env`, the sum of its turn rewards)."""
 
     threshold: float = 1.0
     """A completion is correct when its `metric` component is at least this."""
@@ -1400,11 +1403,14 @@ class RunConfig:
                 "reward.functions must name at least one reward (only a rollout.env "
                 "scores rows by itself)"
             )
-        if self.eval.size and f"reward_{self.eval.metric}" not in columns:
-            names = [c.removeprefix("reward_") for c in columns]
+        # An episode's environment return is a component too (the score stage's `reward_env`).
+        metrics = [*columns, *(["reward_env"] if self.rollout.env is not None else [])]
+        if self.eval.size and f"reward_{self.eval.metric}" not in metrics:
+            names = [c.removeprefix("reward_") for c in metrics]
             raise ValueError(
                 f"eval.metric={self.eval.metric!r} is not a reward component (reward.functions "
-                f"gives {names}); set eval.metric to one of them or eval.size=0"
+                f"{'and rollout.env give' if self.rollout.env else 'gives'} {names}); set "
+                "eval.metric to one of them or eval.size=0"
             )
         estimator = ADVANTAGE_ESTIMATORS.of(self.advantage.estimator)
         if self.rollout.n == 1 and estimator.traits.needs_groups:
@@ -1487,11 +1493,6 @@ class RunConfig:
                 f"rollout.env with advantage.estimator={name}: its greedy baseline rows are "
                 "not built for multi-turn episodes (a greedy episode per group); use grpo, "
                 "rloo, gae or another estimator"
-            )
-        if self.eval.size:
-            raise ValueError(
-                "rollout.env with eval.size > 0: held-out evaluation still decodes one "
-                "greedy response per problem, not an episode; set eval.size=0"
             )
 
     def _check_dynamic_sampling(self, columns: list[str]) -> None:

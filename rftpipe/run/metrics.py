@@ -39,17 +39,32 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def summarize(rows: pa.Table, ks: Sequence[int]) -> dict[str, float]:
     """`eval/...` metrics of committed eval rows: greedy accuracy and pass@k for each of
-    `ks`, overall and under `eval/<data source>/...`."""
+    `ks`, overall and under `eval/<data source>/...`. Episode rows (`rollout.env`) add,
+    over the greedy episodes, `greedy_turns_mean` (turns per episode) and
+    `greedy_first_turn_accuracy` (correct, and ended after its first turn: right on the
+    first try)."""
+    episodes = "num_turns" in rows.column_names
+    cols = ["prompt_id", "mode", "metadata", "correct", *(["num_turns"] if episodes else [])]
     by_prompt: dict[int, dict[str, Any]] = {}
-    for r in rows.select(["prompt_id", "mode", "metadata", "correct"]).to_pylist():
+    for r in rows.select(cols).to_pylist():
         if r["correct"] is None:
             continue  # a data source the metric's reward function does not score
         entry = by_prompt.setdefault(
             r["prompt_id"],
-            {"source": data_source_of(r, json.loads(r["metadata"])), "greedy": 0.0, "c": 0, "n": 0},
+            {
+                "source": data_source_of(r, json.loads(r["metadata"])),
+                "greedy": 0.0,
+                "c": 0,
+                "n": 0,
+                "turns": 0,
+                "first": 0.0,
+            },
         )
         if r["mode"] == "greedy":
             entry["greedy"] = float(r["correct"])
+            if episodes:
+                entry["turns"] = r["num_turns"]
+                entry["first"] = float(r["correct"] and r["num_turns"] == 1)
         else:
             entry["c"] += int(r["correct"])
             entry["n"] += 1
@@ -62,6 +77,11 @@ def summarize(rows: pa.Table, ks: Sequence[int]) -> dict[str, float]:
     for prefix, entries in sorted(groups.items()):
         out[f"{prefix}/problems"] = len(entries)
         out[f"{prefix}/greedy_accuracy"] = sum(e["greedy"] for e in entries) / len(entries)
+        if episodes:
+            out[f"{prefix}/greedy_turns_mean"] = sum(e["turns"] for e in entries) / len(entries)
+            out[f"{prefix}/greedy_first_turn_accuracy"] = sum(e["first"] for e in entries) / len(
+                entries
+            )
         for k in ks:
             out[f"{prefix}/pass@{k}"] = sum(pass_at_k(e["n"], e["c"], k) for e in entries) / len(
                 entries

@@ -116,12 +116,18 @@ class EpisodeInputs:
     """The committed rows of the newest turn before a restart, by (prompt id, sample)."""
     resumed_turns: int = 0
     """How many turns those rows hold."""
+    samples: Sequence[int] | None = None
+    """The sample indices of each prompt's episodes (None: `range(cfg.n)`; held-out
+    evaluation's greedy episode is -1)."""
+    greedy: bool = False
+    """Each turn is the greedy continuation (`engine.greedy_rows`, no draws, so no turn
+    seeds): held-out evaluation's greedy episodes."""
 
 
 @dataclass(frozen=True, slots=True)
 class EpisodeOutput:
     episodes: list[Episode]
-    """Row-major: `cfg.n` samples of each prompt of each call."""
+    """Row-major: the samples (`cfg.n`, or `samples`) of each prompt of each call."""
     env_s: float
     """Seconds this process spent waiting for environments (building, resetting,
     replaying and stepping them)."""
@@ -134,9 +140,11 @@ def run(
     make_env: Callable[[], Environment],
     log: TurnLog,
 ) -> EpisodeOutput:
-    """Every episode of this rank's calls, `cfg.n` samples of each prompt: run turn by
-    turn, all calls together, each turn committed through `log` before the next."""
+    """Every episode of this rank's calls, `cfg.n` samples of each prompt (or `samples`):
+    run turn by turn, all calls together, each turn committed through `log` before the
+    next."""
     cfg, env_cfg = inp.cfg, inp.env_cfg
+    samples = range(cfg.n) if inp.samples is None else inp.samples
     eos = _eos_ids(tokenizer, cfg)
     by_call: list[list[Episode]] = []
     clock = _Clock()
@@ -144,7 +152,7 @@ def run(
         for prompts in inp.calls:
             by_call.append([])
             for p in prompts:
-                for k in range(cfg.n):
+                for k in samples:
                     seed = derive_seed(inp.run_seed, inp.step, inp.stage, f"env/{p.prompt_id}/{k}")
                     row = inp.resumed.get((p.prompt_id, k))
                     with clock:
@@ -209,12 +217,16 @@ def _turn(
     if not go:
         engine.end_episodes([_key(e) for e in live])
         return
-    outs = engine.generate_rows(
-        [e.prompt_ids + e.response for e, _ in go],
-        [_turn_seed(inp, e, turn) for e, _ in go],
-        [lim for _, lim in go],
-        keys=[_key(e) for e, _ in go],
-    )
+    rows = [e.prompt_ids + e.response for e, _ in go]
+    if inp.greedy:
+        outs = engine.greedy_rows(rows, [lim for _, lim in go])
+    else:
+        outs = engine.generate_rows(
+            rows,
+            [_turn_seed(inp, e, turn) for e, _ in go],
+            [lim for _, lim in go],
+            keys=[_key(e) for e, _ in go],
+        )
     acted = [(e, *_sampled(tokenizer, eos, e, out)) for (e, _), out in zip(go, outs, strict=True)]
     # Every episode's step at once: environments in worker processes run in parallel.
     pairs = []

@@ -4,6 +4,18 @@ It runs after a step's sync when `eval.due(step)` (step 0: the initial weights),
 weights of that step. Rows carry `mode` (greedy or sampled) and the score stage's reward
 columns and `correct`; `rftpipe.run.metrics.eval_metrics` turns committed rows into greedy
 accuracy and pass@k, overall and per data source.
+
+With `rollout.env` every completion is an episode (`rftpipe.stages.episodes`) with the
+training's environment, budgets, tool parser and `on_error` policy: a greedy one per
+problem (each turn the greedy continuation, `engine.greedy_rows`) and `eval.samples`
+sampled ones (turn t of sample k of problem p drawn from (run seed, step, "eval", p, k, t);
+the environment reset with (run seed, step, "eval", p, k)). Rows add the rollout's episode
+columns (`num_turns`, `episode_status`, `messages`, ...); `response` is the last action's
+text and `response_token_ids` the whole episode's tokens, both roles. The score stage adds
+the environment's return (`reward_env`), so `eval.metric: env` evaluates an
+environment-only reward. The stage's episodes are not durable turn by turn: the stage
+commits once, and a run killed during it runs the whole evaluation again, to the same rows
+(every episode is a function of its seeds and the step's weights).
 """
 
 from __future__ import annotations
@@ -15,14 +27,15 @@ from typing import Any
 
 import pyarrow as pa
 
-from rftpipe.config.schema import EvalConfig, RewardConfig, RolloutConfig
+from rftpipe.config.schema import EnvConfig, EvalConfig, RewardConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt, content_key
 from rftpipe.data.sampler import rank_slice
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.rewards.types import RewardComponent
 from rftpipe.seeding import derive_seed
-from rftpipe.stages import StageName, score
+from rftpipe.stages import StageName, episodes, score
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
+from rftpipe.stages.rollout import EPISODE_COLUMNS, Unlogged, env_maker
 
 EVAL_SCHEMA = pa.schema(
     [
@@ -43,6 +56,10 @@ EVAL_SCHEMA = pa.schema(
 )
 
 
+EVAL_EPISODE_SCHEMA = pa.schema([*EVAL_SCHEMA, *EPISODE_COLUMNS])
+"""An evaluation episode's row (`rollout.env`): the rollout's episode columns added."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EvalInputs:
     step: int
@@ -61,15 +78,31 @@ def run(
     components: Mapping[str, RewardComponent],
     inp: EvalInputs,
 ) -> pa.Table:
-    """One greedy row (sample_idx -1) and `eval.samples` sampled rows per problem, scored."""
-    cols: dict[str, list] = {name: [] for name in EVAL_SCHEMA.names}
-    budget = inp.rollout.max_new_tokens
+    """One greedy row (sample_idx -1) and `eval.samples` sampled rows per problem, scored;
+    with `rollout.env`, each an episode."""
     # This rank holds whole units of eval.problems_per_call, so cutting its problems by that
     # unit gives the calls, and the completions, of any world size. An engine that takes
     # all of a rank's groups at once (seeding each sample on its own) gets them so: ranks
     # sharing a tensor-parallel engine must each make one call.
     g = max(engine.groups_per_call, inp.eval.problems_per_call)
     calls = [inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)]
+    if inp.rollout.env is not None:
+        table = _episode_table(engine, tokenizer, inp, inp.rollout.env, calls)
+    else:
+        table = _completion_table(engine, tokenizer, inp, calls)
+    scored = score.run(inp.reward, components, table)
+    metric = scored.column(f"reward_{inp.eval.metric}").to_pylist()
+    # Null where the metric's function does not score the row's data source.
+    correct = [None if v is None else v >= inp.eval.threshold for v in metric]
+    return scored.append_column(pa.field("correct", pa.bool_()), pa.array(correct, pa.bool_()))
+
+
+def _completion_table(
+    engine: RolloutEngine, tokenizer: Any, inp: EvalInputs, calls: list[Sequence[Prompt]]
+) -> pa.Table:
+    """Single-turn rows: one greedy completion and `eval.samples` sampled ones per problem."""
+    cols: dict[str, list] = {name: [] for name in EVAL_SCHEMA.names}
+    budget = inp.rollout.max_new_tokens
     if not calls and engine.collective:
         calls = [[]]  # a tensor-parallel group generates together, even for no prompts
 
@@ -106,11 +139,70 @@ def run(
                 zip(group.tokens, group.finish_reasons, strict=True)
             ):
                 add(p, k, "sampled", list(toks), reason)
-    scored = score.run(inp.reward, components, pa.Table.from_pydict(cols, schema=EVAL_SCHEMA))
-    metric = scored.column(f"reward_{inp.eval.metric}").to_pylist()
-    # Null where the metric's function does not score the row's data source.
-    correct = [None if v is None else v >= inp.eval.threshold for v in metric]
-    return scored.append_column(pa.field("correct", pa.bool_()), pa.array(correct, pa.bool_()))
+    return pa.Table.from_pydict(cols, schema=EVAL_SCHEMA)
+
+
+def _episode_table(
+    engine: RolloutEngine,
+    tokenizer: Any,
+    inp: EvalInputs,
+    env: EnvConfig,
+    calls: list[Sequence[Prompt]],
+) -> pa.Table:
+    """Episode rows: the greedy episodes of all calls, then the sampled ones, each set run
+    turn by turn over this rank's calls as the rollout runs them (not committed per turn;
+    each rank ends its own, so no collective)."""
+    make = env_maker(env)
+    sets = [(True, [-1])]
+    if inp.eval.samples:
+        sets.append((False, list(range(inp.eval.samples))))
+    played: list[tuple[str, episodes.Episode]] = []
+    for greedy, samples in sets:
+        ep_inp = episodes.EpisodeInputs(
+            cfg=inp.rollout,
+            env_cfg=env,
+            run_seed=inp.run_seed,
+            step=inp.step,
+            stage="eval",
+            calls=calls,
+            samples=samples,
+            greedy=greedy,
+        )
+        out = episodes.run(ep_inp, engine, tokenizer, make, Unlogged())
+        played += [("greedy" if greedy else "sampled", e) for e in out.episodes]
+    cols: dict[str, list] = {name: [] for name in EVAL_EPISODE_SCHEMA.names}
+    # Greedy row first, then the samples, per problem in the rank's order (as single-turn).
+    order = {p.prompt_id: i for i, p in enumerate(inp.prompts)}
+    played.sort(key=lambda m_e: (order[m_e[1].prompt.prompt_id], m_e[1].sample_idx))
+    for mode, e in played:
+        row = {
+            "step": inp.step,
+            "prompt_id": e.prompt.prompt_id,
+            "sample_idx": e.sample_idx,
+            "mode": mode,
+            "rank": inp.rank,
+            "prompt": e.prompt.text,
+            # What reward functions read as the response: the last action's text, as in
+            # the rollout's episode rows.
+            "response": e.last_action,
+            "response_token_ids": e.response,
+            "response_length": len(e.response),
+            "finish_reason": e.finish_reason,
+            "answer": e.prompt.answer,
+            "metadata": json.dumps(e.prompt.metadata, sort_keys=True, default=str),
+            "weight_version": engine.weight_version,
+            "loss_mask": e.loss_mask,
+            "turn_offsets": e.turn_offsets,
+            "turn_rewards": e.turn_rewards,
+            "turn_infos": e.turn_infos,
+            "num_turns": len(e.turn_offsets),
+            "env_reward": float(sum(e.turn_rewards)),
+            "episode_status": e.status,
+            "messages": json.dumps(e.messages, ensure_ascii=False),
+        }
+        for name, value in row.items():
+            cols[name].append(value)
+    return pa.Table.from_pydict(cols, schema=EVAL_EPISODE_SCHEMA)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ estimators with a greedy baseline such as ReMax, one greedy row per prompt)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -14,6 +14,7 @@ from rftpipe.config.schema import EnvConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout.base import RolloutEngine
+from rftpipe.envs.base import Environment
 from rftpipe.envs.loader import make_environment
 from rftpipe.envs.pool import shared_pool
 from rftpipe.observe.events import events
@@ -174,9 +175,8 @@ def _episode_table(
         resumed=resumed,
         resumed_turns=done,
     )
-    log: episodes.TurnLog = turns.log(inp, engine, tokenizer) if turns else _Unlogged()
-    make = shared_pool(env).make if env.workers else (lambda: make_environment(env))
-    out = episodes.run(ep_inp, engine, tokenizer, make, log)
+    log: episodes.TurnLog = turns.log(inp, engine, tokenizer) if turns else Unlogged()
+    out = episodes.run(ep_inp, engine, tokenizer, env_maker(env), log)
     if turns is not None:
         turns.env_s = out.env_s
     return episode_rows(inp, engine, tokenizer, out.episodes)
@@ -219,8 +219,16 @@ def episode_rows(
     return pa.Table.from_pydict(cols, schema=EPISODE_SCHEMA)
 
 
-class _Unlogged:
-    """No turn commits, one rank."""
+def env_maker(env: EnvConfig) -> Callable[[], Environment]:
+    """What builds an episode's environment: in this process's pool of
+    `rollout.env.workers` processes (started once, shared by the rollout and held-out
+    evaluation, closed at exit and killed with the run), or in-process with `workers: 0`."""
+    return shared_pool(env).make if env.workers else (lambda: make_environment(env))
+
+
+class Unlogged:
+    """No turn commits: episodes that are not durable (held-out evaluation, a test's
+    direct call); each rank decides alone when its episodes are over."""
 
     def commit(self, turns: int, finished: Sequence[episodes.Episode]) -> None:
         pass

@@ -3,7 +3,7 @@
 Every engine (the HF loop in `hf`, vLLM in `vllm`, SGLang in `sglang`) implements the same
 Protocol: generate one group with per-token logprobs of the sampling distribution
 (logits / T, before top-k/top-p), generate one sample per row for multi-turn episodes
-(`generate_rows`; HF and vLLM), take new weights, and sleep/wake around training.
+(`generate_rows`, and `greedy_rows` for their held-out evaluation; HF and vLLM), take new weights, and sleep/wake around training.
 `rftpipe.engines.rollout.ROLLOUT_ENGINES` builds one by `rollout.engine`.
 """
 
@@ -92,6 +92,15 @@ class RolloutEngine(Protocol):
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy completions without their EOS (evaluation)."""
+        ...
+
+    def greedy_rows(
+        self, prompts: Sequence[Sequence[int]], max_new: Sequence[int]
+    ) -> list[SampleOutput]:
+        """The greedy continuation of each prompt (a held-out evaluation episode's next
+        turn), as `generate_rows` gives a sample: EOS kept, cut at `max_new[r]` new tokens
+        (0: an empty `length` row), ended by a stop string; logprobs 0 (not recorded).
+        SGLang raises NotImplementedError."""
         ...
 
     def update_weights(

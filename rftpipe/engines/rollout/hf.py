@@ -128,6 +128,23 @@ class HFGenerateEngine:
             for t, lp, r in zip(tokens, logprobs, reasons, strict=True)
         ]
 
+    @torch.no_grad()
+    def greedy_rows(
+        self, prompts: Sequence[Sequence[int]], max_new: Sequence[int]
+    ) -> list[SampleOutput]:
+        """The greedy continuation of each prompt (a greedy evaluation episode's next turn),
+        cut at `max_new[r]` new tokens, through the sampling loop with the most likely
+        token in place of a draw: it ends on an EOS (kept) or a stop string as a sample
+        does. No draws, so nothing depends on a seed; logprobs are 0 (evaluation reads
+        none). It re-prefills each turn's whole history (evaluation keeps no caches)."""
+        if not prompts:
+            return []
+        tokens, _, reasons = self._decode(prompts, 1, None, max_new)
+        return [
+            SampleOutput(tokens=t, logprobs=[0.0] * len(t), finish_reason=r)
+            for t, r in zip(tokens, reasons, strict=True)
+        ]
+
     @property
     def continues_turns(self) -> bool:
         """Whether `generate_rows(keys=...)` keeps each episode's KV cache between its turns.
@@ -278,11 +295,12 @@ class HFGenerateEngine:
         self,
         prompts: Sequence[Sequence[int]],
         n: int,
-        draw: Callable[[int], torch.Tensor],
+        draw: Callable[[int], torch.Tensor] | None,
         limits: Sequence[int],
     ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
         """n samples of each prompt, row-major; `draw(rows)` gives each decode step's
-        uniform draws, and row r stops with "length" after `limits[r]` new tokens."""
+        uniform draws (None: the most likely token, unfiltered: greedy), and row r stops
+        with "length" after `limits[r]` new tokens."""
         was_training = self.model.training
         self.model.eval()
         try:
@@ -291,7 +309,10 @@ class HFGenerateEngine:
             self.model.train(was_training)
 
     def _sample_loop(
-        self, first: _Prefilled, draw: Callable[[int], torch.Tensor], limits: Sequence[int]
+        self,
+        first: _Prefilled,
+        draw: Callable[[int], torch.Tensor] | None,
+        limits: Sequence[int],
     ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
         """Decode from a prefill's next-token logits: `draw(rows)` gives each step's uniform
         draws, and row r stops with "length" after `limits[r]` new tokens."""
@@ -314,15 +335,18 @@ class HFGenerateEngine:
         steps = max(limits, default=0)
         for t in range(steps):
             scaled = logits.float() / cfg.temperature
-            tok = _sample(torch.softmax(self._filter(scaled, t), dim=-1), draw(rows))
+            if draw is None:
+                tok = logits.argmax(dim=-1)
+            else:
+                tok = _sample(torch.softmax(self._filter(scaled, t), dim=-1), draw(rows))
             tok = torch.where(done, self.pad_id, tok)
             new_tokens.append(tok)
             new_lps.append(torch.log_softmax(scaled, dim=-1).gather(-1, tok[:, None]).squeeze(1))
             hit = torch.isin(tok, eos) & ~done
             if texts is not None:
-                hit |= texts.completed(tok.tolist(), (~done).tolist(), t >= cfg.min_new_tokens).to(
-                    device
-                )
+                # Greedy decoding ignores min_new_tokens, as `greedy` (generate) does.
+                check = draw is None or t >= cfg.min_new_tokens
+                hit |= texts.completed(tok.tolist(), (~done).tolist(), check).to(device)
             for r in hit.nonzero().flatten().tolist():
                 ends[r] = t + 1
             # A row at its own limit stops with "length" (its end stays None).

@@ -319,6 +319,15 @@ class SGLangEngine:
             "use rollout.engine=vllm or hf"
         )
 
+    def greedy_rows(
+        self, prompts: Sequence[Sequence[int]], max_new: Sequence[int]
+    ) -> list[SampleOutput]:
+        """See `generate_rows`: no multi-turn episodes on SGLang, so none to evaluate."""
+        raise NotImplementedError(
+            "multi-turn episodes (rollout.env) are not built for rollout.engine=sglang; "
+            "use rollout.engine=vllm or hf"
+        )
+
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy completions without the EOS (for evaluation, not for training rows)."""
         self._check_ready()

@@ -349,6 +349,23 @@ class VLLMEngine:
             for t, lp, why in (got.get(r, empty) for r in range(len(prompts)))
         ]
 
+    def greedy_rows(
+        self, prompts: Sequence[Sequence[int]], max_new: Sequence[int]
+    ) -> list[SampleOutput]:
+        """Greedy continuations (temperature 0), each its own request, as `generate_rows`
+        sends samples; no logprobs are asked for (0 each: evaluation reads none)."""
+        sent = [r for r, m in enumerate(max_new) if m > 0]
+        for r in sent:
+            self._check_fits(len(prompts[r]), max_new[r])
+        outs = self._run([(list(prompts[r]), max_new[r], None) for r in sent])
+        got: dict[int, SampleOutput] = {}
+        for r, o in zip(sent, outs, strict=True):
+            toks = list(o.outputs[0].token_ids)
+            why: FinishReason = "stop" if o.outputs[0].finish_reason == "stop" else "length"
+            got[r] = SampleOutput(tokens=toks, logprobs=[0.0] * len(toks), finish_reason=why)
+        empty = SampleOutput(tokens=[], logprobs=[], finish_reason="length")
+        return [got.get(r, empty) for r in range(len(prompts))]
+
     def _check_fits(self, prompt_len: int, max_new: int) -> None:
         """vLLM would silently end a request at `max_model_len` (finish reason `length`,
         short of its own limit); an episode's prompt outgrows it only when an environment's
