@@ -456,3 +456,20 @@ def test_dynamic_sampling_rounds_run_episodes(tmp_path: Path) -> None:
     assert "rollout" in rounds and "rollout.r1" in rounds, rounds
     t = trajectories(run).to_pandas()
     assert len(t) == 2 * 4 * 4 and (t["num_turns"] >= 1).all()  # 4 varied groups a step
+
+
+def test_a_prompt_twice_in_a_step_makes_two_kept_caches(tiny) -> None:
+    """A step straddling an epoch boundary may hold a prompt twice, in two engine calls:
+    each occurrence is its own episode to the engine (they once shared a cache name and the
+    second call was refused, found on a GPU run with a 10-prompt file)."""
+    model, tok = tiny
+    cfg = RolloutConfig(n=2, max_new_tokens=6, env=ENV)
+    engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    assert engine.continues_turns
+    prompt = episode_prompts(tok)[:1]
+    inp = episodes.EpisodeInputs(
+        cfg=cfg, env_cfg=ENV, run_seed=0, step=1, stage="rollout", calls=[prompt, prompt]
+    )
+    out = episodes.run(inp, engine, tok, EvenChars, OneRankLog()).episodes
+    assert len(out) == 4 and max(len(e.turn_offsets) for e in out) > 1
+    assert sorted(e.slot for e in out) == [0, 1, 2, 3]

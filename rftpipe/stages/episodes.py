@@ -88,6 +88,10 @@ class Episode:
     last_action: str = ""
     tools: Any = None
     """The tool schemas `reset` offered (`info["tools"]`), passed to every templating."""
+    slot: int = -1
+    """Its place in the stage's row-major order: the engine's name for its kept KV cache.
+    Not (prompt id, sample): a step that straddles an epoch boundary may hold a prompt
+    twice, and its two episodes are two caches."""
 
 
 class TurnLog(Protocol):
@@ -161,6 +165,7 @@ def run(
                             if row is None
                             else _restore(env_cfg, tokenizer, make_env, p, k, seed, row)
                         )
+                    e.slot = sum(len(c) for c in by_call)
                     by_call[-1].append(e)
         episodes = [e for call_eps in by_call for e in call_eps]
         if inp.resumed_turns and engine.continues_turns:
@@ -240,9 +245,9 @@ def _turn(
     engine.end_episodes([_key(e) for e in live if e.status is not None])
 
 
-def _key(e: Episode) -> tuple[int, int]:
-    """An episode's name to the engine."""
-    return (e.prompt.prompt_id, e.sample_idx)
+def _key(e: Episode) -> int:
+    """An episode's name to the engine (see `Episode.slot`)."""
+    return e.slot
 
 
 def _turn_seed(inp: EpisodeInputs, e: Episode, turn: int) -> int:
