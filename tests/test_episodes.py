@@ -336,8 +336,9 @@ def test_resumed_in_any_turn_the_kept_kv_caches_are_rebuilt_bitwise(tiny) -> Non
     turns = [len(e.turn_offsets) for e in full]
     # Some episodes ended early (their rows dropped from a call's cache), some ran on.
     assert min(turns) < 3 and max(turns) == 4, turns
+    slot = {(e.prompt.prompt_id, e.sample_idx): e.slot for e in full}
     for t, rows in log.rows.items():
-        assert log.kept[t] == {k for k, r in rows.items() if r["episode_status"] is None}
+        assert log.kept[t] == {slot[k] for k, r in rows.items() if r["episode_status"] is None}
     assert log.kept[4] == set() and log.engine._sessions == {}
     for done in (1, 2, 3):
         again, _ = _resumable(tiny, env, EndsFourWays, log.rows[done], done, calls=calls)

@@ -162,25 +162,18 @@ def run_side(a: argparse.Namespace, model: Any, tok: Any, continued: bool) -> di
 
 
 def smollm2_shape() -> Any:
-    """A random-init model of SmolLM2-135M's shape (30 layers, hidden 576, 9 query and 3 KV
-    heads, 49,152 entries) with the tiny tokenizer, in a temporary directory."""
+    """A random-init model of SmolLM2-135M's shape (`tools.mfu.SHAPES["135m"]`) with the
+    tiny tokenizer, in a temporary directory."""
     import tempfile
 
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from rftpipe.engines.models import build_tiny_tokenizer
+    from tools.mfu import SHAPES
 
     tok = build_tiny_tokenizer()
     cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
+        **SHAPES["135m"],
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,

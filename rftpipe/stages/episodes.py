@@ -94,6 +94,21 @@ class Episode:
     twice, and its two episodes are two caches."""
 
 
+def turn_columns(e: Episode) -> dict[str, Any]:
+    """An ended episode's turn structure, as its trajectory or evaluation row records it
+    (the columns that schema version 2 adds)."""
+    return {
+        "loss_mask": e.loss_mask,
+        "turn_offsets": e.turn_offsets,
+        "turn_rewards": e.turn_rewards,
+        "turn_infos": e.turn_infos,
+        "num_turns": len(e.turn_offsets),
+        "env_reward": float(sum(e.turn_rewards)),
+        "episode_status": e.status,
+        "messages": json.dumps(e.messages, ensure_ascii=False),
+    }
+
+
 class TurnLog(Protocol):
     """Where a rank's episodes are committed turn by turn (the rollout stage's store)."""
 

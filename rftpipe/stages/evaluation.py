@@ -191,14 +191,7 @@ def _episode_table(
             "answer": e.prompt.answer,
             "metadata": json.dumps(e.prompt.metadata, sort_keys=True, default=str),
             "weight_version": engine.weight_version,
-            "loss_mask": e.loss_mask,
-            "turn_offsets": e.turn_offsets,
-            "turn_rewards": e.turn_rewards,
-            "turn_infos": e.turn_infos,
-            "num_turns": len(e.turn_offsets),
-            "env_reward": float(sum(e.turn_rewards)),
-            "episode_status": e.status,
-            "messages": json.dumps(e.messages, ensure_ascii=False),
+            **episodes.turn_columns(e),
         }
         for name, value in row.items():
             cols[name].append(value)

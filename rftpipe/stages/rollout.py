@@ -206,14 +206,7 @@ def episode_rows(
             {
                 **row,
                 "prompt_token_ids": e.prompt_ids,
-                "loss_mask": e.loss_mask,
-                "turn_offsets": e.turn_offsets,
-                "turn_rewards": e.turn_rewards,
-                "turn_infos": e.turn_infos,
-                "num_turns": len(e.turn_offsets),
-                "env_reward": float(sum(e.turn_rewards)),
-                "episode_status": e.status,
-                "messages": json.dumps(e.messages, ensure_ascii=False),
+                **episodes.turn_columns(e),
             },
         )
     return pa.Table.from_pydict(cols, schema=EPISODE_SCHEMA)
