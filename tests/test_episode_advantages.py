@@ -14,8 +14,13 @@ import torch
 from helpers import ROOT, submit, trajectories
 
 from rftpipe.algos.advantage import AdvantageInputs, compute_advantages, gae_returns
-from rftpipe.algos.variants import GAESettings, GRPOSettings, ReinforcePPSettings
-from rftpipe.config.loader import ConfigError, load_config
+from rftpipe.algos.variants import (
+    ADVANTAGE_ESTIMATORS,
+    GAESettings,
+    GRPOSettings,
+    ReinforcePPSettings,
+)
+from rftpipe.config.loader import load_config
 from rftpipe.config.schema import AdvantageConfig, KLConfig, RunConfig
 from rftpipe.stages import advantage
 from rftpipe.stages.batching import turn_reward_tokens
@@ -149,13 +154,44 @@ def test_the_advantage_stage_leaves_environment_tokens_out() -> None:
     assert "critic/explained_var" in metrics
 
 
-def test_gae_takes_episodes_and_remax_refuses_them_in_one_line() -> None:
+def test_every_estimator_takes_episodes() -> None:
     env = ["rollout.env.path=envs_toy:EvenChars"]
-    cfg = load_config(RunConfig, None, [*env, "advantage.estimator=gae", "critic.lr=1e-5"])
-    assert cfg.rollout.env is not None
-    with pytest.raises(ConfigError, match="greedy baseline rows") as err:
-        load_config(RunConfig, None, [*env, "advantage.estimator=remax"])
-    assert "\n" not in str(err.value)
+    for estimator in ADVANTAGE_ESTIMATORS.names():
+        extra = ["critic.lr=1e-5"] if estimator == "gae" else []
+        cfg = load_config(RunConfig, None, [*env, f"advantage.estimator={estimator}", *extra])
+        assert cfg.rollout.env is not None
+
+
+ENV_RUN = (
+    "rollout.env.path=envs_toy:EvenChars",
+    "rollout.env.max_turns=2",
+    "rollout.env.max_total_tokens=96",
+    "reward.functions=[]",
+    "total_steps=2",
+)
+ENV_PATH = {"PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+@pytest.mark.slow
+def test_a_remax_run_plays_a_greedy_baseline_episode_per_prompt(tmp_path: Path) -> None:
+    """ReMax over episodes through the real entry point: one greedy episode per prompt
+    (sample n, `is_baseline`), scored and used as the group's baseline, never trained on."""
+    run = tmp_path / "remax"
+    out = submit(run, *ENV_RUN, "advantage.estimator=remax", env=ENV_PATH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    t = trajectories(run).to_pandas()
+    n = int(t["sample_idx"].max())
+    base = t[t["is_baseline"]]
+    assert len(base) == t.groupby(["step", "prompt_id"]).ngroups and (base["sample_idx"] == n).all()
+    assert (base["num_turns"] >= 1).all() and (t["num_turns"] == 2).any()
+    for _, r in base.iterrows():
+        assert all(a == 0.0 for a in r["advantages"]) and all(lp == 0.0 for lp in r["logprobs"])
+    # A sample's advantage is its return minus its group's greedy episode's return.
+    for _, group in t.groupby(["step", "prompt_id"]):
+        greedy = float(group[group["is_baseline"]]["reward"].iloc[0])
+        for _, r in group[~group["is_baseline"]].iterrows():
+            model = [a for a, m in zip(r["advantages"], r["loss_mask"], strict=True) if m]
+            assert model and all(a == pytest.approx(r["reward"] - greedy) for a in model)
 
 
 @pytest.mark.slow
@@ -163,17 +199,7 @@ def test_a_multi_turn_run_with_a_critic_trains_on_model_tokens(tmp_path: Path) -
     """PPO with GAE over episodes through the real entry point: the critic's values, its
     targets and the advantages are 0 on the environment's tokens, and the critic learns."""
     run = tmp_path / "gae"
-    out = submit(
-        run,
-        "rollout.env.path=envs_toy:EvenChars",
-        "rollout.env.max_turns=2",
-        "rollout.env.max_total_tokens=96",
-        "reward.functions=[]",
-        "advantage.estimator=gae",
-        "critic.lr=1e-4",
-        "total_steps=2",
-        env={"PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
-    )
+    out = submit(run, *ENV_RUN, "advantage.estimator=gae", "critic.lr=1e-4", env=ENV_PATH)
     assert out.returncode == 0, out.stderr[-3000:]
     t = trajectories(run).to_pandas()
     assert (t["num_turns"] == 2).any()

@@ -294,7 +294,9 @@ class _Snapshots:
         return flag
 
 
-def _resumable(tiny, env: EnvConfig, make_env, resumed=None, turns: int = 0, calls=None):
+def _resumable(
+    tiny, env: EnvConfig, make_env, resumed=None, turns: int = 0, calls=None, baseline=False
+):
     model, tok = tiny
     cfg = RolloutConfig(n=2, max_new_tokens=6, env=env)
     engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
@@ -307,6 +309,7 @@ def _resumable(tiny, env: EnvConfig, make_env, resumed=None, turns: int = 0, cal
         calls=calls or [episode_prompts(tok)],
         resumed=resumed or {},
         resumed_turns=turns,
+        baseline=baseline,
     )
     log = _Snapshots(engine, tok)
     return episodes.run(inp, engine, tok, make_env, log).episodes, log
@@ -474,3 +477,31 @@ def test_a_prompt_twice_in_a_step_makes_two_kept_caches(tiny) -> None:
     out = episodes.run(inp, engine, tok, EvenChars, OneRankLog()).episodes
     assert len(out) == 4 and max(len(e.turn_offsets) for e in out) > 1
     assert sorted(e.slot for e in out) == [0, 1, 2, 3]
+
+
+def test_remax_baseline_episodes_are_greedy_and_resume_with_the_samples(tiny) -> None:
+    """ReMax with an environment: each prompt's samples and one greedy episode (sample n),
+    committed turn by turn together; resumed after any turn, all of them equal the
+    uninterrupted ones bitwise (the greedy episodes keep no KV cache, so the replay skips
+    them)."""
+    env = EnvConfig(
+        path="envs_toy:EndsFourWays", max_turns=4, max_total_tokens=200, on_error="end_episode"
+    )
+    prompts = episode_prompts(tiny[1], 3)
+    calls = [prompts[:1], prompts[1:]]
+    full, log = _resumable(tiny, env, EndsFourWays, calls=calls, baseline=True)
+    assert [(e.sample_idx, e.greedy) for e in full[:3]] == [(0, False), (1, False), (2, True)]
+    assert len(full) == 3 * 3 and max(len(e.turn_offsets) for e in full if e.greedy) > 1
+    rows = log.rows[max(log.rows)]
+    assert all(r["is_baseline"] == (k[1] == 2) for k, r in rows.items())
+    # Greedy turns carry no sampling logprobs; no greedy episode's cache was kept.
+    assert all(lp == 0.0 for e in full if e.greedy for lp in e.logprobs)
+    slot = {e.slot for e in full if e.greedy}
+    assert all(not (kept & slot) for kept in log.kept.values())
+    for done in (1, 2):
+        again, _ = _resumable(
+            tiny, env, EndsFourWays, log.rows[done], done, calls=calls, baseline=True
+        )
+        for a, b in zip(full, again, strict=True):
+            assert (a.response, a.logprobs, a.loss_mask) == (b.response, b.logprobs, b.loss_mask)
+            assert (a.turn_rewards, a.status, a.greedy) == (b.turn_rewards, b.status, b.greedy)

@@ -105,7 +105,8 @@ class AdvantageInputs:
     token-level estimators (``gae``, ``reinforce_pp`` and the reward-to-go of the optimal
     token baseline) credit it there and the rest of ``rewards`` on the last token, so a
     turn's tokens are not credited with rewards paid before them; the sequence-level
-    estimators read ``rewards`` alone."""
+    estimators and ``remax`` (whose baseline is a whole greedy episode's return) read
+    ``rewards`` alone."""
 
 
 class AdvantageEstimator(Protocol):
@@ -262,12 +263,13 @@ def _last_token(mask: Tensor) -> Tensor:
     return positions == last
 
 
-def _token_outcome(inputs: AdvantageInputs) -> Tensor:
+def _token_outcome(inputs: AdvantageInputs, by_turn: bool = True) -> Tensor:
     """``(B, T)`` float64 reward per token before any KL term: the environment's turn rewards
-    where they were paid and the rest of the outcome on the last valid token."""
+    where they were paid and the rest of the outcome on the last valid token (``by_turn``
+    False: the whole outcome on the last token)."""
     mask = inputs.response_mask
     outcome = inputs.rewards.to(torch.float64)[:, None]
-    if inputs.turn_rewards is None:
+    if inputs.turn_rewards is None or not by_turn:
         return torch.where(_last_token(mask), outcome, 0.0)
     paid = torch.where(mask, inputs.turn_rewards.to(torch.float64), 0.0)
     rest = outcome - paid.sum(dim=-1, keepdim=True)
@@ -390,10 +392,11 @@ def grpo_passk_advantages(
     return _broadcast(adv, inputs.response_mask)
 
 
-def _token_returns(inputs: AdvantageInputs) -> Tensor:
-    """``(B, T)`` undiscounted reward-to-go: the outcome reward on the last valid token minus
-    the KL penalty of every token from t on."""
-    token_rewards = -_masked_kl(inputs) + _token_outcome(inputs)
+def _token_returns(inputs: AdvantageInputs, by_turn: bool = True) -> Tensor:
+    """``(B, T)`` undiscounted reward-to-go: the outcome reward on the last valid token (and
+    an episode's turn rewards where paid, ``by_turn``) minus the KL penalty of every token
+    from t on."""
+    token_rewards = -_masked_kl(inputs) + _token_outcome(inputs, by_turn)
     return _discounted_returns(token_rewards, 1.0, inputs.response_mask)
 
 
@@ -458,7 +461,9 @@ def remax_advantages(
             f"remax needs exactly one baseline row per group, got {per_group.tolist()}"
         )
     baseline = (onehot @ torch.where(flags, inputs.rewards.to(torch.float64), 0.0)) @ onehot
-    adv = _token_returns(inputs) - baseline[:, None]
+    # The baseline is the greedy episode's whole return, so an episode's tokens are credited
+    # with its whole return too (a later turn's reward-to-go would not match it).
+    adv = _token_returns(inputs, by_turn=False) - baseline[:, None]
     keep = inputs.response_mask & ~flags[:, None]
     return torch.where(keep, adv, 0.0)
 

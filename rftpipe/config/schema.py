@@ -24,7 +24,6 @@ from rftpipe.algos.variants import (
     ROLLOUT_CORRECTIONS,
     AdvantageSettings,
     AggregationName,
-    EstimatorTraits,
     FixedKLSettings,
     GRPOSettings,
     K3Settings,
@@ -1432,7 +1431,7 @@ class RunConfig:
                 f"{samples} samples of a step (data.prompts_per_step x rollout.n)"
             )
         self._check_dynamic_sampling(columns)
-        self._check_env(estimator.traits)
+        self._check_env()
         if self.model.reference is not None and self.kl.mode == "none":
             # Refused rather than warned: a reference nothing reads is the silent no-op
             # that model.reference used to be.
@@ -1470,7 +1469,7 @@ class RunConfig:
                 "own and the correction ratio would be 1)"
             )
 
-    def _check_env(self, estimator: EstimatorTraits) -> None:
+    def _check_env(self) -> None:
         """What multi-turn episodes (`rollout.env`) do not compose with yet."""
         if self.rollout.env is None:
             return
@@ -1486,13 +1485,6 @@ class RunConfig:
                 "rollout.env with rollout.inference.tensor_parallel_size="
                 f"{self.rollout.inference.tensor_parallel_size}: multi-turn episodes run one "
                 "engine per rank; set tensor_parallel_size=1"
-            )
-        if estimator.needs_baseline_rollout:
-            name = ADVANTAGE_ESTIMATORS.of(self.advantage.estimator).name
-            raise ValueError(
-                f"rollout.env with advantage.estimator={name}: its greedy baseline rows are "
-                "not built for multi-turn episodes (a greedy episode per group); use grpo, "
-                "rloo, gae or another estimator"
             )
 
     def _check_dynamic_sampling(self, columns: list[str]) -> None:

@@ -88,6 +88,9 @@ class Episode:
     last_action: str = ""
     tools: Any = None
     """The tool schemas `reset` offered (`info["tools"]`), passed to every templating."""
+    greedy: bool = False
+    """Every turn is the greedy continuation (`engine.greedy_rows`: no draws, no kept KV
+    cache): held-out evaluation's greedy episodes and ReMax's baseline episode."""
     slot: int = -1
     """Its place in the stage's row-major order: the engine's name for its kept KV cache.
     Not (prompt id, sample): a step that straddles an epoch boundary may hold a prompt
@@ -141,6 +144,9 @@ class EpisodeInputs:
     greedy: bool = False
     """Each turn is the greedy continuation (`engine.greedy_rows`, no draws, so no turn
     seeds): held-out evaluation's greedy episodes."""
+    baseline: bool = False
+    """Also one greedy episode per prompt after its samples (sample index `cfg.n`): ReMax's
+    baseline, run and committed turn by turn with them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +169,9 @@ def run(
     run turn by turn, all calls together, each turn committed through `log` before the
     next."""
     cfg, env_cfg = inp.cfg, inp.env_cfg
-    samples = range(cfg.n) if inp.samples is None else inp.samples
+    samples = list(range(cfg.n) if inp.samples is None else inp.samples)
+    if inp.baseline:
+        samples.append(cfg.n)
     eos = _eos_ids(tokenizer, cfg)
     by_call: list[list[Episode]] = []
     clock = _Clock()
@@ -181,6 +189,7 @@ def run(
                             else _restore(env_cfg, tokenizer, make_env, p, k, seed, row)
                         )
                     e.slot = sum(len(c) for c in by_call)
+                    e.greedy = inp.greedy or (inp.baseline and k == cfg.n)
                     by_call[-1].append(e)
         episodes = [e for call_eps in by_call for e in call_eps]
         if inp.resumed_turns and engine.continues_turns:
@@ -237,16 +246,25 @@ def _turn(
     if not go:
         engine.end_episodes([_key(e) for e in live])
         return
-    rows = [e.prompt_ids + e.response for e, _ in go]
-    if inp.greedy:
-        outs = engine.greedy_rows(rows, [lim for _, lim in go])
-    else:
+    # The sampled rows in one call (a group's first turn shares its prefill), the greedy
+    # ones (ReMax's baselines, or every row of a greedy evaluation) in another.
+    sampled = [(e, lim) for e, lim in go if not e.greedy]
+    greedy = [(e, lim) for e, lim in go if e.greedy]
+    got: dict[int, Any] = {}
+    if sampled:
         outs = engine.generate_rows(
-            rows,
-            [_turn_seed(inp, e, turn) for e, _ in go],
-            [lim for _, lim in go],
-            keys=[_key(e) for e, _ in go],
+            [e.prompt_ids + e.response for e, _ in sampled],
+            [_turn_seed(inp, e, turn) for e, _ in sampled],
+            [lim for _, lim in sampled],
+            keys=[_key(e) for e, _ in sampled],
         )
+        got.update({e.slot: out for (e, _), out in zip(sampled, outs, strict=True)})
+    if greedy:
+        outs = engine.greedy_rows(
+            [e.prompt_ids + e.response for e, _ in greedy], [lim for _, lim in greedy]
+        )
+        got.update({e.slot: out for (e, _), out in zip(greedy, outs, strict=True)})
+    outs = [got[e.slot] for e, _ in go]
     acted = [(e, *_sampled(tokenizer, eos, e, out)) for (e, _), out in zip(go, outs, strict=True)]
     # Every episode's step at once: environments in worker processes run in parallel.
     pairs = []
@@ -276,7 +294,8 @@ def _replay(inp: EpisodeInputs, engine: Any, episodes: list[Episode]) -> None:
     turn's call again, with the rows it had (the episodes that sampled that turn) and their
     prompts then, prefilled and not sampled (`max_new` 0)."""
     for turn in range(inp.resumed_turns):
-        rows = [e for e in episodes if len(e.turn_offsets) > turn]
+        # Greedy episodes keep no cache (`greedy_rows` prefills their history each turn).
+        rows = [e for e in episodes if len(e.turn_offsets) > turn and not e.greedy]
         if not rows:
             break
         engine.generate_rows(

@@ -68,8 +68,9 @@ class RolloutInputs:
     seed_stage: str = "rollout"
     """The stage name in the samples' seeds (a later generation round's own, `rollout.rR`)."""
     baseline: bool = False
-    """Also generate one greedy response per prompt (sample_idx n, `is_baseline`): the
-    baseline of ReMax. Greedy decoding needs no seed, so it is the same on any replay."""
+    """Also generate one greedy response (with `env`, a greedy episode) per prompt
+    (sample_idx n, `is_baseline`): the baseline of ReMax. Greedy decoding needs no seed, so
+    it is the same on any replay."""
     env: EnvConfig | None = None
     """The multi-turn environment (`rollout.env`), if any."""
 
@@ -174,6 +175,7 @@ def _episode_table(
         calls=[inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)],
         resumed=resumed,
         resumed_turns=done,
+        baseline=inp.baseline,
     )
     log: episodes.TurnLog = turns.log(inp, engine, tokenizer) if turns else Unlogged()
     out = episodes.run(ep_inp, engine, tokenizer, env_maker(env), log)
@@ -207,6 +209,8 @@ def episode_rows(
                 **row,
                 "prompt_token_ids": e.prompt_ids,
                 **episodes.turn_columns(e),
+                # ReMax's greedy baseline episode: scored, never trained on.
+                "is_baseline": e.greedy,
             },
         )
     return pa.Table.from_pydict(cols, schema=EPISODE_SCHEMA)
