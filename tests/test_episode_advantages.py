@@ -13,7 +13,13 @@ import pytest
 import torch
 from helpers import ROOT, submit, trajectories
 
-from rftpipe.algos.advantage import AdvantageInputs, compute_advantages, gae_returns
+from rftpipe.algos.advantage import (
+    AdvantageInputs,
+    _discounted_returns,
+    _token_outcome,
+    compute_advantages,
+    gae_returns,
+)
 from rftpipe.algos.variants import (
     ADVANTAGE_ESTIMATORS,
     GAESettings,
@@ -23,7 +29,7 @@ from rftpipe.algos.variants import (
 from rftpipe.config.loader import load_config
 from rftpipe.config.schema import AdvantageConfig, KLConfig, RunConfig
 from rftpipe.stages import advantage
-from rftpipe.stages.batching import turn_reward_tokens
+from rftpipe.stages.batching import turn_reward_tokens, turn_start_tokens
 
 # One episode of 3 turns: model tokens (1) and the environment's (0) between them.
 LOSS_MASK = [1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 1]
@@ -80,6 +86,42 @@ def test_gae_over_an_episode_equals_gae_over_its_model_tokens_alone(
     if gamma == lam == 1.0:
         firsts = [0, 5, 10]
         assert [float(got[0, j]) for j in firsts] == pytest.approx([3.25, 2.75, 3.0])
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_pp"])
+def test_turn_gamma_discounts_each_turn_once(estimator: str) -> None:
+    """With gamma = lam = 1 and turn_gamma g, a reward paid j turns after a token's turn
+    reaches it times g^j: turn t's first token's return is sum_j g^(j-t) r_j."""
+    t = len(LOSS_MASK)
+    mask = torch.tensor([LOSS_MASK], dtype=torch.bool)
+    starts = turn_start_tokens([OFFSETS], [LOSS_MASK], (1, t))
+    assert starts[0].nonzero().flatten().tolist() == [0, 5, 10]
+    turns = turn_reward_tokens([OFFSETS], [TURN_REWARDS], [LOSS_MASK], (1, t))
+    rewards = torch.tensor([sum(TURN_REWARDS) + 2.0], dtype=torch.float64)
+    g = 0.5
+    inputs = AdvantageInputs(
+        rewards=rewards,
+        group_index=torch.zeros(1, dtype=torch.int64),
+        response_mask=mask,
+        values=torch.zeros(1, t, dtype=torch.float64),
+        turn_rewards=turns,
+        turn_starts=starts,
+    )
+    # Per turn: 0.5, -0.25 and 1.0 + the reward functions' 2.0 on the last.
+    r = [0.5, -0.25, 3.0]
+    want = [r[0] + g * r[1] + g * g * r[2], r[1] + g * r[2], r[2]]
+    if estimator == "gae":
+        got = gae_returns(inputs, GAESettings(gamma=1.0, lam=1.0, turn_gamma=g))
+        assert [float(got[0, j]) for j in (0, 5, 10)] == pytest.approx(want)
+        # Within a turn there is no discount: its tokens' returns are equal.
+        assert float(got[0, 0]) == pytest.approx(float(got[0, 2]))
+    else:
+        # The returns before whitening (the estimator whitens them over the batch).
+        got = _discounted_returns(_token_outcome(inputs), 1.0, mask, starts, g)
+        assert [float(got[0, j]) for j in (0, 5, 10)] == pytest.approx(want)
+        adv = compute_advantages(ReinforcePPSettings(turn_gamma=g), inputs)
+        flat = compute_advantages(ReinforcePPSettings(), inputs)
+        assert not torch.allclose(adv, flat)
 
 
 def test_reinforce_pp_discounts_over_model_tokens_only() -> None:

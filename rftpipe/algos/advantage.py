@@ -107,6 +107,9 @@ class AdvantageInputs:
     turn's tokens are not credited with rewards paid before them; the sequence-level
     estimators and ``remax`` (whose baseline is a whole greedy episode's return) read
     ``rewards`` alone."""
+    turn_starts: Tensor | None = None
+    """``(B, T)`` bool, True on each turn's first model token of a multi-turn row; None for
+    single-turn rows. The discounting estimators' ``turn_gamma`` applies there."""
 
 
 class AdvantageEstimator(Protocol):
@@ -135,7 +138,7 @@ def _validate(inputs: AdvantageInputs) -> None:
         raise ValueError(
             f"is_baseline must be a ({batch},) bool tensor, got {flags.dtype} {flags.shape}"
         )
-    for name in ("token_kl_penalty", "logprobs", "sum_pi_squared", "turn_rewards"):
+    for name in ("token_kl_penalty", "logprobs", "sum_pi_squared", "turn_rewards", "turn_starts"):
         value = getattr(inputs, name)
         if value is not None and value.shape != mask.shape:
             raise ValueError(f"{name} must have shape {tuple(mask.shape)}, got {value.shape}")
@@ -237,19 +240,30 @@ def rloo_advantages(
     return _broadcast(adv, inputs.response_mask)
 
 
-def _discounted_returns(token_rewards: Tensor, gamma: float, mask: Tensor) -> Tensor:
+def _discounted_returns(
+    token_rewards: Tensor,
+    gamma: float,
+    mask: Tensor,
+    turn_starts: Tensor | None = None,
+    turn_gamma: float = 1.0,
+) -> Tensor:
     """``(B, T)`` -> ``(B, T)``: ``G_t = sum_{k >= t} gamma^(k-t) r_k`` along the positions
     where ``mask`` is True (a multi-turn episode's environment tokens are not steps, so
-    they are not discounted over); 0 elsewhere."""
+    they are not discounted over), each step into a turn's first token (``turn_starts``)
+    discounted by ``turn_gamma`` too; 0 elsewhere."""
     rewards = torch.where(mask, token_rewards, 0.0)
-    if gamma == 1.0:
+    if gamma == 1.0 and (turn_starts is None or turn_gamma == 1.0):
         return torch.where(mask, rewards.flip(-1).cumsum(-1).flip(-1), 0.0)
     # A closed form via gamma^-t overflows float64 for long responses, so scan backwards.
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
+    discount = torch.full_like(running, gamma)
     for t in reversed(range(token_rewards.shape[1])):
-        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
+        running = torch.where(mask[:, t], rewards[:, t] + discount * running, running)
         returns[:, t] = torch.where(mask[:, t], running, 0.0)
+        if turn_starts is not None:
+            here = gamma * torch.where(turn_starts[:, t], turn_gamma, 1.0)
+            discount = torch.where(mask[:, t], here, discount)
     return returns
 
 
@@ -290,7 +304,9 @@ def reinforce_pp_advantages(
     """
     mask = inputs.response_mask
     token_rewards = -_masked_kl(inputs) + _token_outcome(inputs)
-    returns = _discounted_returns(token_rewards, settings.gamma, mask)
+    returns = _discounted_returns(
+        token_rewards, settings.gamma, mask, inputs.turn_starts, settings.turn_gamma
+    )
     return masked_whiten(returns, mask, reduce_sum)
 
 
@@ -476,7 +492,15 @@ def _gae(inputs: AdvantageInputs, settings: GAESettings) -> GAEOutput:
         raise ValueError(f"values must have shape {tuple(mask.shape)}, got {inputs.values.shape}")
     # The outcome on the last token and the KL penalty on every token, as REINFORCE++.
     token_rewards = -_masked_kl(inputs) + _token_outcome(inputs)
-    return gae(token_rewards, inputs.values, mask, gamma=settings.gamma, lam=settings.lam)
+    return gae(
+        token_rewards,
+        inputs.values,
+        mask,
+        gamma=settings.gamma,
+        lam=settings.lam,
+        turn_starts=inputs.turn_starts,
+        turn_gamma=settings.turn_gamma,
+    )
 
 
 @ADVANTAGE_ESTIMATORS.implements("gae")

@@ -29,7 +29,14 @@ class GAEOutput(NamedTuple):
 
 
 def gae(
-    token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
+    token_rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    turn_starts: Tensor | None = None,
+    turn_gamma: float = 1.0,
 ) -> GAEOutput:
     """GAE of Schulman et al. (2016) along each row.
 
@@ -46,21 +53,30 @@ def gae(
             and the last model token of a turn bootstraps from the first of the next.
         gamma: discount, per action token.
         lam: GAE's lambda (1: Monte-Carlo returns minus V; 0: one-step TD errors).
+        turn_starts: ``(B, T)`` bool, True on each turn's first model token, or None.
+        turn_gamma: the step into a token where ``turn_starts`` is True is discounted by
+            ``gamma * turn_gamma`` (a per-turn discount of a multi-turn episode).
     """
     values = torch.where(mask, values.to(torch.float64), 0.0)
     rewards = torch.where(mask, token_rewards.to(torch.float64), 0.0)
     adv = torch.zeros_like(values)
     running = torch.zeros_like(values[:, 0])
     next_value = torch.zeros_like(running)
+    # The discount of the step from t to the next model token: gamma, times turn_gamma
+    # where that token starts a turn.
+    discount = torch.full_like(running, gamma)
     # A backward scan: a closed form through (gamma*lam)^-t overflows for long responses.
     for t in reversed(range(values.shape[1])):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        step = delta + gamma * lam * running
+        delta = rewards[:, t] + discount * next_value - values[:, t]
+        step = delta + discount * lam * running
         adv[:, t] = torch.where(mask[:, t], step, 0.0)
         # Masked positions are skipped: right padding carries the zeros it started from,
         # an environment turn carries the next turn's running advantage and value.
         running = torch.where(mask[:, t], step, running)
         next_value = torch.where(mask[:, t], values[:, t], next_value)
+        if turn_starts is not None:
+            here = gamma * torch.where(turn_starts[:, t], turn_gamma, 1.0)
+            discount = torch.where(mask[:, t], here, discount)
     return GAEOutput(advantages=adv, returns=torch.where(mask, adv + values, 0.0))
 
 

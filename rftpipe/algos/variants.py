@@ -102,8 +102,13 @@ class DiscountSettings(AdvantageSettings):
     gamma: float = 1.0
     """Discount of the token returns: G_t = r_t + gamma G_(t+1)."""
 
+    turn_gamma: float = 1.0
+    """Multi-turn episodes' per-turn discount, on top of gamma: a reward paid j turns after
+    a token's turn reaches it times turn_gamma^j (environment tokens are never steps)."""
+
     def __post_init__(self) -> None:
         _check_unit("gamma", self.gamma)
+        _check_unit("turn_gamma", self.turn_gamma)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,7 +15,12 @@ from rftpipe.algos.losses import kl_estimate
 from rftpipe.config.schema import AdvantageConfig, KLConfig, old_logprobs_source
 from rftpipe.stages import StageName
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
-from rftpipe.stages.batching import model_token_mask, pad_ragged, turn_reward_tokens
+from rftpipe.stages.batching import (
+    model_token_mask,
+    pad_ragged,
+    turn_reward_tokens,
+    turn_start_tokens,
+)
 from rftpipe.storage.baseline_rows import baseline_flags
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
@@ -99,15 +104,16 @@ def run(
         )
         # Read back through float32, exactly as the train stage will see the column.
         values, _ = pad_ragged(out.column("values").to_pylist(), torch.float64)
-    turn_rewards = None
+    turn_rewards = turn_starts = None
     if losses:
-        # Token-level estimators credit each turn's environment reward where it was paid.
+        # Token-level estimators credit each turn's environment reward where it was paid,
+        # and the discounting ones discount per turn from where each turn starts.
+        offsets = scored.column("turn_offsets").to_pylist()
+        shape = (padded.shape[0], padded.shape[1])
         turn_rewards = turn_reward_tokens(
-            scored.column("turn_offsets").to_pylist(),
-            scored.column("turn_rewards").to_pylist(),
-            losses,
-            (padded.shape[0], padded.shape[1]),
+            offsets, scored.column("turn_rewards").to_pylist(), losses, shape
         )
+        turn_starts = turn_start_tokens(offsets, losses, shape)
     group = torch.tensor(scored.column("prompt_id").to_pylist(), dtype=torch.int64)
     # The behaviour policy's logprobs, as committed: the optimal token baseline reads them.
     behaviour, _ = pad_ragged(out.column(old_column).to_pylist(), torch.float64)
@@ -120,6 +126,7 @@ def run(
         is_baseline=is_baseline,
         values=values,
         turn_rewards=turn_rewards,
+        turn_starts=turn_starts,
     )
     adv = compute_advantages(cfg.advantage.estimator, inputs, reduce_sum=reduce_sum)
     table = out.append_column(

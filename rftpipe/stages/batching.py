@@ -126,6 +126,23 @@ def turn_reward_tokens(
     return out
 
 
+def turn_start_tokens(
+    turn_offsets: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[int]],
+    shape: tuple[int, int],
+) -> torch.Tensor:
+    """(B, T) bool: True on the first token the model sampled in each turn of a multi-turn
+    row (where the discounting estimators' `turn_gamma` applies)."""
+    out = torch.zeros(shape, dtype=torch.bool)
+    for i, (offsets, mask) in enumerate(zip(turn_offsets, loss_masks, strict=True)):
+        ends = [*offsets[1:], len(mask)]
+        for start, end in zip(offsets, ends, strict=True):
+            first = next((j for j in range(start, min(end, len(mask))) if mask[j]), None)
+            if first is not None:
+                out[i, first] = True
+    return out
+
+
 def pad_ragged(
     rows: Sequence[Sequence[float]], dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
