@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from rftpipe.config.schema import RolloutConfig
+from rftpipe.config.schema import RolloutConfig, TrainConfig
 from rftpipe.data.images import vision_prompt
 from rftpipe.engines.models import prepare_tiny_vl
-from rftpipe.config.schema import TrainConfig
 from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train.base import adamw
 from rftpipe.engines.train.vision import (
@@ -59,7 +58,9 @@ def encoder(tiny_vl: Path) -> VisionEncoder:
 
 
 @pytest.fixture(scope="module")
-def prompts(tmp_path_factory: pytest.TempPathFactory, encoder: VisionEncoder) -> list[EncodedPrompt]:
+def prompts(
+    tmp_path_factory: pytest.TempPathFactory, encoder: VisionEncoder
+) -> list[EncodedPrompt]:
     """A 1-image, a 2-image and a text prompt, of unequal lengths (the batch pads)."""
     d = tmp_path_factory.mktemp("images")
     paths = []
@@ -84,13 +85,32 @@ def test_greedy_rows_with_images_equal_generate(
     got = engine.greedy_rows(
         [e.input_ids for e in prompts], [10] * 3, [e.vision_inputs() for e in prompts]
     )
-    for e, out in zip(prompts, got, strict=True):
+    # top_k=1 samples greedily and records each token's logprob: `generate`'s logits must
+    # agree at every step (on a random model the argmax alone barely sees the positions).
+    top1 = HFGenerateEngine(model, RolloutConfig(top_k=1, max_new_tokens=10), -1, 0)
+    groups = top1.generate_groups(
+        [e.input_ids for e in prompts], 1, [0] * 3, [e.vision_inputs() for e in prompts]
+    )
+    for e, out, g in zip(prompts, got, groups, strict=True):
         batch = collate([e], tok.pad_token_id)
-        ref = model.generate(**batch, do_sample=False, max_new_tokens=10, eos_token_id=None)
-        assert out.tokens == ref[0, len(e.input_ids) :].tolist()
+        ref = model.generate(
+            **batch,
+            do_sample=False,
+            max_new_tokens=10,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        new = ref.sequences[0, len(e.input_ids) :]
+        assert out.tokens == g.tokens[0] == new.tolist()
+        lsm = torch.log_softmax(torch.stack(ref.logits)[:, 0].float(), -1)
+        ref_lp = lsm.gather(-1, new[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(g.logprobs[0]), ref_lp, atol=1e-5, rtol=0)
     # The image prompts' decode positions are not their lengths (else the test is moot):
     # an image of h x w merged patches spans max(h, w) positions.
-    _, deltas = model.model.get_rope_index(**{k: v for k, v in collate(prompts[:2], 0).items() if k != "pixel_values"})
+    _, deltas = model.model.get_rope_index(
+        **{k: v for k, v in collate(prompts[:2], 0).items() if k != "pixel_values"}
+    )
     assert (deltas != 0).all()
 
 
@@ -158,7 +178,9 @@ def test_padded_train_forward_with_images_equals_one_forward_per_row(
     )
     lp, ent = vision_response_logprobs(model, vb, 1.0, with_entropy=True)
     assert ent is not None
-    loss = sum((lp[i, : len(r)] * w).sum() for i, (r, w) in enumerate(zip(RESPONSES, weights)))
+    loss = sum(
+        (lp[i, : len(r)] * w).sum() for i, (r, w) in enumerate(zip(RESPONSES, weights, strict=True))
+    )
     assert isinstance(loss, torch.Tensor)
     loss.backward()
     for i, r in enumerate(RESPONSES):

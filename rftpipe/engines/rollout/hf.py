@@ -81,7 +81,9 @@ class HFGenerateEngine:
     def generate_group(
         self, prompt_ids: Sequence[int], n: int, seed: int, vision: VisionInputs | None = None
     ) -> GroupOutput:
-        return self.generate_groups([prompt_ids], n, [seed], None if vision is None else [vision])[0]
+        return self.generate_groups([prompt_ids], n, [seed], None if vision is None else [vision])[
+            0
+        ]
 
     @torch.no_grad()
     def generate_groups(

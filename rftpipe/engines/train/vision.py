@@ -71,7 +71,9 @@ def build_vision_micro_batch(
     for r, (p, v) in enumerate(zip(prompts, vision, strict=True)):
         if v is not None:
             v.check(len(p), f"row {r}")
-    images = vision_forward_inputs(model, mb.input_ids, mb.attention_mask, vision, [0] * len(vision))
+    images = vision_forward_inputs(
+        model, mb.input_ids, mb.attention_mask, vision, [0] * len(vision)
+    )
     if images is None:
         pos = (mb.attention_mask.cumsum(-1) - 1).clamp(min=0)
         return VisionMicroBatch(
