@@ -226,3 +226,66 @@ def test_a_frozen_vision_tower_stays_out_of_the_step(
     moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert moved and all(not n.startswith("model.visual.") for n in moved)
     assert any(n.startswith("model.language_model.") for n in moved)
+
+
+def test_a_groups_image_prompt_is_prefilled_once(
+    model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+) -> None:
+    """n samples of a group share one prefill: the vision tower sees each image once."""
+    seen: list[int] = []
+    hook = vision_tower(model).register_forward_hook(
+        lambda mod, args, out: seen.append(args[0].shape[0])
+    )
+    try:
+        engine = HFGenerateEngine(model, RolloutConfig(max_new_tokens=3), -1, 0)
+        engine.generate_groups(
+            [e.input_ids for e in prompts], 4, [1, 2, 3], [e.vision_inputs() for e in prompts]
+        )
+    finally:
+        hook.remove()
+    patches = sum(e.pixel_values.shape[0] for e in prompts if e.pixel_values is not None)
+    assert seen == [patches]
+
+
+def test_episode_turns_continue_an_image_prompts_cache(
+    model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+) -> None:
+    """Multi-turn: the first turn's prompt holds the images, a later turn appends text to
+    the kept cache (its positions continue the M-RoPE ones); every turn's logprobs are the
+    trainer's over the whole conversation."""
+    pad = encoder.tokenizer.pad_token_id
+    cfg = RolloutConfig(n=2, max_new_tokens=4, temperature=0.9)
+    engine = HFGenerateEngine(model, cfg, -1, pad)
+    assert engine.continues_turns
+    rows = [e for e in prompts for _ in range(2)]  # two episodes a prompt
+    vision = [e.vision_inputs() for e in rows]
+    keys = list(range(len(rows)))
+    seen: list[int] = []
+    hook = vision_tower(model).register_forward_hook(
+        lambda mod, args, out: seen.append(args[0].shape[0])
+    )
+    try:
+        first = engine.generate_rows(
+            [e.input_ids for e in rows], [10, 11, 12, 13, 14, 15], [4] * 6, keys, vision
+        )
+    finally:
+        hook.remove()
+    # A group's two episodes share one prefill: each image through the tower once.
+    assert seen == [sum(e.pixel_values.shape[0] for e in prompts if e.pixel_values is not None)]
+    history = [
+        [*e.input_ids, *o.tokens, 70 + i, 71]
+        for i, (e, o) in enumerate(zip(rows, first, strict=True))
+    ]
+    with pytest.raises(ValueError, match="later turn"):
+        engine.generate_rows(history, [0] * 6, [4] * 6, keys, vision)
+    second = engine.generate_rows(history, [20, 21, 22, 23, 24, 25], [4] * 6, keys)
+    engine.end_episodes()
+    for turn_prompts, outs in ([[e.input_ids for e in rows], first], [history, second]):
+        vb = build_vision_micro_batch(model, turn_prompts, [o.tokens for o in outs], vision, pad)
+        with torch.no_grad():
+            lp, _ = vision_response_logprobs(model, vb, cfg.temperature, with_entropy=False)
+        for i, o in enumerate(outs):
+            assert o.tokens
+            torch.testing.assert_close(
+                torch.tensor(o.logprobs), lp[i, : len(o.tokens)], atol=1e-5, rtol=0
+            )

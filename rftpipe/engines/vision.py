@@ -74,11 +74,13 @@ class VisionInputs:
     image_grid_thw: torch.Tensor
     """(images, 3): each image's (time, height, width) patch grid."""
     mm_token_type_ids: tuple[int, ...]
-    """1 on the prompt's image tokens, 0 elsewhere (as long as the prompt)."""
+    """1 on the prompt's image tokens, 0 elsewhere, from the prompt's first token: as long
+    as the prompt that was encoded; a later turn's longer prompt (that prompt, the turns
+    since) takes the same inputs, its tokens past them text."""
 
     def check(self, prompt_len: int, what: str) -> None:
-        """Refuse inputs that do not match their prompt (a `ValueError` naming `what`)."""
-        if len(self.mm_token_type_ids) != prompt_len:
+        """Refuse inputs longer than their prompt (a `ValueError` naming `what`)."""
+        if len(self.mm_token_type_ids) > prompt_len:
             raise ValueError(
                 f"{what}: mm_token_type_ids has {len(self.mm_token_type_ids)} entries for a "
                 f"prompt of {prompt_len} tokens"

@@ -606,15 +606,25 @@ class _StopText:
 
 def _run_length(rows: Sequence[Sequence[int]], vision: Vision = None) -> int:
     """n if `rows` are runs of n equal rows one after another (n > 1), else 1; with
-    `vision`, a run's rows also share one `VisionInputs` object (the same images)."""
+    `vision`, a run's rows also hold the same images."""
     for n in range(len(rows), 1, -1):
         if len(rows) % n == 0 and all(
             list(rows[i]) == list(rows[i - i % n])
-            and (vision is None or vision[i] is vision[i - i % n])
+            and (vision is None or _same_images(vision[i], vision[i - i % n]))
             for i in range(len(rows))
         ):
             return n
     return 1
+
+
+def _same_images(a: VisionInputs | None, b: VisionInputs | None) -> bool:
+    if a is None or b is None or a is b:
+        return a is b
+    return (
+        a.mm_token_type_ids == b.mm_token_type_ids
+        and torch.equal(a.image_grid_thw, b.image_grid_thw)
+        and torch.equal(a.pixel_values, b.pixel_values)
+    )
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
