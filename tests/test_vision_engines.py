@@ -15,9 +15,11 @@ import torch
 
 from rftpipe.config.schema import RolloutConfig, TrainConfig
 from rftpipe.data.images import vision_prompt
+from rftpipe.dist import Dist
 from rftpipe.engines.models import prepare_tiny_vl
 from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train.base import adamw
+from rftpipe.engines.train.single import SingleDeviceEngine
 from rftpipe.engines.train.vision import (
     build_vision_micro_batch,
     freeze_vision,
@@ -289,3 +291,48 @@ def test_episode_turns_continue_an_image_prompts_cache(
             torch.testing.assert_close(
                 torch.tensor(o.logprobs), lp[i, : len(o.tokens)], atol=1e-5, rtol=0
             )
+
+
+def test_the_single_engine_trains_rows_with_images(
+    tiny_vl: Path, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+) -> None:
+    """`train.backend=single` takes rows with images (mixed with a text row), a frozen tower
+    stays out of its step and of its checkpoint's optimizer state, and a reference engine
+    scores the same rows."""
+    from transformers import AutoModelForImageTextToText
+
+    pad = encoder.tokenizer.pad_token_id
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+    freeze_vision(model)
+    tower = {n for n, _ in model.named_parameters() if n.startswith("model.visual.")}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = SingleDeviceEngine(model, TrainConfig(lr=1e-3), Dist())
+    vision = [e.vision_inputs() for e in prompts]
+    ids = [e.input_ids for e in prompts]
+    with engine.train_mode():
+        lp, ent = engine.forward(ids, RESPONSES, 1.0, with_entropy=True, vision=vision)
+        assert ent is not None
+        with torch.no_grad():
+            for i, (e, r) in enumerate(zip(prompts, RESPONSES, strict=True)):
+                ref, _ = own_forward_logprobs(model, e, r, pad)
+                torch.testing.assert_close(lp[i, : len(r)].detach(), ref, atol=1e-6, rtol=0)
+        engine.backward(-lp[:, :2].sum())
+        engine.optimizer_step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and not moved & tower
+    state = engine.state_dict()
+    optim_keys = set(state["optim"]["state"])
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert optim_keys == trainable and trainable and not trainable & tower
+    assert not tower & state["model"].keys()
+
+    ref_model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+    reference = SingleDeviceEngine(ref_model, TrainConfig(), Dist(), role="reference")
+    after = engine.compute_logprobs(ids, RESPONSES, 1.0, vision)
+    initial = reference.compute_logprobs(ids, RESPONSES, 1.0, vision)
+    with torch.no_grad():
+        for e, r, a, b in zip(prompts, RESPONSES, after, initial, strict=True):
+            for m, got in ((model, a), (ref_model, b)):
+                want, _ = own_forward_logprobs(m, e, r, pad)
+                torch.testing.assert_close(torch.tensor(got), want, atol=1e-6, rtol=0)
+        assert after != initial

@@ -120,6 +120,7 @@ def vision_response_logprobs(
     vb: VisionMicroBatch,
     temperature: float,
     with_entropy: bool,
+    entropy_grad: bool = True,
     chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) logprobs (and entropies) of the response tokens under logits / T, from one
@@ -127,7 +128,13 @@ def vision_response_logprobs(
     hidden = vision_hidden(model, vb)
     idx = vb.mb.response_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
     return _head_logprobs(
-        model, hidden.gather(1, idx), vb.mb.response_ids, temperature, with_entropy, chunk=chunk
+        model,
+        hidden.gather(1, idx),
+        vb.mb.response_ids,
+        temperature,
+        with_entropy,
+        entropy_grad,
+        chunk,
     )
 
 
