@@ -4,6 +4,7 @@ train forward with images against one forward per row; freezing the vision tower
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from rftpipe.config.schema import RolloutConfig, TrainConfig
+from rftpipe.config.schema import EnvConfig, RolloutConfig, TrainConfig
 from rftpipe.data.images import vision_prompt
 from rftpipe.dist import Dist
 from rftpipe.engines.models import prepare_tiny_vl
@@ -282,7 +283,13 @@ def test_episode_turns_continue_an_image_prompts_cache(
         engine.generate_rows(history, [0] * 6, [4] * 6, keys, vision)
     second = engine.generate_rows(history, [20, 21, 22, 23, 24, 25], [4] * 6, keys)
     engine.end_episodes()
-    for turn_prompts, outs in ([[e.input_ids for e in rows], first], [history, second]):
+    # `keep_kv_cache=false`: the second turn prefills the whole history, images included.
+    env = EnvConfig(path="envs_toy:EvenChars", keep_kv_cache=False)
+    again = HFGenerateEngine(model, dataclasses.replace(cfg, env=env), -1, pad)
+    assert not again.continues_turns
+    redone = again.generate_rows(history, [20, 21, 22, 23, 24, 25], [4] * 6, keys, vision)
+    turns = ([[e.input_ids for e in rows], first], [history, second], [history, redone])
+    for turn_prompts, outs in turns:
         vb = build_vision_micro_batch(model, turn_prompts, [o.tokens for o in outs], vision, pad)
         with torch.no_grad():
             lp, _ = vision_response_logprobs(model, vb, cfg.temperature, with_entropy=False)

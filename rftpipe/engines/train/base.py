@@ -507,8 +507,10 @@ class _EngineBase:
 
 
 def _no_images(vision: Sequence[VisionInputs | None] | None, backend: str) -> None:
-    """Refuse image rows on a backend whose forward does not take them yet."""
-    if vision is not None and any(v is not None for v in vision):
+    """Refuse `vision` on a backend whose forward does not take images yet: whenever it is
+    given, not only when this rank's rows hold images, so every rank refuses alike (one
+    rank raising while another enters a collective would hang the job)."""
+    if vision is not None:
         # The sharded forwards run the wrapped root module (its hooks gather parameters);
         # the image forward calls the vision tower and the text model separately.
         raise NotImplementedError(
