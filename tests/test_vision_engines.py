@@ -88,6 +88,11 @@ def test_greedy_rows_with_images_equal_generate(
     got = engine.greedy_rows(
         [e.input_ids for e in prompts], [10] * 3, [e.vision_inputs() for e in prompts]
     )
+    # Evaluation's `greedy` (`generate` on the left-padded batch) gives the same tokens.
+    vision = [e.vision_inputs() for e in prompts]
+    assert engine.greedy([e.input_ids for e in prompts], 10, vision=vision) == [
+        o.tokens for o in got
+    ]
     # top_k=1 samples greedily and records each token's logprob: `generate`'s logits must
     # agree at every step (on a random model the argmax alone barely sees the positions).
     top1 = HFGenerateEngine(model, RolloutConfig(top_k=1, max_new_tokens=10), -1, 0)

@@ -454,9 +454,14 @@ class HFGenerateEngine:
 
     @torch.no_grad()
     def greedy(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch: int = 32
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        batch: int = 32,
+        vision: Vision = None,
     ) -> list[list[int]]:
-        """Greedy completions, left-padded batches (for evaluation, not for training rows)."""
+        """Greedy completions, left-padded batches (for evaluation, not for training rows);
+        `vision`: each prompt's images (`generate` computes their M-RoPE positions)."""
         cfg = GenerationConfig(
             do_sample=False,
             max_new_tokens=max_new_tokens,
@@ -472,8 +477,14 @@ class HFGenerateEngine:
             chunk = prompts[i : i + batch]
             ids, mask = (t.to(device) for t in _left_pad(chunk, self.pad_id))
             width = ids.shape[1]
+            images: dict[str, torch.Tensor] = {}
+            if vision is not None:
+                starts = [width - len(p) for p in chunk]
+                found = vision_forward_inputs(self.model, ids, mask, vision[i : i + batch], starts)
+                # `generate` derives the positions (and its decode deltas) itself.
+                images = {k: v for k, v in (found or {}).items() if k != "position_ids"}
             seq = as_causal_lm(self.model).generate(
-                input_ids=ids, attention_mask=mask, generation_config=cfg
+                input_ids=ids, attention_mask=mask, generation_config=cfg, **images
             )
             for row in seq[:, width:].tolist():
                 end = next((i for i, t in enumerate(row) if t in self.eos_ids), len(row))
