@@ -70,6 +70,7 @@ class CausalLM(DecoderModel, Protocol):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         generation_config: GenerationConfig,
+        **inputs: torch.Tensor,
     ) -> torch.Tensor: ...
 
     def save_pretrained(self, save_directory: str | os.PathLike[str]) -> None: ...

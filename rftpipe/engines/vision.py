@@ -53,6 +53,39 @@ class EncodedPrompt:
     def num_image_tokens(self) -> int:
         return sum(self.mm_token_type_ids)
 
+    def vision_inputs(self) -> VisionInputs | None:
+        """What the engines take beside `input_ids` (None for a prompt without images)."""
+        if self.pixel_values is None or self.image_grid_thw is None:
+            return None
+        return VisionInputs(
+            pixel_values=self.pixel_values,
+            image_grid_thw=self.image_grid_thw,
+            mm_token_type_ids=self.mm_token_type_ids,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VisionInputs:
+    """One prompt's images as the model's forward takes them, beside its token ids: what a
+    rollout engine's prefill and the train forward pass for a prompt with images."""
+
+    pixel_values: torch.Tensor
+    """(patches, channels * temporal_patch * patch * patch) of all the prompt's images."""
+    image_grid_thw: torch.Tensor
+    """(images, 3): each image's (time, height, width) patch grid."""
+    mm_token_type_ids: tuple[int, ...]
+    """1 on the prompt's image tokens, 0 elsewhere, from the prompt's first token: as long
+    as the prompt that was encoded; a later turn's longer prompt (that prompt, the turns
+    since) takes the same inputs, its tokens past them text."""
+
+    def check(self, prompt_len: int, what: str) -> None:
+        """Refuse inputs longer than their prompt (a `ValueError` naming `what`)."""
+        if len(self.mm_token_type_ids) > prompt_len:
+            raise ValueError(
+                f"{what}: mm_token_type_ids has {len(self.mm_token_type_ids)} entries for a "
+                f"prompt of {prompt_len} tokens"
+            )
+
 
 def is_vision_model(model_dir: Path) -> bool:
     """Whether the model in `model_dir` takes images (its config has a vision tower)."""
@@ -200,3 +233,49 @@ def rope_position_ids(model: Any, batch: dict[str, Any]) -> torch.Tensor:
         attention_mask=batch["attention_mask"],
     )
     return position_ids
+
+
+def vision_forward_inputs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    rows: Sequence[VisionInputs | None],
+    starts: Sequence[int],
+) -> dict[str, torch.Tensor] | None:
+    """The image keyword arguments of a padded forward over `input_ids` (B, L), whose row r
+    holds its prompt from column `starts[r]` (left padding: the padding's width; right
+    padding: 0), with `rows[r]` that prompt's images or None: pixel_values and
+    image_grid_thw of the rows with images in row order, mm_token_type_ids (B, L), and the
+    3-D M-RoPE position_ids (3, B, L) from the model's own `get_rope_index` (0 on padding).
+
+    None when no row has images: the caller's text forward is then unchanged.
+    """
+    import torch
+
+    if all(v is None for v in rows):
+        return None
+    device = input_ids.device
+    mm = torch.zeros_like(input_ids)
+    for r, (v, start) in enumerate(zip(rows, starts, strict=True)):
+        if v is not None:
+            mm[r, start : start + len(v.mm_token_type_ids)] = torch.tensor(
+                v.mm_token_type_ids, device=device
+            )
+    with_images = [v for v in rows if v is not None]
+    pixel_values = torch.cat([v.pixel_values for v in with_images]).to(device)
+    grid = torch.cat([v.image_grid_thw for v in with_images]).to(device)
+    position_ids, _ = _vl_model(model).get_rope_index(
+        input_ids, mm_token_type_ids=mm, image_grid_thw=grid, attention_mask=attention_mask
+    )
+    return {
+        "pixel_values": pixel_values,
+        "image_grid_thw": grid,
+        "mm_token_type_ids": mm,
+        "position_ids": position_ids,
+    }
+
+
+def _vl_model(model: Any) -> Any:
+    """The `Qwen2VLModel` inside a conditional-generation model (or the model itself)."""
+    inner = getattr(model, "model", None)
+    return inner if hasattr(inner, "get_rope_index") else model

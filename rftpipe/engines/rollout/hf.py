@@ -13,6 +13,10 @@ from transformers import DynamicCache, GenerationConfig
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.engines.models import as_causal_lm
 from rftpipe.engines.rollout.base import FinishReason, GroupOutput, SampleOutput, split_groups
+from rftpipe.engines.vision import VisionInputs, vision_forward_inputs
+
+Vision = Sequence[VisionInputs | None] | None
+"""Per prompt, its images (None: a text prompt; the whole argument None: all text)."""
 
 
 class HFGenerateEngine:
@@ -32,6 +36,15 @@ class HFGenerateEngine:
     A response ends at the tokenizer's EOS or any of `rollout.eos_token_ids` (kept as its
     last token), or at the token that completes one of `rollout.stop` (`decode`, the
     tokenizer's, turns a response prefix into text), as vLLM ends it.
+
+    Prompts with images (a vision-language model, `vision`: each prompt's `VisionInputs`)
+    pass their pixels to the prefill forward only, with the 3-D M-RoPE positions of the
+    model's `get_rope_index`; a group's image prompt is prefilled once (its vision tower
+    runs once) and its cache repeated n-fold, as for text. Decoding needs no pixels: a
+    token after the prompt takes, on all three rotary axes, one more than the largest
+    position in its prompt, which is not the prompt's length (an image of h x w merged
+    patches spans max(h, w) positions, not h * w), as `generate`'s `rope_deltas` give it.
+    Text prompts (`vision` None) take exactly the text path.
     """
 
     def __init__(
@@ -65,12 +78,20 @@ class HFGenerateEngine:
     def collective(self) -> bool:
         return False
 
-    def generate_group(self, prompt_ids: Sequence[int], n: int, seed: int) -> GroupOutput:
-        return self.generate_groups([prompt_ids], n, [seed])[0]
+    def generate_group(
+        self, prompt_ids: Sequence[int], n: int, seed: int, vision: VisionInputs | None = None
+    ) -> GroupOutput:
+        return self.generate_groups([prompt_ids], n, [seed], None if vision is None else [vision])[
+            0
+        ]
 
     @torch.no_grad()
     def generate_groups(
-        self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        seeds: Sequence[int],
+        vision: Vision = None,
     ) -> list[GroupOutput]:
         # One generator per call: the call's groups are fixed by the global prompt order.
         device = next(self.model.parameters()).device
@@ -80,7 +101,7 @@ class HFGenerateEngine:
             return torch.rand(rows, 1, generator=gen, dtype=torch.float64, device=device)
 
         limits = [self.cfg.max_new_tokens] * (len(prompts) * n)
-        tokens, logprobs, reasons = self._decode(prompts, n, draw, limits)
+        tokens, logprobs, reasons = self._decode(prompts, n, draw, limits, vision)
         return split_groups(tokens, logprobs, reasons, n)
 
     @torch.no_grad()
@@ -90,6 +111,7 @@ class HFGenerateEngine:
         seeds: Sequence[int],
         max_new: Sequence[int],
         keys: Sequence[Hashable] | None = None,
+        vision: Vision = None,
     ) -> list[SampleOutput]:
         """One sample of each prompt, row r drawn from its own generator seeded `seeds[r]`
         and cut at `max_new[r]` new tokens: a multi-turn episode's next turn, whose draws
@@ -99,6 +121,10 @@ class HFGenerateEngine:
         `continues_turns`): every key new (a first turn, or a resumed stage's first replayed
         turn), or every key held by one earlier call's rows, in their order; rows of that
         call left out have ended and are dropped. A row with `max_new` 0 is only prefilled.
+
+        `vision` (each row's images) is for a first turn only (a call that prefills its
+        rows whole): a later turn's appended chunk must be text, as its kept cache already
+        holds the images.
         """
         if not prompts:
             return []
@@ -114,12 +140,14 @@ class HFGenerateEngine:
         self.model.eval()
         try:
             if keys is not None and self.continue_turns:
-                tokens, logprobs, reasons = self._continue(prompts, list(keys), draw, max_new)
+                tokens, logprobs, reasons = self._continue(
+                    prompts, list(keys), draw, max_new, vision
+                )
             else:
                 # A group's first turn: n consecutive rows of one prompt, prefilled once and
                 # its cache shared, as `generate_groups` does (the draws stay each row's own).
-                n = _run_length(prompts)
-                first = self._prefill(prompts[::n], n)
+                n = _run_length(prompts, vision)
+                first = self._prefill(prompts[::n], n, None if vision is None else vision[::n])
                 tokens, logprobs, reasons = self._sample_loop(first, draw, max_new)
         finally:
             self.model.train(was_training)
@@ -130,7 +158,7 @@ class HFGenerateEngine:
 
     @torch.no_grad()
     def greedy_rows(
-        self, prompts: Sequence[Sequence[int]], max_new: Sequence[int]
+        self, prompts: Sequence[Sequence[int]], max_new: Sequence[int], vision: Vision = None
     ) -> list[SampleOutput]:
         """The greedy continuation of each prompt (a greedy evaluation episode's next turn),
         cut at `max_new[r]` new tokens, through the sampling loop with the most likely
@@ -139,7 +167,7 @@ class HFGenerateEngine:
         none). It re-prefills each turn's whole history (evaluation keeps no caches)."""
         if not prompts:
             return []
-        tokens, _, reasons = self._decode(prompts, 1, None, max_new)
+        tokens, _, reasons = self._decode(prompts, 1, None, max_new, vision)
         return [
             SampleOutput(tokens=t, logprobs=[0.0] * len(t), finish_reason=r)
             for t, r in zip(tokens, reasons, strict=True)
@@ -203,14 +231,15 @@ class HFGenerateEngine:
         keys: list[Hashable],
         draw: Callable[[int], torch.Tensor],
         limits: Sequence[int],
+        vision: Vision = None,
     ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
         """`generate_rows` on the kept caches of `keys`' episodes."""
         if len(set(keys)) != len(keys):
             raise ValueError("generate_rows: a key appears twice in one call")
         held = {id(s): s for k in keys if (s := self._sessions.get(k)) is not None}
         if not held:
-            n = _run_length(prompts)
-            first = self._prefill(prompts[::n], n)
+            n = _run_length(prompts, vision)
+            first = self._prefill(prompts[::n], n, None if vision is None else vision[::n])
             sess = _Session(
                 keys=list(keys),
                 cache=first.cache,
@@ -219,6 +248,11 @@ class HFGenerateEngine:
                 tokens=[list(p) for p in prompts],
             )
         else:
+            if vision is not None and any(v is not None for v in vision):
+                raise ValueError(
+                    "generate_rows: images in a later turn (the kept cache is text-only "
+                    "past its first turn)"
+                )
             sess = next(iter(held.values()))
             if len(held) > 1 or any(k not in sess.keys for k in keys):
                 raise ValueError("generate_rows: the keys are not one earlier call's episodes")
@@ -266,18 +300,36 @@ class HFGenerateEngine:
         sess.tokens = [list(p) for p in prompts]
         return _Prefilled(sess.cache, mask, pos[:, -1:], logits)
 
-    def _prefill(self, prompts: Sequence[Sequence[int]], n: int) -> _Prefilled:
+    def _prefill(
+        self, prompts: Sequence[Sequence[int]], n: int, vision: Vision = None
+    ) -> _Prefilled:
         """Prefill each prompt once (left padding) and repeat its cache n-fold, row-major:
-        prefill costs one row per group instead of n."""
+        prefill costs one row per group instead of n. `vision`: each prompt's images."""
         device = next(self.model.parameters()).device
         # Left padding; a single group has none, so its numerics never see padding.
         ids, mask = (t.to(device) for t in _left_pad(prompts, self.pad_id))
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        images: dict[str, torch.Tensor] = {}
+        if vision is not None:
+            width = ids.shape[1]
+            for r, (p, v) in enumerate(zip(prompts, vision, strict=True)):
+                if v is not None:
+                    v.check(len(p), f"prompt {r}")
+            images = (
+                vision_forward_inputs(
+                    self.model, ids, mask, vision, [width - len(p) for p in prompts]
+                )
+                or {}
+            )
+        if images:
+            # The decode positions continue from each row's largest M-RoPE position (its
+            # last text token's, on all three axes), not from its length; pads hold 0.
+            pos = images["position_ids"].amax(dim=(0, 2))[:, None].expand_as(mask)
         cache = DynamicCache(config=as_causal_lm(self.model).config)
         logits = self.model(
             input_ids=ids,
             attention_mask=mask,
-            position_ids=pos,
+            **({"position_ids": pos} | images),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
@@ -297,6 +349,7 @@ class HFGenerateEngine:
         n: int,
         draw: Callable[[int], torch.Tensor] | None,
         limits: Sequence[int],
+        vision: Vision = None,
     ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
         """n samples of each prompt, row-major; `draw(rows)` gives each decode step's
         uniform draws (None: the most likely token, unfiltered: greedy), and row r stops
@@ -304,7 +357,7 @@ class HFGenerateEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._sample_loop(self._prefill(prompts, n), draw, limits)
+            return self._sample_loop(self._prefill(prompts, n, vision), draw, limits)
         finally:
             self.model.train(was_training)
 
@@ -401,9 +454,14 @@ class HFGenerateEngine:
 
     @torch.no_grad()
     def greedy(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch: int = 32
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        batch: int = 32,
+        vision: Vision = None,
     ) -> list[list[int]]:
-        """Greedy completions, left-padded batches (for evaluation, not for training rows)."""
+        """Greedy completions, left-padded batches (for evaluation, not for training rows);
+        `vision`: each prompt's images (`generate` computes their M-RoPE positions)."""
         cfg = GenerationConfig(
             do_sample=False,
             max_new_tokens=max_new_tokens,
@@ -419,8 +477,14 @@ class HFGenerateEngine:
             chunk = prompts[i : i + batch]
             ids, mask = (t.to(device) for t in _left_pad(chunk, self.pad_id))
             width = ids.shape[1]
+            images: dict[str, torch.Tensor] = {}
+            if vision is not None:
+                starts = [width - len(p) for p in chunk]
+                found = vision_forward_inputs(self.model, ids, mask, vision[i : i + batch], starts)
+                # `generate` derives the positions (and its decode deltas) itself.
+                images = {k: v for k, v in (found or {}).items() if k != "position_ids"}
             seq = as_causal_lm(self.model).generate(
-                input_ids=ids, attention_mask=mask, generation_config=cfg
+                input_ids=ids, attention_mask=mask, generation_config=cfg, **images
             )
             for row in seq[:, width:].tolist():
                 end = next((i for i, t in enumerate(row) if t in self.eos_ids), len(row))
@@ -551,14 +615,27 @@ class _StopText:
         return hits
 
 
-def _run_length(rows: Sequence[Sequence[int]]) -> int:
-    """n if `rows` are runs of n equal rows one after another (n > 1), else 1."""
+def _run_length(rows: Sequence[Sequence[int]], vision: Vision = None) -> int:
+    """n if `rows` are runs of n equal rows one after another (n > 1), else 1; with
+    `vision`, a run's rows also hold the same images."""
     for n in range(len(rows), 1, -1):
         if len(rows) % n == 0 and all(
-            list(rows[i]) == list(rows[i - i % n]) for i in range(len(rows))
+            list(rows[i]) == list(rows[i - i % n])
+            and (vision is None or _same_images(vision[i], vision[i - i % n]))
+            for i in range(len(rows))
         ):
             return n
     return 1
+
+
+def _same_images(a: VisionInputs | None, b: VisionInputs | None) -> bool:
+    if a is None or b is None or a is b:
+        return a is b
+    return (
+        a.mm_token_type_ids == b.mm_token_type_ids
+        and torch.equal(a.image_grid_thw, b.image_grid_thw)
+        and torch.equal(a.pixel_values, b.pixel_values)
+    )
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

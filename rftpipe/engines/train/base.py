@@ -37,6 +37,7 @@ from rftpipe.engines.train.packing import (
     packed_logprobs,
     packing_refusal,
 )
+from rftpipe.engines.vision import VisionInputs
 from rftpipe.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,10 @@ class TrainEngine(Protocol):
         responses: Sequence[Sequence[int]],
         temperature: float,
         with_entropy: bool,
+        vision: Sequence[VisionInputs | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, T) response logprobs (and entropies) with gradients."""
+        """(B, T) response logprobs (and entropies) with gradients; `vision` (a
+        vision-language policy): each row's prompt's images, or None for a text row."""
         ...
 
     def compute_logprobs(
@@ -91,8 +94,10 @@ class TrainEngine(Protocol):
         prompts: Sequence[Sequence[int]],
         responses: Sequence[Sequence[int]],
         temperature: float,
+        vision: Sequence[VisionInputs | None] | None = None,
     ) -> list[list[float]]:
-        """No-grad response logprobs of this rank's rows, in micro-batches."""
+        """No-grad response logprobs of this rank's rows, in micro-batches (`vision`: as
+        `forward`'s)."""
         ...
 
     def run_module(self, **inputs: torch.Tensor) -> torch.Tensor:
@@ -323,6 +328,7 @@ class _EngineBase:
         responses: Sequence[Sequence[int]],
         temperature: float,
         with_entropy: bool,
+        vision: Sequence[VisionInputs | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
@@ -384,6 +390,7 @@ class _EngineBase:
         prompts: Sequence[Sequence[int]],
         responses: Sequence[Sequence[int]],
         temperature: float,
+        vision: Sequence[VisionInputs | None] | None = None,
     ) -> list[list[float]]:
         splits = split_micro_batches(self.cfg, prompts, responses)
         out: list[list[float]] = []
@@ -394,7 +401,8 @@ class _EngineBase:
                     continue
                 p = [prompts[i] for i in splits[c]]
                 r = [responses[i] for i in splits[c]]
-                lp, _ = self.forward(p, r, temperature, with_entropy=False)
+                v = None if vision is None else [vision[i] for i in splits[c]]
+                lp, _ = self.forward(p, r, temperature, with_entropy=False, vision=v)
                 out.extend(lp[i, : len(resp)].tolist() for i, resp in enumerate(r))
         return out
 
@@ -498,6 +506,19 @@ class _EngineBase:
             self.scheduler.load_state_dict(state["scheduler"])
 
 
+def _no_images(vision: Sequence[VisionInputs | None] | None, backend: str) -> None:
+    """Refuse `vision` on a backend whose forward does not take images yet: whenever it is
+    given, not only when this rank's rows hold images, so every rank refuses alike (one
+    rank raising while another enters a collective would hang the job)."""
+    if vision is not None:
+        # The sharded forwards run the wrapped root module (its hooks gather parameters);
+        # the image forward calls the vision tower and the text model separately.
+        raise NotImplementedError(
+            f"train.backend={backend}: rows with images train on train.backend=single only "
+            "so far (docs/vision.md)"
+        )
+
+
 class AdaptersOffReference:
     """The KL reference of a LoRA actor with no `model.reference`: the actor's own module
     with its adapters disabled (peft's `disable_adapter`), which is exactly the initial
@@ -534,18 +555,20 @@ class AdaptersOffReference:
         responses: Sequence[Sequence[int]],
         temperature: float,
         with_entropy: bool,
+        vision: Sequence[VisionInputs | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self._off():
-            return self.actor.forward(prompts, responses, temperature, with_entropy)
+            return self.actor.forward(prompts, responses, temperature, with_entropy, vision)
 
     def compute_logprobs(
         self,
         prompts: Sequence[Sequence[int]],
         responses: Sequence[Sequence[int]],
         temperature: float,
+        vision: Sequence[VisionInputs | None] | None = None,
     ) -> list[list[float]]:
         with self._off():
-            return self.actor.compute_logprobs(prompts, responses, temperature)
+            return self.actor.compute_logprobs(prompts, responses, temperature, vision)
 
     def run_module(self, **inputs: torch.Tensor) -> torch.Tensor:
         with self._off():

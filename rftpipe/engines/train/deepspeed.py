@@ -30,10 +30,12 @@ from rftpipe.dist import Dist
 from rftpipe.engines.train.base import (
     Role,
     _EngineBase,
+    _no_images,
     adamw,
     lr_lambda,
 )
 from rftpipe.engines.train.offload import move_data, move_state
+from rftpipe.engines.vision import VisionInputs
 from rftpipe.errors import UserError
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -212,7 +214,9 @@ class DeepSpeedEngine(_EngineBase):
         responses: Sequence[Sequence[int]],
         temperature: float,
         with_entropy: bool,
+        vision: Sequence[VisionInputs | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        _no_images(vision, "deepspeed")
         return self._root_forward(prompts, responses, temperature, with_entropy)
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -10,8 +10,9 @@ from typing import cast
 import torch
 
 from rftpipe.engines.models import as_decoder_model
-from rftpipe.engines.train.base import _EngineBase
+from rftpipe.engines.train.base import _EngineBase, _no_images
 from rftpipe.engines.train.ulysses import SPContext, gather_rows, install, sp_context, sp_forward
+from rftpipe.engines.vision import VisionInputs
 
 
 class FSDP2Engine(_EngineBase):
@@ -91,7 +92,9 @@ class FSDP2Engine(_EngineBase):
         responses: Sequence[Sequence[int]],
         temperature: float,
         with_entropy: bool,
+        vision: Sequence[VisionInputs | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        _no_images(vision, "fsdp2")
         if self._sp is not None:
             return sp_forward(
                 self._runner,
@@ -111,9 +114,11 @@ class FSDP2Engine(_EngineBase):
         prompts: Sequence[Sequence[int]],
         responses: Sequence[Sequence[int]],
         temperature: float,
+        vision: Sequence[VisionInputs | None] | None = None,
     ) -> list[list[float]]:
         if self._sp is None:
-            return super().compute_logprobs(prompts, responses, temperature)
+            return super().compute_logprobs(prompts, responses, temperature, vision)
+        _no_images(vision, "fsdp2")
         # Ranks of an SP group score different rows here (the advantage stage's and the
         # reference's own shares): the group scores all of them together, in micro-batches.
         every_prompt, every_response, mine = gather_rows(self._sp, prompts, responses)

@@ -9,6 +9,8 @@ import torch
 
 from rftpipe.engines.train.base import _EngineBase
 from rftpipe.engines.train.forward import grouped_logprobs
+from rftpipe.engines.train.vision import build_vision_micro_batch, vision_response_logprobs
+from rftpipe.engines.vision import VisionInputs
 from rftpipe.errors import UserError
 
 
@@ -29,8 +31,14 @@ class SingleDeviceEngine(_EngineBase):
         responses: Sequence[Sequence[int]],
         temperature: float,
         with_entropy: bool,
+        vision: Sequence[VisionInputs | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T) response logprobs (and entropies) with gradients, prompts computed once per group.
+
+        With `vision` (a vision-language policy; each row's prompt's images, None for a
+        text row) the rows take one right-padded forward with the model's M-RoPE positions
+        instead (`rftpipe.engines.train.vision`): no prefix sharing there, each row's
+        prompt and images are computed once per row.
 
         With `param_dtype=bfloat16` the forward runs under autocast: matmuls in bf16 from
         the fp32 weights, which (and so AdamW's state and the gradients) stay fp32.
@@ -38,6 +46,16 @@ class SingleDeviceEngine(_EngineBase):
         with torch.autocast(
             self.device.type, dtype=torch.bfloat16, enabled=self.cfg.param_dtype == "bfloat16"
         ):
+            if vision is not None:
+                vb = build_vision_micro_batch(self.model, prompts, responses, vision, pad_id=0)
+                return vision_response_logprobs(
+                    self.model,
+                    vb.to(self.device),
+                    temperature,
+                    with_entropy,
+                    self._entropy_grad,
+                    self._chunk,
+                )
             return grouped_logprobs(
                 self.model,
                 prompts,

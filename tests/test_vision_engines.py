@@ -1,0 +1,350 @@
+"""Vision-language engines: the HF rollout loop with image prompts (prefilled once per
+group, M-RoPE decode positions) against `generate` and against a full forward; the padded
+train forward with images against one forward per row; freezing the vision tower."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from rftpipe.config.schema import EnvConfig, RolloutConfig, TrainConfig
+from rftpipe.data.images import vision_prompt
+from rftpipe.dist import Dist
+from rftpipe.engines.models import prepare_tiny_vl
+from rftpipe.engines.rollout.hf import HFGenerateEngine
+from rftpipe.engines.train.base import adamw
+from rftpipe.engines.train.single import SingleDeviceEngine
+from rftpipe.engines.train.vision import (
+    build_vision_micro_batch,
+    freeze_vision,
+    vision_response_logprobs,
+    vision_tower,
+)
+from rftpipe.engines.vision import EncodedPrompt, VisionEncoder, collate
+
+
+def png(seed: int, width: int, height: int) -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RFTPIPE_CACHE", str(tmp_path_factory.mktemp("vlcache")))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield prepare_tiny_vl()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_vl: Path) -> Any:
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_vl: Path) -> VisionEncoder:
+    return VisionEncoder.load(tiny_vl)
+
+
+@pytest.fixture(scope="module")
+def prompts(
+    tmp_path_factory: pytest.TempPathFactory, encoder: VisionEncoder
+) -> list[EncodedPrompt]:
+    """A 1-image, a 2-image and a text prompt, of unequal lengths (the batch pads)."""
+    d = tmp_path_factory.mktemp("images")
+    paths = []
+    for i, (w, h) in enumerate([(56, 56), (80, 60), (40, 90)]):
+        paths.append(d / f"im{i}.png")
+        paths[-1].write_bytes(png(i, w, h))
+    return [
+        encoder.encode(vision_prompt("<image>What is it?", str(paths[0]), row="row 0")),
+        encoder.encode(
+            vision_prompt("<image> or <image>: taller?", [str(paths[1]), str(paths[2])], row="r1")
+        ),
+        encoder.encode(vision_prompt("no picture here, only some text", row="row 2")),
+    ]
+
+
+def test_greedy_rows_with_images_equal_generate(
+    model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+) -> None:
+    tok = encoder.tokenizer
+    # No EOS stop: every row decodes the full length, so each step's positions are checked.
+    engine = HFGenerateEngine(model, RolloutConfig(max_new_tokens=10), -1, tok.pad_token_id)
+    got = engine.greedy_rows(
+        [e.input_ids for e in prompts], [10] * 3, [e.vision_inputs() for e in prompts]
+    )
+    # Evaluation's `greedy` (`generate` on the left-padded batch) gives the same tokens.
+    vision = [e.vision_inputs() for e in prompts]
+    assert engine.greedy([e.input_ids for e in prompts], 10, vision=vision) == [
+        o.tokens for o in got
+    ]
+    # top_k=1 samples greedily and records each token's logprob: `generate`'s logits must
+    # agree at every step (on a random model the argmax alone barely sees the positions).
+    top1 = HFGenerateEngine(model, RolloutConfig(top_k=1, max_new_tokens=10), -1, 0)
+    groups = top1.generate_groups(
+        [e.input_ids for e in prompts], 1, [0] * 3, [e.vision_inputs() for e in prompts]
+    )
+    for e, out, g in zip(prompts, got, groups, strict=True):
+        batch = collate([e], tok.pad_token_id)
+        ref = model.generate(
+            **batch,
+            do_sample=False,
+            max_new_tokens=10,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        new = ref.sequences[0, len(e.input_ids) :]
+        assert out.tokens == g.tokens[0] == new.tolist()
+        lsm = torch.log_softmax(torch.stack(ref.logits)[:, 0].float(), -1)
+        ref_lp = lsm.gather(-1, new[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(g.logprobs[0]), ref_lp, atol=1e-5, rtol=0)
+    # The image prompts' decode positions are not their lengths (else the test is moot):
+    # an image of h x w merged patches spans max(h, w) positions.
+    _, deltas = model.model.get_rope_index(
+        **{k: v for k, v in collate(prompts[:2], 0).items() if k != "pixel_values"}
+    )
+    assert (deltas != 0).all()
+
+
+def test_sampled_logprobs_agree_with_a_full_forward(
+    model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+) -> None:
+    tok = encoder.tokenizer
+    cfg = RolloutConfig(n=2, max_new_tokens=6, temperature=0.9)
+    engine = HFGenerateEngine(model, cfg, -1, tok.pad_token_id)
+    vision = [e.vision_inputs() for e in prompts]
+    groups = engine.generate_groups([e.input_ids for e in prompts], 2, [7, 8, 9], vision)
+    again = engine.generate_groups([e.input_ids for e in prompts], 2, [7, 8, 9], vision)
+    assert [g.tokens for g in groups] == [g.tokens for g in again]  # seeded
+    # The trainer's forward (one padded batch of all six rows) gives the same logprobs.
+    rows = [(e, r) for e, g in zip(prompts, groups, strict=True) for r in g.tokens]
+    vb = build_vision_micro_batch(
+        model,
+        [e.input_ids for e, _ in rows],
+        [r for _, r in rows],
+        [e.vision_inputs() for e, _ in rows],
+        tok.pad_token_id,
+    )
+    with torch.no_grad():
+        lp, _ = vision_response_logprobs(model, vb, cfg.temperature, with_entropy=False)
+    got = [lps for g in groups for lps in g.logprobs]
+    for i, lps in enumerate(got):
+        torch.testing.assert_close(torch.tensor(lps), lp[i, : len(lps)], atol=1e-5, rtol=0)
+
+
+RESPONSES = [[40, 41, 42, 43, 44], [50, 51], [60, 61, 62, 63, 64, 65, 66]]
+
+
+def own_forward_logprobs(model: Any, e: EncodedPrompt, resp: list[int], pad: int) -> Any:
+    """Row logprobs from the model's own forward of prompt+response (its own positions)."""
+    model.model.rope_deltas = None  # `generate` leaves it set
+    full = EncodedPrompt(
+        input_ids=(*e.input_ids, *resp),
+        mm_token_type_ids=(*e.mm_token_type_ids, *[0] * len(resp)),
+        pixel_values=e.pixel_values,
+        image_grid_thw=e.image_grid_thw,
+    )
+    logits = model(**collate([full], pad)).logits[0].float()
+    pred = logits[len(e.input_ids) - 1 : -1]
+    lsm = torch.log_softmax(pred, -1)
+    return lsm.gather(-1, torch.tensor(resp)[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+
+
+def test_padded_train_forward_with_images_equals_one_forward_per_row(
+    model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+) -> None:
+    pad = encoder.tokenizer.pad_token_id
+    weights = [torch.linspace(-1, 1, len(r)) for r in RESPONSES]
+    model.zero_grad()
+    ref_lp, ref_ent = [], []
+    for e, r, w in zip(prompts, RESPONSES, weights, strict=True):
+        lp, ent = own_forward_logprobs(model, e, r, pad)
+        (lp * w).sum().backward()
+        ref_lp.append(lp.detach())
+        ref_ent.append(ent.detach())
+    ref_grad = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    # Mixed image and text rows in one micro-batch, unequal lengths (right padding).
+    vb = build_vision_micro_batch(
+        model, [e.input_ids for e in prompts], RESPONSES, [e.vision_inputs() for e in prompts], pad
+    )
+    lp, ent = vision_response_logprobs(model, vb, 1.0, with_entropy=True)
+    assert ent is not None
+    loss = sum(
+        (lp[i, : len(r)] * w).sum() for i, (r, w) in enumerate(zip(RESPONSES, weights, strict=True))
+    )
+    assert isinstance(loss, torch.Tensor)
+    loss.backward()
+    for i, r in enumerate(RESPONSES):
+        torch.testing.assert_close(lp[i, : len(r)].detach(), ref_lp[i], atol=1e-6, rtol=0)
+        torch.testing.assert_close(ent[i, : len(r)].detach(), ref_ent[i], atol=1e-6, rtol=0)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref_grad.keys()
+    assert any(n.startswith("model.visual.") for n in grads)  # the tower is differentiated
+    for n, g in grads.items():
+        err = (g - ref_grad[n]).norm() / ref_grad[n].norm().clamp(min=1e-30)
+        assert err <= 1e-5, (n, float(err))
+    model.zero_grad()
+
+
+def test_a_frozen_vision_tower_stays_out_of_the_step(
+    tiny_vl: Path, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+    tower = vision_tower(model)
+    frozen = freeze_vision(model)
+    assert frozen == sum(p.numel() for p in tower.parameters()) > 0
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = adamw(TrainConfig(lr=1e-3), model)
+    vb = build_vision_micro_batch(
+        model,
+        [e.input_ids for e in prompts],
+        RESPONSES,
+        [e.vision_inputs() for e in prompts],
+        encoder.tokenizer.pad_token_id,
+    )
+    lp, _ = vision_response_logprobs(model, vb, 1.0, with_entropy=False)
+    (-lp[vb.mb.response_mask].sum()).backward()
+    opt.step()
+    tower_ids = {id(p) for p in tower.parameters()}
+    assert not tower_ids & {id(p) for g in opt.param_groups for p in g["params"]}
+    assert not tower_ids & {id(p) for p in opt.state}
+    assert len(opt.state) == sum(1 for p in model.parameters() if p.requires_grad)
+    for n, p in model.named_parameters():
+        if id(p) in tower_ids:
+            assert p.grad is None and torch.equal(p, before[n]), n
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert moved and all(not n.startswith("model.visual.") for n in moved)
+    assert any(n.startswith("model.language_model.") for n in moved)
+
+
+def test_a_groups_image_prompt_is_prefilled_once(
+    model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+) -> None:
+    """n samples of a group share one prefill: the vision tower sees each image once."""
+    seen: list[int] = []
+    hook = vision_tower(model).register_forward_hook(
+        lambda mod, args, out: seen.append(args[0].shape[0])
+    )
+    try:
+        engine = HFGenerateEngine(model, RolloutConfig(max_new_tokens=3), -1, 0)
+        engine.generate_groups(
+            [e.input_ids for e in prompts], 4, [1, 2, 3], [e.vision_inputs() for e in prompts]
+        )
+    finally:
+        hook.remove()
+    patches = sum(e.pixel_values.shape[0] for e in prompts if e.pixel_values is not None)
+    assert seen == [patches]
+
+
+def test_episode_turns_continue_an_image_prompts_cache(
+    model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+) -> None:
+    """Multi-turn: the first turn's prompt holds the images, a later turn appends text to
+    the kept cache (its positions continue the M-RoPE ones); every turn's logprobs are the
+    trainer's over the whole conversation."""
+    pad = encoder.tokenizer.pad_token_id
+    cfg = RolloutConfig(n=2, max_new_tokens=4, temperature=0.9)
+    engine = HFGenerateEngine(model, cfg, -1, pad)
+    assert engine.continues_turns
+    rows = [e for e in prompts for _ in range(2)]  # two episodes a prompt
+    vision = [e.vision_inputs() for e in rows]
+    keys = list(range(len(rows)))
+    seen: list[int] = []
+    hook = vision_tower(model).register_forward_hook(
+        lambda mod, args, out: seen.append(args[0].shape[0])
+    )
+    try:
+        first = engine.generate_rows(
+            [e.input_ids for e in rows], [10, 11, 12, 13, 14, 15], [4] * 6, keys, vision
+        )
+    finally:
+        hook.remove()
+    # A group's two episodes share one prefill: each image through the tower once.
+    assert seen == [sum(e.pixel_values.shape[0] for e in prompts if e.pixel_values is not None)]
+    history = [
+        [*e.input_ids, *o.tokens, 70 + i, 71]
+        for i, (e, o) in enumerate(zip(rows, first, strict=True))
+    ]
+    with pytest.raises(ValueError, match="later turn"):
+        engine.generate_rows(history, [0] * 6, [4] * 6, keys, vision)
+    second = engine.generate_rows(history, [20, 21, 22, 23, 24, 25], [4] * 6, keys)
+    engine.end_episodes()
+    # `keep_kv_cache=false`: the second turn prefills the whole history, images included.
+    env = EnvConfig(path="envs_toy:EvenChars", keep_kv_cache=False)
+    again = HFGenerateEngine(model, dataclasses.replace(cfg, env=env), -1, pad)
+    assert not again.continues_turns
+    redone = again.generate_rows(history, [20, 21, 22, 23, 24, 25], [4] * 6, keys, vision)
+    turns = ([[e.input_ids for e in rows], first], [history, second], [history, redone])
+    for turn_prompts, outs in turns:
+        vb = build_vision_micro_batch(model, turn_prompts, [o.tokens for o in outs], vision, pad)
+        with torch.no_grad():
+            lp, _ = vision_response_logprobs(model, vb, cfg.temperature, with_entropy=False)
+        for i, o in enumerate(outs):
+            assert o.tokens
+            torch.testing.assert_close(
+                torch.tensor(o.logprobs), lp[i, : len(o.tokens)], atol=1e-5, rtol=0
+            )
+
+
+def test_the_single_engine_trains_rows_with_images(
+    tiny_vl: Path, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+) -> None:
+    """`train.backend=single` takes rows with images (mixed with a text row), a frozen tower
+    stays out of its step and of its checkpoint's optimizer state, and a reference engine
+    scores the same rows."""
+    from transformers import AutoModelForImageTextToText
+
+    pad = encoder.tokenizer.pad_token_id
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+    freeze_vision(model)
+    tower = {n for n, _ in model.named_parameters() if n.startswith("model.visual.")}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = SingleDeviceEngine(model, TrainConfig(lr=1e-3), Dist())
+    vision = [e.vision_inputs() for e in prompts]
+    ids = [e.input_ids for e in prompts]
+    with engine.train_mode():
+        lp, ent = engine.forward(ids, RESPONSES, 1.0, with_entropy=True, vision=vision)
+        assert ent is not None
+        with torch.no_grad():
+            for i, (e, r) in enumerate(zip(prompts, RESPONSES, strict=True)):
+                ref, _ = own_forward_logprobs(model, e, r, pad)
+                torch.testing.assert_close(lp[i, : len(r)].detach(), ref, atol=1e-6, rtol=0)
+        engine.backward(-lp[:, :2].sum())
+        engine.optimizer_step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and not moved & tower
+    state = engine.state_dict()
+    optim_keys = set(state["optim"]["state"])
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert optim_keys == trainable and trainable and not trainable & tower
+    assert not tower & state["model"].keys()
+
+    ref_model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+    reference = SingleDeviceEngine(ref_model, TrainConfig(), Dist(), role="reference")
+    after = engine.compute_logprobs(ids, RESPONSES, 1.0, vision)
+    initial = reference.compute_logprobs(ids, RESPONSES, 1.0, vision)
+    with torch.no_grad():
+        for e, r, a, b in zip(prompts, RESPONSES, after, initial, strict=True):
+            for m, got in ((model, a), (ref_model, b)):
+                want, _ = own_forward_logprobs(m, e, r, pad)
+                torch.testing.assert_close(torch.tensor(got), want, atol=1e-6, rtol=0)
+        assert after != initial
