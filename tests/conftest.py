@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,3 +25,13 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
         cwd=ROOT,
     )
     return cache
+
+
+@pytest.fixture(scope="session")
+def tiny_vl(model_cache: Path) -> Iterator[Path]:
+    """`builtin:tiny-vl`, built once a session into the session's cache with the hub off."""
+    from rftpipe.engines.models import prepare_tiny_vl
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield prepare_tiny_vl()

@@ -3,19 +3,45 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny_dense.yaml"
+
+
+# Runs that import environments (and other user code) from tests/.
+TESTS_ON_PATH = {"PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def png(seed: int, width: int = 56, height: int = 56) -> bytes:
+    """A random RGB picture as PNG bytes."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def eval_rows(run: Path, step: int) -> pa.Table:
+    """A step's committed evaluation rows of every rank, in (prompt, sample) order."""
+    d = run / "stages" / f"step={step}" / "eval"
+    table = pa.concat_tables([pq.read_table(p) for p in sorted(d.glob("part-r*.parquet"))])
+    return table.drop_columns(["rank"]).sort_by(
+        [("prompt_id", "ascending"), ("sample_idx", "ascending")]
+    )
 
 
 def submit(

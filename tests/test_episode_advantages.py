@@ -5,13 +5,12 @@ the episode's return (sequence-level ones)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 import torch
-from helpers import ROOT, submit, trajectories
+from helpers import TESTS_ON_PATH, submit, trajectories
 
 from rftpipe.algos.advantage import (
     AdvantageInputs,
@@ -211,7 +210,7 @@ ENV_RUN = (
     "reward.functions=[]",
     "total_steps=2",
 )
-ENV_PATH = {"PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+ENV_PATH = TESTS_ON_PATH
 
 
 @pytest.mark.slow

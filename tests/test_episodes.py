@@ -4,7 +4,6 @@ through the real HF engine and chat template; the loss mask; budgets; errors."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 from envs_toy import Drifts, EndsFourWays, EvenChars, Raises, Remembers, StopsOnA, WrongTypes
 from helpers import (
     ROOT,
+    TESTS_ON_PATH,
     OneRankLog,
     episode_prompts,
     events,
@@ -169,7 +169,7 @@ RUN = (
     "total_steps=12",
 )
 # The runs import the environment from tests/.
-ENV_PATH = {"PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+ENV_PATH = TESTS_ON_PATH
 
 
 @pytest.fixture(scope="module")

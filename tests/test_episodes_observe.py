@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pandas as pd
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-from helpers import ROOT, submit
+from helpers import ROOT, TESTS_ON_PATH, submit
 
 from rftpipe.storage.episode_stats import EPISODE_STATUSES, METRICS
 
@@ -33,7 +32,7 @@ RUN = (
     "total_steps=3",
 )
 # The run imports the environment from tests/.
-ENV_PATH = {"PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+ENV_PATH = TESTS_ON_PATH
 
 
 @pytest.fixture(scope="module")

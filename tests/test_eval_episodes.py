@@ -7,14 +7,13 @@ ranks giving the same rows."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT, episode_prompts, events, stage_history, submit
+from helpers import ROOT, TESTS_ON_PATH, episode_prompts, eval_rows, events, stage_history, submit
 
 from rftpipe.config.loader import ConfigError, load_config
 from rftpipe.config.schema import (
@@ -137,15 +136,7 @@ RUN = (
     "eval.threshold=0.9",
     "total_steps=1",
 )
-ENV_PATH = {"PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-
-
-def _eval_rows(run: Path, step: int) -> pa.Table:
-    d = run / "stages" / f"step={step}" / "eval"
-    table = pa.concat_tables([pq.read_table(p) for p in sorted(d.glob("part-r*.parquet"))])
-    return table.drop_columns(["rank"]).sort_by(
-        [("prompt_id", "ascending"), ("sample_idx", "ascending")]
-    )
+ENV_PATH = TESTS_ON_PATH
 
 
 @pytest.mark.slow
@@ -163,7 +154,7 @@ def test_a_killed_evaluation_reruns_to_the_rows_of_two_ranks(tmp_path: Path) -> 
     assert out.returncode == 0, out.stderr[-3000:]
     assert [e["point"] for e in events(run) if e["event"] == "fault"] == ["episode_mid_turn"]
     assert stage_history(run)[(0, "eval")].count("commit") == 1
-    rows = _eval_rows(run, 0)
+    rows = eval_rows(run, 0)
     assert set(rows.column("mode").to_pylist()) == {"greedy", "sampled"}
     assert max(rows.column("num_turns").to_pylist()) == 2
     summary = json.loads((run / "eval.json").read_text())
@@ -181,6 +172,6 @@ def test_a_killed_evaluation_reruns_to_the_rows_of_two_ranks(tmp_path: Path) -> 
     two = tmp_path / "two"
     out = submit(two, *RUN, "train.backend=fsdp2", env=ENV_PATH, extra=("--tasks-per-node", "2"))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert _eval_rows(two, 0).equals(rows)
+    assert eval_rows(two, 0).equals(rows)
     shards = sorted((two / "stages" / "step=0" / "eval").glob("part-r*.parquet"))
     assert [set(pq.read_table(p).column("rank").to_pylist()) for p in shards] == [{0}, {1}]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import events, stage_history, submit
+from helpers import eval_rows, events, stage_history, submit
 
 from rftpipe.config.schema import DataConfig, EvalConfig, ReasoningGymConfig
 from rftpipe.data.prompts import content_key, load_prompts, split_held_out
@@ -135,14 +135,6 @@ EVAL = (
 )
 
 
-def _eval_rows(run: Path, step: int) -> pa.Table:
-    d = run / "stages" / f"step={step}" / "eval"
-    table = pa.concat_tables([pq.read_table(p) for p in sorted(d.glob("part-r*.parquet"))])
-    return table.drop_columns(["rank"]).sort_by(
-        [("prompt_id", "ascending"), ("sample_idx", "ascending")]
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_eval_stage_is_durable_and_world_size_independent(tmp_path: Path) -> None:
@@ -155,9 +147,9 @@ def test_eval_stage_is_durable_and_world_size_independent(tmp_path: Path) -> Non
     assert summary["before"]["eval/problems"] > 0
     assert summary["before"]["eval/basic_arithmetic/problems"] == summary["before"]["eval/problems"]
     # The evaluations saw moving weights (the dense reward trains fast at lr 3e-3).
-    tokens = [_eval_rows(ref, s).column("response_token_ids").to_pylist() for s in (0, 4)]
+    tokens = [eval_rows(ref, s).column("response_token_ids").to_pylist() for s in (0, 4)]
     assert tokens[0] != tokens[1]
-    rows = _eval_rows(ref, 2)
+    rows = eval_rows(ref, 2)
     assert set(rows.column("mode").to_pylist()) == {"greedy", "sampled"}
     assert rows.num_rows == summary["steps"]["2"]["eval/problems"] * (1 + 4)
     metrics = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
@@ -181,7 +173,7 @@ def test_eval_stage_is_durable_and_world_size_independent(tmp_path: Path) -> Non
         assert history[(step, "eval")].count("commit") == 1, history[(step, "eval")]
         seq = history[(step, "eval")]
         assert "begin" not in seq[seq.index("commit") + 1 :], seq
-        assert _eval_rows(run, step).equals(_eval_rows(ref, step)), step
+        assert eval_rows(run, step).equals(eval_rows(ref, step)), step
     assert json.loads((run / "eval.json").read_text()) == summary
 
     # Two ranks: the same problems, completions and scores (the initial weights: the
@@ -191,6 +183,6 @@ def test_eval_stage_is_durable_and_world_size_independent(tmp_path: Path) -> Non
         two, *EVAL, "total_steps=1", "train.backend=fsdp2", extra=("--tasks-per-node", "2")
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert _eval_rows(two, 0).equals(_eval_rows(ref, 0))
+    assert eval_rows(two, 0).equals(eval_rows(ref, 0))
     shards = sorted((two / "stages" / "step=0" / "eval").glob("part-r*.parquet"))
     assert [set(pq.read_table(p).column("rank").to_pylist()) for p in shards] == [{0}, {1}]

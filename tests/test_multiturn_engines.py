@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import importlib.util
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from helpers import (
-    ROOT,
+    TESTS_ON_PATH,
     OneRankLog,
     close_engine,
     episode_prompts,
@@ -365,7 +364,7 @@ RUN = (
     "total_steps=3",
 )
 # The run imports the environment from tests/.
-ENV_PATH = {"PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+ENV_PATH = TESTS_ON_PATH
 
 
 @pytest.mark.slow

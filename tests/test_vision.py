@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
+from helpers import png
 
 from rftpipe.data.images import VisionPrompt, vision_prompt
-from rftpipe.engines.models import prepare_tiny, prepare_tiny_vl
+from rftpipe.engines.models import prepare_tiny
 from rftpipe.engines.vision import (
     EncodedPrompt,
     VisionEncoder,
@@ -29,24 +27,6 @@ from rftpipe.engines.vision import (
 from rftpipe.errors import UserError
 from rftpipe.inspect.verify import verify_run
 from rftpipe.storage.images import ImageStore, quarantine_corrupt_images, verify_images
-
-
-def png(seed: int, width: int = 56, height: int = 56) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def tiny_vl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """`builtin:tiny-vl` built into a fresh cache with the hub switched off."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RFTPIPE_CACHE", str(tmp_path_factory.mktemp("vlcache")))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield prepare_tiny_vl()
 
 
 @pytest.fixture(scope="module")

@@ -5,19 +5,16 @@ train forward with images against one forward per row; freezing the vision tower
 from __future__ import annotations
 
 import dataclasses
-import io
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
+from helpers import png
 
 from rftpipe.config.schema import EnvConfig, RolloutConfig, TrainConfig
 from rftpipe.data.images import vision_prompt
 from rftpipe.dist import Dist
-from rftpipe.engines.models import prepare_tiny_vl
 from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train.base import adamw
 from rftpipe.engines.train.single import SingleDeviceEngine
@@ -28,23 +25,6 @@ from rftpipe.engines.train.vision import (
     vision_tower,
 )
 from rftpipe.engines.vision import EncodedPrompt, VisionEncoder, collate
-
-
-def png(seed: int, width: int, height: int) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def tiny_vl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RFTPIPE_CACHE", str(tmp_path_factory.mktemp("vlcache")))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield prepare_tiny_vl()
 
 
 @pytest.fixture(scope="module")
