@@ -28,7 +28,7 @@ from rftpipe.algos.variants import (
 from rftpipe.config.loader import load_config
 from rftpipe.config.schema import AdvantageConfig, KLConfig, RunConfig
 from rftpipe.stages import advantage
-from rftpipe.stages.batching import turn_reward_tokens, turn_start_tokens
+from rftpipe.stages.batching import turn_tokens
 
 # One episode of 3 turns: model tokens (1) and the environment's (0) between them.
 LOSS_MASK = [1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 1]
@@ -41,12 +41,12 @@ def _compressed(x: torch.Tensor, mask: list[int]) -> torch.Tensor:
 
 
 def test_turn_rewards_sit_on_each_turns_last_model_token() -> None:
-    placed = turn_reward_tokens([OFFSETS], [TURN_REWARDS], [LOSS_MASK], (1, len(LOSS_MASK) + 2))
+    placed = turn_tokens([OFFSETS], [TURN_REWARDS], [LOSS_MASK], (1, len(LOSS_MASK) + 2))[0]
     want = torch.zeros(1, len(LOSS_MASK) + 2, dtype=torch.float64)
     want[0, 2], want[0, 6], want[0, 13] = 0.5, -0.25, 1.0
     assert torch.equal(placed, want)
     # A turn cut to no model token pays on the last one before it.
-    placed = turn_reward_tokens([[0, 3, 3]], [[1.0, 2.0, 4.0]], [[1, 1, 0, 0]], (1, 4))
+    placed = turn_tokens([[0, 3, 3]], [[1.0, 2.0, 4.0]], [[1, 1, 0, 0]], (1, 4))[0]
     assert placed[0].tolist() == [0.0, 7.0, 0.0, 0.0]
 
 
@@ -59,7 +59,7 @@ def test_gae_over_an_episode_equals_gae_over_its_model_tokens_alone(
     t = len(LOSS_MASK)
     values = torch.randn(1, t, dtype=torch.float64, generator=gen)
     mask = torch.tensor([LOSS_MASK], dtype=torch.bool)
-    turns = turn_reward_tokens([OFFSETS], [TURN_REWARDS], [LOSS_MASK], (1, t))
+    turns = turn_tokens([OFFSETS], [TURN_REWARDS], [LOSS_MASK], (1, t))[0]
     settings = GAESettings(gamma=gamma, lam=lam)
     episode = AdvantageInputs(
         rewards=torch.tensor([sum(TURN_REWARDS) + 2.0], dtype=torch.float64),
@@ -93,9 +93,9 @@ def test_turn_gamma_discounts_each_turn_once(estimator: str) -> None:
     reaches it times g^j: turn t's first token's return is sum_j g^(j-t) r_j."""
     t = len(LOSS_MASK)
     mask = torch.tensor([LOSS_MASK], dtype=torch.bool)
-    starts = turn_start_tokens([OFFSETS], [LOSS_MASK], (1, t))
+    starts = turn_tokens([OFFSETS], [TURN_REWARDS], [LOSS_MASK], (1, t))[1]
     assert starts[0].nonzero().flatten().tolist() == [0, 5, 10]
-    turns = turn_reward_tokens([OFFSETS], [TURN_REWARDS], [LOSS_MASK], (1, t))
+    turns = turn_tokens([OFFSETS], [TURN_REWARDS], [LOSS_MASK], (1, t))[0]
     rewards = torch.tensor([sum(TURN_REWARDS) + 2.0], dtype=torch.float64)
     g = 0.5
     inputs = AdvantageInputs(

@@ -15,12 +15,7 @@ from rftpipe.algos.losses import kl_estimate
 from rftpipe.config.schema import AdvantageConfig, KLConfig, old_logprobs_source
 from rftpipe.stages import StageName
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
-from rftpipe.stages.batching import (
-    model_token_mask,
-    pad_ragged,
-    turn_reward_tokens,
-    turn_start_tokens,
-)
+from rftpipe.stages.batching import model_token_mask, pad_ragged, turn_tokens
 from rftpipe.storage.baseline_rows import baseline_flags
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
@@ -108,12 +103,12 @@ def run(
     if losses:
         # Token-level estimators credit each turn's environment reward where it was paid,
         # and the discounting ones discount per turn from where each turn starts.
-        offsets = scored.column("turn_offsets").to_pylist()
-        shape = (padded.shape[0], padded.shape[1])
-        turn_rewards = turn_reward_tokens(
-            offsets, scored.column("turn_rewards").to_pylist(), losses, shape
+        turn_rewards, turn_starts = turn_tokens(
+            scored.column("turn_offsets").to_pylist(),
+            scored.column("turn_rewards").to_pylist(),
+            losses,
+            (padded.shape[0], padded.shape[1]),
         )
-        turn_starts = turn_start_tokens(offsets, losses, shape)
     group = torch.tensor(scored.column("prompt_id").to_pylist(), dtype=torch.int64)
     # The behaviour policy's logprobs, as committed: the optimal token baseline reads them.
     behaviour, _ = pad_ragged(out.column(old_column).to_pylist(), torch.float64)

@@ -104,43 +104,36 @@ def model_token_mask(
     return mask & own
 
 
-def turn_reward_tokens(
+def turn_tokens(
     turn_offsets: Sequence[Sequence[int]],
     turn_rewards: Sequence[Sequence[float]],
     loss_masks: Sequence[Sequence[int]],
     shape: tuple[int, int],
-) -> torch.Tensor:
-    """(B, T) float64: each multi-turn row's environment reward of turn t on the last token
-    the model sampled in turn t (`turn_offsets[t]` is where its tokens begin), 0 elsewhere.
-    A turn whose action has no model token (a budget cut it to nothing) pays on the last
-    model token before it, or, with none, is left to the outcome on the last token."""
-    out = torch.zeros(shape, dtype=torch.float64)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-turn rows' turn structure on their tokens, in one pass over each row:
+
+    - (B, T) float64: the environment's reward of turn t on the last token the model
+      sampled in turn t (`turn_offsets[t]` is where its tokens begin), 0 elsewhere. A turn
+      whose action has no model token (a budget cut it to nothing) pays on the last model
+      token before it, or, with none, is left to the outcome on the last token;
+    - (B, T) bool: True on each turn's first model token (where the discounting
+      estimators' `turn_gamma` applies).
+    """
+    paid = torch.zeros(shape, dtype=torch.float64)
+    starts = torch.zeros(shape, dtype=torch.bool)
     for i, (offsets, rewards, mask) in enumerate(
         zip(turn_offsets, turn_rewards, loss_masks, strict=True)
     ):
         ends = [*offsets[1:], len(mask)]
-        for end, reward in zip(ends, rewards, strict=False):
-            model = [j for j in range(min(end, len(mask))) if mask[j]]
+        last = None  # the last model token so far, of this turn or an earlier one
+        for t, (start, end) in enumerate(zip(offsets, ends, strict=True)):
+            model = [j for j in range(start, min(end, len(mask))) if mask[j]]
             if model:
-                out[i, model[-1]] += reward
-    return out
-
-
-def turn_start_tokens(
-    turn_offsets: Sequence[Sequence[int]],
-    loss_masks: Sequence[Sequence[int]],
-    shape: tuple[int, int],
-) -> torch.Tensor:
-    """(B, T) bool: True on the first token the model sampled in each turn of a multi-turn
-    row (where the discounting estimators' `turn_gamma` applies)."""
-    out = torch.zeros(shape, dtype=torch.bool)
-    for i, (offsets, mask) in enumerate(zip(turn_offsets, loss_masks, strict=True)):
-        ends = [*offsets[1:], len(mask)]
-        for start, end in zip(offsets, ends, strict=True):
-            first = next((j for j in range(start, min(end, len(mask))) if mask[j]), None)
-            if first is not None:
-                out[i, first] = True
-    return out
+                starts[i, model[0]] = True
+                last = model[-1]
+            if t < len(rewards) and last is not None:
+                paid[i, last] += rewards[t]
+    return paid, starts
 
 
 def pad_ragged(

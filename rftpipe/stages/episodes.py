@@ -26,7 +26,7 @@ Seeds: turn t of sample k of prompt p draws from (run seed, step, stage, p, k, t
 an environment is reset with (run seed, step, stage, p, k), so an episode is the same on any
 world size and batch composition of draws.
 
-Engine state: every turn names its rows' episodes (`(prompt id, sample)`) to the engine, so
+Engine state: every turn names its rows' episodes (`Episode.slot`) to the engine, so
 one that `continues_turns` (the HF loop) keeps each episode's KV cache from turn to turn; an
 episode's is freed when it ends, and all at the end. A resumed stage replays the committed
 turns' prefills through the same calls first, which rebuilds those caches bit for bit.
