@@ -309,7 +309,8 @@ def _resumable(
         calls=calls or [episode_prompts(tok)],
         resumed=resumed or {},
         resumed_turns=turns,
-        baseline=baseline,
+        samples=[0, 1, 2] if baseline else None,
+        greedy_samples=frozenset({2}) if baseline else frozenset(),
     )
     log = _Snapshots(engine, tok)
     return episodes.run(inp, engine, tok, make_env, log).episodes, log

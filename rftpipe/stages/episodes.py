@@ -139,14 +139,11 @@ class EpisodeInputs:
     resumed_turns: int = 0
     """How many turns those rows hold."""
     samples: Sequence[int] | None = None
-    """The sample indices of each prompt's episodes (None: `range(cfg.n)`; held-out
-    evaluation's greedy episode is -1)."""
-    greedy: bool = False
-    """Each turn is the greedy continuation (`engine.greedy_rows`, no draws, so no turn
-    seeds): held-out evaluation's greedy episodes."""
-    baseline: bool = False
-    """Also one greedy episode per prompt after its samples (sample index `cfg.n`): ReMax's
-    baseline, run and committed turn by turn with them."""
+    """The sample indices of each prompt's episodes (None: `range(cfg.n)`)."""
+    greedy_samples: frozenset[int] = frozenset()
+    """The sample indices whose every turn is the greedy continuation (`engine.greedy_rows`,
+    no draws, so no turn seeds), run turn by turn with the others: held-out evaluation's
+    greedy episode (-1), ReMax's baseline episode (`cfg.n`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,9 +166,7 @@ def run(
     run turn by turn, all calls together, each turn committed through `log` before the
     next."""
     cfg, env_cfg = inp.cfg, inp.env_cfg
-    samples = list(range(cfg.n) if inp.samples is None else inp.samples)
-    if inp.baseline:
-        samples.append(cfg.n)
+    samples = range(cfg.n) if inp.samples is None else inp.samples
     eos = _eos_ids(tokenizer, cfg)
     by_call: list[list[Episode]] = []
     clock = _Clock()
@@ -189,7 +184,7 @@ def run(
                             else _restore(env_cfg, tokenizer, make_env, p, k, seed, row)
                         )
                     e.slot = sum(len(c) for c in by_call)
-                    e.greedy = inp.greedy or (inp.baseline and k == cfg.n)
+                    e.greedy = k in inp.greedy_samples
                     by_call[-1].append(e)
         episodes = [e for call_eps in by_call for e in call_eps]
         if inp.resumed_turns and engine.continues_turns:

@@ -149,32 +149,26 @@ def _episode_table(
     env: EnvConfig,
     calls: list[Sequence[Prompt]],
 ) -> pa.Table:
-    """Episode rows: the greedy episodes of all calls, then the sampled ones, each set run
-    turn by turn over this rank's calls as the rollout runs them (not committed per turn;
-    each rank ends its own, so no collective)."""
-    make = env_maker(env)
-    sets = [(True, [-1])]
-    if inp.eval.samples:
-        sets.append((False, list(range(inp.eval.samples))))
-    played: list[tuple[str, episodes.Episode]] = []
-    for greedy, samples in sets:
-        ep_inp = episodes.EpisodeInputs(
-            cfg=inp.rollout,
-            env_cfg=env,
-            run_seed=inp.run_seed,
-            step=inp.step,
-            stage="eval",
-            calls=calls,
-            samples=samples,
-            greedy=greedy,
-        )
-        out = episodes.run(ep_inp, engine, tokenizer, make, Unlogged())
-        played += [("greedy" if greedy else "sampled", e) for e in out.episodes]
+    """Episode rows: each problem's greedy episode (-1) and its sampled ones, run turn by
+    turn over this rank's calls as the rollout runs them (not committed per turn; each rank
+    ends its own, so no collective)."""
+    ep_inp = episodes.EpisodeInputs(
+        cfg=inp.rollout,
+        env_cfg=env,
+        run_seed=inp.run_seed,
+        step=inp.step,
+        stage="eval",
+        calls=calls,
+        samples=[-1, *range(inp.eval.samples)],
+        greedy_samples=frozenset({-1}),
+    )
+    out = episodes.run(ep_inp, engine, tokenizer, env_maker(env), Unlogged())
     cols: dict[str, list] = {name: [] for name in EVAL_EPISODE_SCHEMA.names}
     # Greedy row first, then the samples, per problem in the rank's order (as single-turn).
     order = {p.prompt_id: i for i, p in enumerate(inp.prompts)}
-    played.sort(key=lambda m_e: (order[m_e[1].prompt.prompt_id], m_e[1].sample_idx))
-    for mode, e in played:
+    played = sorted(out.episodes, key=lambda e: (order[e.prompt.prompt_id], e.sample_idx))
+    for e in played:
+        mode = "greedy" if e.greedy else "sampled"
         row = {
             "step": inp.step,
             "prompt_id": e.prompt.prompt_id,

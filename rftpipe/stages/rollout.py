@@ -175,7 +175,9 @@ def _episode_table(
         calls=[inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)],
         resumed=resumed,
         resumed_turns=done,
-        baseline=inp.baseline,
+        # ReMax's baseline: one greedy episode per prompt, after its samples.
+        samples=[*range(cfg.n), cfg.n] if inp.baseline else None,
+        greedy_samples=frozenset({cfg.n}) if inp.baseline else frozenset(),
     )
     log: episodes.TurnLog = turns.log(inp, engine, tokenizer) if turns else Unlogged()
     out = episodes.run(ep_inp, engine, tokenizer, env_maker(env), log)
