@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rftpipe.data.images import VisionPrompt
+from rftpipe.data.images import LoadedImage, VisionPrompt
 from rftpipe.engines.models import load_tokenizer
 from rftpipe.errors import UserError
 
@@ -48,6 +48,8 @@ class EncodedPrompt:
     """(patches, channels * temporal_patch * patch * patch) of all the prompt's images."""
     image_grid_thw: torch.Tensor | None
     """(images, 3): each image's (time, height, width) patch grid."""
+    images: tuple[LoadedImage, ...] = ()
+    """The images themselves, in order (what engines that run their own processor take)."""
 
     @property
     def num_image_tokens(self) -> int:
@@ -61,6 +63,7 @@ class EncodedPrompt:
             pixel_values=self.pixel_values,
             image_grid_thw=self.image_grid_thw,
             mm_token_type_ids=self.mm_token_type_ids,
+            images=self.images,
         )
 
 
@@ -77,6 +80,9 @@ class VisionInputs:
     """1 on the prompt's image tokens, 0 elsewhere, from the prompt's first token: as long
     as the prompt that was encoded; a later turn's longer prompt (that prompt, the turns
     since) takes the same inputs, its tokens past them text."""
+    images: tuple[LoadedImage, ...] = ()
+    """The prompt's images as files, in order: what vLLM and SGLang take (they run the
+    model's processor themselves); empty where only the tensors are known."""
 
     def check(self, prompt_len: int, what: str) -> None:
         """Refuse inputs longer than their prompt (a `ValueError` naming `what`)."""
@@ -177,6 +183,7 @@ class VisionEncoder:
             mm_token_type_ids=tuple(int(t == self.image_token_id) for t in expanded),
             pixel_values=out["pixel_values"],
             image_grid_thw=grid,
+            images=prompt.images,
         )
 
     def _template_ids(self, prompt: VisionPrompt, row: str) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rftpipe.storage.layout import EPISODE_SCHEMA_VERSION, schema_version
+from rftpipe.storage.layout import is_episode_shard
 
 EPISODE_STATUSES = ("done", "max_turns", "truncated", "error")
 """How an episode can end (`episode_status`); each has its `episode/<status>_frac`."""
@@ -32,8 +32,9 @@ METRICS = (
 
 
 def has_episodes(names: list[str]) -> bool:
-    """Whether a shard with these columns is a multi-turn one (schema version 2)."""
-    return schema_version(names) == EPISODE_SCHEMA_VERSION
+    """Whether a shard with these columns is a multi-turn one (schema version 2, or 3 with
+    the turn structure)."""
+    return is_episode_shard(names)
 
 
 @dataclass(slots=True)

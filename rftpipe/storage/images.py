@@ -33,6 +33,16 @@ class ImageRef:
         """The path under the run directory, e.g. ``images/ab/ab12….png``."""
         return f"{IMAGES_DIR}/{self.sha256[:2]}/{self.sha256}.{self.ext}"
 
+    @classmethod
+    def parse(cls, relpath: str) -> ImageRef:
+        """The reference a trajectory row's `images` entry names (a `relpath`)."""
+        top, _, rest = relpath.partition("/")
+        _, _, name = rest.partition("/")
+        sha, _, ext = name.partition(".")
+        if top != IMAGES_DIR or len(sha) != 64 or not ext:
+            raise ValueError(f"not an image store path: {relpath!r}")
+        return cls(sha256=sha, ext=ext)
+
 
 class ImageStore:
     """The image store of the run directory `run_root`.

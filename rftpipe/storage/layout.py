@@ -31,11 +31,25 @@ EPISODE_SCHEMA_VERSION = "2"
 """A multi-turn run's (`rollout.env`): version 1's columns plus the turn structure
 (`loss_mask`, `turn_offsets`, `turn_rewards`, `turn_infos`, `num_turns`, `env_reward`,
 `episode_status`, `messages`). Readers take a shard without them as single-turn."""
+VISION_SCHEMA_VERSION = "3"
+"""A run whose model takes images: version 2's columns (the turn structure only with
+`rollout.env`) plus `images`. Readers take a shard without `images` as text-only."""
+IMAGES_COLUMN = "images"
+"""list<string>: each image the row's prompt showed, in the order of its image parts, as
+its path under the run directory (`rftpipe.storage.images.ImageRef.relpath`,
+``images/ab/<sha256>.<ext>``); empty for a text prompt of a vision run."""
 
 
 def schema_version(columns: list[str]) -> str:
     """The trajectory schema version of a shard with these columns."""
-    return EPISODE_SCHEMA_VERSION if "loss_mask" in columns else TRAJECTORY_SCHEMA_VERSION
+    if IMAGES_COLUMN in columns:
+        return VISION_SCHEMA_VERSION
+    return EPISODE_SCHEMA_VERSION if is_episode_shard(columns) else TRAJECTORY_SCHEMA_VERSION
+
+
+def is_episode_shard(columns: list[str]) -> bool:
+    """Whether a shard's rows are multi-turn episodes (they carry the turn structure)."""
+    return "loss_mask" in columns
 
 
 RUN_LAYOUT_VERSION = 2
