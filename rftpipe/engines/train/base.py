@@ -37,6 +37,12 @@ from rftpipe.engines.train.packing import (
     packed_logprobs,
     packing_refusal,
 )
+from rftpipe.engines.train.vision import (
+    build_vision_micro_batch,
+    hf_model,
+    root_vision_logprobs,
+    vision_lm,
+)
 from rftpipe.engines.vision import VisionInputs
 from rftpipe.errors import UserError
 
@@ -206,6 +212,9 @@ class _EngineBase:
         self.dist = dist
         self.device = next(model.parameters()).device  # inputs follow the model
         self.offload_record = OffloadRecord()
+        self._vlm = vision_lm(hf_model(model))
+        """A vision-language model: the sharded backends run each forward through its
+        tower (`_vision_forward`)."""
         if cfg.packing and cfg.backend != "single" and (why := packing_refusal(model)):
             raise UserError(f"train.packing=true: {why}; set train.packing=false")
         # The entropy needs a graph only when it is part of the loss.
@@ -379,6 +388,30 @@ class _EngineBase:
         run = self._packed_forward if self.cfg.packing else self._padded_forward
         return run(prompts, responses, temperature, with_entropy)
 
+    def _vision_forward(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float,
+        with_entropy: bool,
+        vision: Sequence[VisionInputs | None] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sharded backends' forward of a vision-language policy, whatever this rank's
+        rows hold (`vision` None: text rows): one right-padded call of the runner with the
+        rows' images and M-RoPE positions (`vision.root_vision_logprobs`), the tower run on
+        every rank in every call. The rows' pads are masked; packing does not apply."""
+        rows = [None] * len(prompts) if vision is None else list(vision)
+        vb = build_vision_micro_batch(self.model, prompts, responses, rows, pad_id=0)
+        return root_vision_logprobs(
+            self._runner,
+            self.model,
+            vb.to(self.device),
+            temperature,
+            with_entropy,
+            self._entropy_grad,
+            self._chunk,
+        )
+
     def _micro_batch_count(self, n: int) -> int:
         """How many micro-batches every rank runs when this one has `n` of them
         (`split_micro_batches`): the most any rank has, since sharded forwards are
@@ -397,7 +430,8 @@ class _EngineBase:
         with self.eval_mode():
             for c in range(self._micro_batch_count(len(splits))):
                 if c >= len(splits):  # a rank with fewer rows keeps pace in the collectives
-                    self.forward([[0]], [[0]], temperature, with_entropy=False)
+                    pad = None if vision is None else [None]
+                    self.forward([[0]], [[0]], temperature, with_entropy=False, vision=pad)
                     continue
                 p = [prompts[i] for i in splits[c]]
                 r = [responses[i] for i in splits[c]]
@@ -506,17 +540,12 @@ class _EngineBase:
             self.scheduler.load_state_dict(state["scheduler"])
 
 
-def _no_images(vision: Sequence[VisionInputs | None] | None, backend: str) -> None:
-    """Refuse `vision` on a backend whose forward does not take images yet: whenever it is
-    given, not only when this rank's rows hold images, so every rank refuses alike (one
-    rank raising while another enters a collective would hang the job)."""
+def _text_only(vision: Sequence[VisionInputs | None] | None, backend: str) -> None:
+    """Refuse `vision` for a text-only model: whenever it is given, not only when this
+    rank's rows hold images, so every rank refuses alike (one rank raising while another
+    enters a collective would hang the job)."""
     if vision is not None:
-        # The sharded forwards run the wrapped root module (its hooks gather parameters);
-        # the image forward calls the vision tower and the text model separately.
-        raise NotImplementedError(
-            f"train.backend={backend}: rows with images train on train.backend=single only "
-            "so far (docs/vision.md)"
-        )
+        raise ValueError(f"train.backend={backend}: images given for a text-only model")
 
 
 class AdaptersOffReference:

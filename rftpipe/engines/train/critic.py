@@ -20,6 +20,8 @@ from rftpipe.config.schema import CriticConfig, TrainConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.train.base import TrainEngine
 from rftpipe.engines.train.forward import build_micro_batch, split_micro_batches
+from rftpipe.engines.train.vision import build_vision_micro_batch, rows_hidden, vision_lm
+from rftpipe.engines.vision import VisionInputs
 from rftpipe.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -35,7 +37,9 @@ class ValueModel(torch.nn.Module):
     """``V(s_t)`` for every position of a sequence: a decoder and a ``Linear(hidden, 1)``.
 
     The backbone is held as ``model``, so its parameter names match the causal LM's
-    (``model.layers.0...``); FSDP2 shards ``get_decoder().layers`` like the actor's.
+    (``model.layers.0...``); FSDP2 shards ``get_decoder().layers`` like the actor's. A
+    vision-language backbone (``Qwen2VLModel``: ``model.visual``, ``model.language_model``)
+    takes the rows' images as the actor's forward does (`vision.rows_hidden`).
     """
 
     def __init__(self, backbone: PreTrainedModel, head: torch.nn.Linear) -> None:
@@ -44,7 +48,8 @@ class ValueModel(torch.nn.Module):
         self.value_head = head
 
     def get_decoder(self) -> PreTrainedModel:
-        return self.model
+        # A text backbone is its own decoder; a vision-language one's is its text model.
+        return self.model.get_decoder()
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()
@@ -55,11 +60,35 @@ class ValueModel(torch.nn.Module):
             gradient_checkpointing_kwargs=gradient_checkpointing_kwargs
         )
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B, L) float32 value of each position's state (the prefix up to and including it)."""
-        hidden = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-        ).last_hidden_state
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(B, L) float32 value of each position's state (the prefix up to and including it).
+
+        With `mm_token_type_ids` (a vision-language backbone; `VisionMicroBatch.image_inputs`
+        gives the rest) the images' features sit at the image tokens and the text model
+        takes the 3-D M-RoPE `position_ids`."""
+        if mm_token_type_ids is not None:
+            assert position_ids is not None, "the rows' M-RoPE positions"
+            hidden = rows_hidden(
+                self.model,
+                input_ids,
+                attention_mask,
+                position_ids,
+                mm_token_type_ids,
+                pixel_values,
+                image_grid_thw,
+            )
+        else:
+            hidden = self.model(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
 
@@ -71,7 +100,8 @@ def load_value_model(path: Path, dtype: str, seed: int) -> ValueModel:
 
     backbone = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype))
     backbone.config.use_cache = False
-    config = backbone.config
+    # A vision-language config nests the text model's sizes (itself for a text model).
+    config = backbone.config.get_text_config()
     head = torch.nn.Linear(config.hidden_size, 1, dtype=getattr(torch, dtype))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -110,30 +140,54 @@ class Critic:
     dist: Dist
 
     def values(
-        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        vision: Sequence[VisionInputs | None] | None = None,
     ) -> torch.Tensor:
         """(B, T) value of the state before each response token (the position whose
         logits predict it), with gradients; one full-sequence forward through the engine's
-        wrapped module, so every rank issues the same collectives."""
-        mb = build_micro_batch(prompts, responses, pad_id=0)
-        full = self.engine.run_module(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+        wrapped module, so every rank issues the same collectives.
+
+        `vision` (a vision-language value model): each row's prompt's images, or None for
+        a text row, as the actor's `forward` takes them. A vision-language value model
+        takes every forward with its tower (`vision.rows_hidden`), `vision` given or not,
+        so ranks whose rows hold images and ranks whose rows hold none gather alike."""
+        model = self.engine.model
+        if vision_lm(model):
+            rows = [None] * len(prompts) if vision is None else list(vision)
+            vb = build_vision_micro_batch(model, prompts, responses, rows, pad_id=0)
+            mb = vb.mb
+            full = self.engine.run_module(input_ids=mb.input_ids, **vb.image_inputs())
+        else:
+            if vision is not None:
+                raise ValueError("images given for a text-only value model")
+            mb = build_micro_batch(prompts, responses, pad_id=0)
+            full = self.engine.run_module(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
         return full.gather(1, mb.response_index.to(full.device))
 
     def compute_values(
-        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        vision: Sequence[VisionInputs | None] | None = None,
     ) -> list[list[float]]:
         """No-grad values of this rank's rows, in the actor's micro-batches (collective:
-        a rank with fewer micro-batches runs padding ones)."""
+        a rank with fewer micro-batches runs padding ones); `vision` as `values`'."""
         splits = split_micro_batches(self.train_cfg, prompts, responses)
         n = int(self.dist.all_reduce_max(torch.tensor([len(splits)]))[0])
         out: list[list[float]] = []
         with self.engine.eval_mode():
             for c in range(n):
                 if c >= len(splits):
-                    self.values([[0]], [[0]])
+                    self.values([[0]], [[0]], None if vision is None else [None])
                     continue
                 r = [responses[i] for i in splits[c]]
-                v = self.values([prompts[i] for i in splits[c]], r)
+                v = self.values(
+                    [prompts[i] for i in splits[c]],
+                    r,
+                    None if vision is None else [vision[i] for i in splits[c]],
+                )
                 out.extend(v[i, : len(resp)].tolist() for i, resp in enumerate(r))
         return out
 

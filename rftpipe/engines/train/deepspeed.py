@@ -30,7 +30,7 @@ from rftpipe.dist import Dist
 from rftpipe.engines.train.base import (
     Role,
     _EngineBase,
-    _no_images,
+    _text_only,
     adamw,
     lr_lambda,
 )
@@ -216,7 +216,11 @@ class DeepSpeedEngine(_EngineBase):
         with_entropy: bool,
         vision: Sequence[VisionInputs | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        _no_images(vision, "deepspeed")
+        if self._vlm:
+            # Through DeepSpeed's forward, inside whose hooks ZeRO-3 gathers the tower's
+            # parameters as every other module's (the tower runs on every rank).
+            return self._vision_forward(prompts, responses, temperature, with_entropy, vision)
+        _text_only(vision, "deepspeed")
         return self._root_forward(prompts, responses, temperature, with_entropy)
 
     def backward(self, loss: torch.Tensor) -> None:

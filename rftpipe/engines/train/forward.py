@@ -8,7 +8,7 @@ forwards that turn them into (B, T) logprobs (and entropies) of the response tok
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -168,8 +168,10 @@ def root_forward_logprobs(
     with_entropy: bool,
     entropy_grad: bool = True,
     chunk: int = 0,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Like `response_logprobs`, but through the root module's own forward.
+    """Like `response_logprobs`, but through the root module's own forward (`extra`: more
+    keyword arguments of that forward, a vision-language model's images and positions).
 
     Sharding wrappers (FSDP2) hook the root forward to gather the root-level parameters
     (embeddings, final norm, the tied head) and to reduce their gradients, so calling the
@@ -185,6 +187,7 @@ def root_forward_logprobs(
         "attention_mask": mb.attention_mask,
         "use_cache": False,
         "logits_to_keep": mb.input_ids.shape[1] - first,
+        **(extra or {}),
     }
     if chunk and mb.response_ids.numel() > chunk:
         with head_returns_logprobs(

@@ -10,9 +10,11 @@ from typing import cast
 import torch
 
 from rftpipe.engines.models import as_decoder_model
-from rftpipe.engines.train.base import _EngineBase, _no_images
+from rftpipe.engines.train.base import _EngineBase, _text_only
 from rftpipe.engines.train.ulysses import SPContext, gather_rows, install, sp_context, sp_forward
+from rftpipe.engines.train.vision import hf_model, vision_tower
 from rftpipe.engines.vision import VisionInputs
+from rftpipe.errors import UserError
 
 
 class FSDP2Engine(_EngineBase):
@@ -24,7 +26,9 @@ class FSDP2Engine(_EngineBase):
     (construct it from a model on the compute device: inputs follow the model).
     Each micro-batch is one forward of the root module (its rows packed end to end, or
     right-padded, by `train.packing`), so every rank issues the same collectives in the
-    same order whatever prompts it holds. With `sp_size` > 1 each forward is
+    same order whatever prompts it holds. A vision-language model's vision blocks are
+    units too, and its rows (with or without images) take `_vision_forward`: right-padded,
+    the tower run on every rank. With `sp_size` > 1 each forward is
     sequence-parallel (`ulysses`, rows right-padded): the ranks of an SP group pass the
     same rows.
     """
@@ -42,6 +46,13 @@ class FSDP2Engine(_EngineBase):
         # fully_shard moves the parameters to the process group's device (cuda:local_rank
         # under NCCL), so the model's device before sharding says nothing about the inputs'.
         self.device = self.dist.device
+        if self.cfg.sp_size > 1 and self._vlm:
+            # Ulysses splits each row's sequence over the group; the tower's patches and
+            # the 3-D positions are not split with it yet.
+            raise UserError(
+                f"train.sp_size: {self.cfg.sp_size} with a vision-language model; "
+                "sequence parallelism takes text models only so far (set train.sp_size=1)"
+            )
         if self.cfg.sp_size > 1:
             self._sp = sp_context(self.dist, self.cfg.sp_size)
             install(model, self.cfg.sp_size)
@@ -57,9 +68,13 @@ class FSDP2Engine(_EngineBase):
             if self.cfg.cpu_offload == "all"
             else OffloadPolicy()
         )
+        # A vision tower's blocks are units of their own (a Qwen2-VL-7B tower is 675M
+        # parameters, which the root unit would otherwise gather whole): every forward
+        # runs the tower on every rank (`vision.rows_hidden`), so they gather alike.
+        blocks = list(vision_tower(hf_model(model)).blocks) if self._vlm else []  # type: ignore[arg-type]
         units = [
             fully_shard(layer, mp_policy=mp, offload_policy=offload)
-            for layer in as_decoder_model(model).get_decoder().layers
+            for layer in [*blocks, *as_decoder_model(model).get_decoder().layers]
         ]
         units.append(fully_shard(model, mp_policy=mp, offload_policy=offload))
         # Each unit reduces its own gradients, so each needs both settings: a plain SUM
@@ -94,7 +109,9 @@ class FSDP2Engine(_EngineBase):
         with_entropy: bool,
         vision: Sequence[VisionInputs | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        _no_images(vision, "fsdp2")
+        if self._vlm:
+            return self._vision_forward(prompts, responses, temperature, with_entropy, vision)
+        _text_only(vision, "fsdp2")
         if self._sp is not None:
             return sp_forward(
                 self._runner,
@@ -118,7 +135,7 @@ class FSDP2Engine(_EngineBase):
     ) -> list[list[float]]:
         if self._sp is None:
             return super().compute_logprobs(prompts, responses, temperature, vision)
-        _no_images(vision, "fsdp2")
+        _text_only(vision, "fsdp2")  # a vision-language model has no SP context
         # Ranks of an SP group score different rows here (the advantage stage's and the
         # reference's own shares): the group scores all of them together, in micro-batches.
         every_prompt, every_response, mine = gather_rows(self._sp, prompts, responses)

@@ -20,13 +20,20 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rftpipe.engines.train.forward import MicroBatch, _head_logprobs, build_micro_batch
+from rftpipe.engines.models import as_causal_lm
+from rftpipe.engines.train.forward import (
+    MicroBatch,
+    _head_logprobs,
+    build_micro_batch,
+    root_forward_logprobs,
+)
 from rftpipe.engines.vision import VisionInputs, vision_forward_inputs
 
 
@@ -44,6 +51,19 @@ class VisionMicroBatch:
     """The rows' images' patches, in row order (None: no row has images)."""
     image_grid_thw: torch.Tensor | None
     """(images, 3) their patch grids, in the same order."""
+
+    def image_inputs(self) -> dict[str, torch.Tensor]:
+        """The keyword arguments beside `input_ids` of a forward over these rows
+        (`rows_hidden`'s; the pixels only where a row has images)."""
+        out = {
+            "attention_mask": self.mb.attention_mask,
+            "position_ids": self.position_ids,
+            "mm_token_type_ids": self.mm_token_type_ids,
+        }
+        if self.pixel_values is not None and self.image_grid_thw is not None:
+            out["pixel_values"] = self.pixel_values
+            out["image_grid_thw"] = self.image_grid_thw
+        return out
 
     def to(self, device: torch.device) -> VisionMicroBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -92,15 +112,53 @@ def build_vision_micro_batch(
     )
 
 
-def vision_hidden(model: torch.nn.Module, vb: VisionMicroBatch) -> torch.Tensor:
-    """(B, L, hidden) last hidden states of the rows (a Qwen2-VL conditional-generation
-    model: its `model` holds `visual` and `language_model`)."""
-    vl: Any = model.model  # type: ignore[union-attr]
-    embeds = vl.get_input_embeddings()(vb.mb.input_ids)
-    if vb.pixel_values is not None:
-        feats = vl.get_image_features(vb.pixel_values, vb.image_grid_thw, return_dict=True)
-        feats = torch.cat(feats.pooler_output).to(embeds.dtype)
-        where = vb.mm_token_type_ids == 1
+def vision_lm(model: torch.nn.Module) -> bool:
+    """Whether `model` (a causal LM or the critic's `ValueModel`, unwrapped) has a vision
+    tower: the sharded backends then run every forward through the tower."""
+    inner = getattr(model, "model", None)
+    return isinstance(getattr(inner, "visual", None), torch.nn.Module)
+
+
+def _blank_image(vl: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pixel values and grid of the smallest image the tower takes: one merged patch of
+    zeros (a `spatial_merge_size`-square grid of patches, one temporal patch)."""
+    cfg = vl.config.vision_config
+    merge = int(cfg.spatial_merge_size)
+    width = int(cfg.in_channels) * int(cfg.temporal_patch_size) * int(cfg.patch_size) ** 2
+    pixels = torch.zeros((merge * merge, width), dtype=like.dtype, device=like.device)
+    grid = torch.tensor([[1, merge, merge]], dtype=torch.long, device=like.device)
+    return pixels, grid
+
+
+def rows_hidden(
+    vl: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    mm_token_type_ids: torch.Tensor,
+    pixel_values: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(B, L) rows' last hidden states from a Qwen2-VL-family base model `vl` (its
+    `visual` and `language_model`): the tower's merged patch features at the rows' image
+    tokens (`mm_token_type_ids` 1), the text model with the M-RoPE `position_ids`.
+
+    The tower runs in every call: on a blank one-patch image when no row has images, its
+    output added to the embeddings times zero. So every rank of a sharded backend gathers
+    the tower's parameters (ZeRO-3, FSDP2's tower units) and reduces its gradients (zero
+    here) in every forward, whatever images its own rows hold; a rank whose rows have none
+    while another's have would otherwise leave the other waiting in a collective.
+    """
+    embeds = vl.get_input_embeddings()(input_ids)
+    blank = pixel_values is None
+    if blank:
+        pixel_values, image_grid_thw = _blank_image(vl, embeds)
+    feats = vl.get_image_features(pixel_values, image_grid_thw, return_dict=True)
+    feats = torch.cat(feats.pooler_output).to(embeds.dtype)
+    if blank:
+        embeds = embeds + feats.sum() * 0.0
+    else:
+        where = mm_token_type_ids == 1
         if int(where.sum()) != feats.shape[0]:
             raise ValueError(
                 f"{int(where.sum())} image tokens in the rows but {feats.shape[0]} image "
@@ -109,10 +167,16 @@ def vision_hidden(model: torch.nn.Module, vb: VisionMicroBatch) -> torch.Tensor:
         embeds = embeds.masked_scatter(where[..., None].expand_as(embeds), feats)
     return vl.language_model(
         inputs_embeds=embeds,
-        attention_mask=vb.mb.attention_mask,
-        position_ids=vb.position_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
         use_cache=False,
     ).last_hidden_state
+
+
+def vision_hidden(model: torch.nn.Module, vb: VisionMicroBatch) -> torch.Tensor:
+    """(B, L, hidden) last hidden states of the rows (a Qwen2-VL conditional-generation
+    model: its `model` holds `visual` and `language_model`); `rows_hidden`."""
+    return rows_hidden(model.model, vb.mb.input_ids, **vb.image_inputs())  # type: ignore[union-attr]
 
 
 def vision_response_logprobs(
@@ -136,6 +200,86 @@ def vision_response_logprobs(
         entropy_grad,
         chunk,
     )
+
+
+def hf_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside `module` (a peft model's base model, or itself)."""
+    base = getattr(module, "get_base_model", None)
+    return base() if callable(base) else module
+
+
+@contextlib.contextmanager
+def rows_forward(module: torch.nn.Module) -> Iterator[None]:
+    """Within the block, `module`'s (a Qwen2-VL-family conditional-generation model's)
+    own forward is `rows_hidden` and its LM head: images placed by `mm_token_type_ids`,
+    not by token id (a response may hold the image-pad id, which the model's forward
+    would count as one more image token and refuse).
+
+    The sharded backends call their wrapped root as for text, so their hooks gather and
+    reduce around it (FSDP2's root and tower units, ZeRO-3's per-module gathers inside
+    DeepSpeed's forward); only what runs inside the root changes. Set on the instance and
+    removed after, so the class and every other module stay as they are.
+    """
+    model = hf_model(module)
+
+    def forward(
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
+    ) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        hidden = rows_hidden(
+            model.model,
+            input_ids,
+            attention_mask,
+            position_ids,
+            mm_token_type_ids,
+            pixel_values,
+            image_grid_thw,
+        )
+        kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        # A ModelOutput (a dict) as the model's own: DeepSpeed hooks the output's tensors.
+        return CausalLMOutputWithPast(logits=as_causal_lm(model).get_output_embeddings()(kept))
+
+    own = vars(model).get("forward")
+    vars(model)["forward"] = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del vars(model)["forward"]
+        else:
+            vars(model)["forward"] = own
+
+
+def root_vision_logprobs(
+    runner: torch.nn.Module,
+    module: torch.nn.Module,
+    vb: VisionMicroBatch,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool = True,
+    chunk: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`vision_response_logprobs` through the sharded backends' wrapped root `runner`
+    (whose inner model is `module`): one call of the runner, so every rank issues the same
+    collectives (`rows_hidden` runs the tower on every rank)."""
+    with rows_forward(module):
+        return root_forward_logprobs(
+            runner,
+            vb.mb,
+            temperature,
+            with_entropy,
+            entropy_grad,
+            chunk,
+            extra={k: v for k, v in vb.image_inputs().items() if k != "attention_mask"},
+        )
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
