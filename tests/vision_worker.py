@@ -8,13 +8,18 @@ rank's rows (`SHARES`; rank 1 has one micro-batch more than rank 0, rank 0 runs 
 one), one AdamW step on the rows of `TRAIN` (rank 1's without images), the logprobs again,
 the checkpoint state's keys, a `role="reference"` engine's logprobs and a critic's values.
 Each rank writes OUT/VARIANT/rank<R>.json; rank 0 also the full weights after the step
-(OUT/VARIANT/weights.safetensors). `single_results` computes the same on one process.
+(OUT/VARIANT/weights.safetensors). Then each rank computes the same on all the rows with
+`train.backend=single` (rank 0 with a frozen tower, rank 1 with a trained one; `single_name`)
+and rank 0 writes the initial weights (OUT/initial.safetensors).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 """A frozen tower unless `freeze` is False (then the tower trains: its gradients reduce
 while rank 1's training rows have no image)."""
+ADAM_EPS = 1e-3
+"""AdamW's eps in every variant: its first step moves a weight by lr * g / (|g| + eps), so
+with the default 1e-8 a gradient near 1e-8 turns its last-bit differences between
+backends into moves of up to lr (ZeRO-3 differed from single by 2.8e-5 so, tried
+2026-11-26); with 1e-3 the step's differences are the gradients' own."""
 
 SHARES = ((0, 1), (2, 3, 4))
 """Each rank's rows (of `rows()`) for the no-grad scoring: micro-batches of 2, so rank 0's
@@ -60,7 +70,10 @@ def rows(
     paths = []
     for i, (w, h) in enumerate([(56, 56), (80, 60), (40, 90)]):
         paths.append(image_dir / f"im{i}.png")
-        paths[-1].write_bytes(png(i, w, h))
+        # Every rank writes them: by rename, so no rank reads a half-written file.
+        tmp = paths[-1].with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(png(i, w, h))
+        os.replace(tmp, paths[-1])
     pad = enc.image_token_id
     prompts = [
         enc.encode(vision_prompt("<image>What is it?", str(paths[0]), row="r0")),
@@ -107,8 +120,9 @@ def run(variant: str, dist: Dist, image_dir: Path, take: Sequence[Sequence[int]]
     """The variant's results for this rank's rows `take[rank]` (all rows: one rank)."""
     spec = VARIANTS[variant]
     freeze = spec.get("freeze", True)
+    stage = {"zero_stage": spec["zero_stage"]} if "zero_stage" in spec else {}
     cfg = TrainConfig(
-        backend=spec["backend"], zero_stage=spec.get("zero_stage", 2), lr=1e-3, micro_batch_size=2
+        backend=spec["backend"], lr=1e-3, adam_eps=ADAM_EPS, micro_batch_size=2, **stage
     )
     prompts, responses, vision = rows(image_dir)
     mine = take[dist.rank]
@@ -158,29 +172,39 @@ def run(variant: str, dist: Dist, image_dir: Path, take: Sequence[Sequence[int]]
     }
 
 
+def save(out: Path, name: str, res: dict, rank: int) -> None:
+    """`run`'s results as OUT/NAME/rank<R>.json, its weights as weights.safetensors."""
+    weights = res.pop("weights")
+    d = out / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"rank{rank}.json").write_text(json.dumps(res))
+    if rank == 0:
+        save_file(weights, d / "weights.safetensors")
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     dist = init_from_env(require_group=True)
     for variant in sys.argv[2:]:
-        res = run(variant, dist, out / "images", SHARES)
-        weights = res.pop("weights")
-        d = out / variant
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"rank{dist.rank}.json").write_text(json.dumps(res))
-        if dist.rank == 0:
-            save_file(weights, d / "weights.safetensors")
+        t0 = time.perf_counter()
+        save(out, variant, run(variant, dist, out / "images", SHARES), dist.rank)
+        logging.info("%s: %.1f s", variant, time.perf_counter() - t0)
+    # The single backend's results on all the rows, a tower setting per rank (at once).
+    freeze = dist.rank == 0
+    spec = {"backend": "single", "freeze": freeze}
+    name = single_name(freeze)
+    VARIANTS[name] = spec
+    everything = [[i for share in SHARES for i in share]]
+    save(out, name, run(name, Dist(), out / "images", everything), 0)
+    if dist.rank == 0:
+        initial = {k: v.detach().clone() for k, v in load_vl(False).state_dict().items()}
+        save_file(initial, out / "initial.safetensors")
 
 
-def single_results(variant: str, image_dir: Path) -> dict:
-    """What `run` gives on one process with `train.backend=single` and the variant's
-    tower setting, over every rank's rows (in rank order)."""
-    spec = {**VARIANTS[variant], "backend": "single"}
-    VARIANTS[f"single/{variant}"] = spec
-    try:
-        return run(f"single/{variant}", Dist(), image_dir, [[i for s in SHARES for i in s]])
-    finally:
-        del VARIANTS[f"single/{variant}"]
+def single_name(freeze: bool) -> str:
+    """Where `main` saves the single backend's results with the tower frozen or not."""
+    return "single-frozen" if freeze else "single-tower"
 
 
 if __name__ == "__main__":
