@@ -43,7 +43,9 @@ def write_dataset(folder: Path, rows: int, seed: int, *, images: bool = True) ->
         colour = COLOURS[i % 2]
         name = f"img{seed}_{i}.png"
         (folder / name).write_bytes(picture(colour, seed * 100_000 + i))
-        row = {"prompt": PROMPT, "answer": colour, "colour": colour}
+        # A distinct answer per row (never shown to the model; the reward reads `colour`)
+        # makes every row its own problem for the held-out split, images or not.
+        row = {"prompt": PROMPT, "answer": f"{colour} {i}", "colour": colour}
         if images:
             row["images"] = [name]
         lines.append(json.dumps(row))
@@ -52,8 +54,29 @@ def write_dataset(folder: Path, rows: int, seed: int, *, images: bool = True) ->
     return path
 
 
+def write_mixed_dataset(folder: Path, rows: int, seed: int) -> Path:
+    """Prompts with one image, with two images, and without any, in turn (a JSON-lines
+    file, images beside it): what a mixed image/text micro-batch is made of."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(rows):
+        colour = COLOURS[i % 2]
+        kind = i % 3
+        count = {0: 1, 1: 2, 2: 0}[kind]
+        names = [f"m{seed}_{i}_{k}.png" for k in range(count)]
+        for k, name in enumerate(names):
+            (folder / name).write_bytes(picture(COLOURS[(i + k) % 2], seed * 100_000 + 10 * i + k))
+        prompt = {0: PROMPT, 1: "<image> then <image>. Answer.", 2: "Answer."}[kind]
+        row = {"prompt": prompt, "answer": f"{colour} {i}", "colour": colour if count else None}
+        lines.append(json.dumps({**row, "images": names}))
+    path = folder / "mixed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def colour_parity(sample) -> float:
-    """The share of response tokens whose parity the picture's colour names."""
-    want = 0 if sample.metadata["colour"] == "red" else 1
+    """The share of response tokens whose parity the picture's colour names (a prompt
+    without a picture: even ids)."""
+    want = 1 if sample.metadata.get("colour") == "blue" else 0
     ids = sample.response_token_ids
     return sum(1 for t in ids if t % 2 == want) / max(1, len(ids))
