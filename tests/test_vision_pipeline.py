@@ -107,8 +107,8 @@ def test_rows_reference_each_image_once_in_the_store(reference: Path, mixed: Pat
     got = duckdb.sql(
         f"SELECT count(*) FROM read_parquet('{reference}/trajectories/*/*.parquet') "
         "WHERE len(images) = 2"
-    ).fetchone()
-    assert got is not None and got[0] == sum(len(x) == 2 for x in frame["images"])
+    ).fetchall()
+    assert got[0][0] == sum(len(x) == 2 for x in frame["images"]) > 0
 
 
 def _kill_at_random_instant(run: Path, overrides: tuple[str, ...], rng: random.Random) -> None:
@@ -135,14 +135,13 @@ def _kill_at_random_instant(run: Path, overrides: tuple[str, ...], rng: random.R
     assert proc.wait() in (0, -signal.SIGKILL)
 
 
-# (fault point, hits to let pass first): a kill before and after a rollout shard (its
-# images stored, its manifest not yet), mid train step, mid checkpoint, after a commit.
+# (fault point, hits to let pass first): a kill after a rollout shard is written (its
+# images stored, the stage not committed), one mid train step, one mid checkpoint (whose
+# resume replays the train steps since the previous checkpoint).
 SCHEDULE = [
-    ("shard_before_rename", 0),
     ("shard_after_rename", 4),
     ("train_mid_step", 1),
     ("ckpt_mid_write", 0),
-    ("stage_after_commit", 3),
 ]
 
 
@@ -152,9 +151,7 @@ def test_a_killed_vision_run_resumes_bitwise(reference: Path, mixed: Path, tmp_p
     for point, skip in SCHEDULE:
         env = {**TESTS_ON_PATH, "RFTPIPE_FAULT": point, "RFTPIPE_FAULT_SKIP": str(skip)}
         assert submit(run, *overrides, env=env).returncode != 0, point
-    rng = random.Random(25)
-    for _ in range(2):
-        _kill_at_random_instant(run, overrides, rng)
+    _kill_at_random_instant(run, overrides, random.Random(25))
     out = submit(run, *overrides, env=TESTS_ON_PATH)
     assert out.returncode == 0, out.stderr[-3000:]
 
