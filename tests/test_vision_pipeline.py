@@ -225,7 +225,7 @@ def _load(rows: list[dict], folder: Path, model: str = "builtin:tiny-vl") -> Any
 @pytest.mark.parametrize(
     ("row", "field", "why"),
     [
-        ({"prompt": "<image>Answer.", "answer": "x", "images": ["missing.png"]}, "'images'[0]", "cannot read"),
+        ({"prompt": "<image>Answer.", "images": ["missing.png"]}, "'images'[0]", "cannot read"),
         ({"prompt": "<image>Answer.", "images": ["a.png", "a.png"]}, "'prompt'", "2 images"),
         ({"prompt": "<image><image>Answer.", "images": ["a.png"]}, "'prompt'", "1 images"),
         ({"prompt": "<image>Answer.", "images": ["broken.png"]}, "'images'[0]", "decode"),
