@@ -305,8 +305,8 @@ def test_html_page_embeds_each_image_and_escapes_text(runs: dict[str, Any], tmp_
     assert "five\\x03" in doc
     assert not re.search(r"(src|href)=\"(?!data:)", doc)
     # Rewards and advantages: a constant advantage once, a varying one as mean/min/max.
-    assert "0.5 on each of 2 tokens" in doc
-    assert "mean 0.5, min 0.25, max 0.75 over 2 tokens" in doc
+    assert "0.5 on each of 2 token(s)" in doc
+    assert "mean 0.5, min 0.25, max 0.75 over 2 token(s)" in doc
 
 
 def test_html_page_of_a_multi_turn_vision_run(runs: dict[str, Any], tmp_path: Path) -> None:
@@ -317,8 +317,8 @@ def test_html_page_of_a_multi_turn_vision_run(runs: dict[str, Any], tmp_path: Pa
     assert len(page.imgs) == 1 and len(page.samples) == 2 and page.turns == 4
     # The environment's tokens (loss_mask 0) carry no advantage: turn 1 is its two model
     # tokens, turn 2 its one.
-    assert "advantage 0.5 on each of 2 tokens" in doc
-    assert "advantage -0.25 on each of 1 tokens" in doc
+    assert "advantage 0.5 on each of 2 token(s)" in doc
+    assert "advantage -0.25 on each of 1 token(s)" in doc
     assert "[user] [image]Which shape?" in doc
     assert "No &lt;b&gt;look&lt;/b&gt; again." in doc
     assert "info {&quot;solved&quot;: true}" in doc

@@ -110,9 +110,9 @@ def advantage_text(adv: Sequence[float] | None, mask: Sequence[int] | None = Non
         return "no trained tokens"
     lo, hi = min(vals), max(vals)
     if lo == hi:
-        return f"{num(lo)} on each of {len(vals)} tokens"
+        return f"{num(lo)} on each of {len(vals)} token(s)"
     return (
-        f"mean {num(sum(vals) / len(vals))}, min {num(lo)}, max {num(hi)} over {len(vals)} tokens"
+        f"mean {num(sum(vals) / len(vals))}, min {num(lo)}, max {num(hi)} over {len(vals)} token(s)"
     )
 
 
