@@ -44,6 +44,11 @@ class ImageRef:
         return cls(sha256=sha, ext=ext)
 
 
+def image_ref(data: bytes, ext: str) -> ImageRef:
+    """The reference of an image file's bytes (where the store keeps it)."""
+    return ImageRef(sha256=hashlib.sha256(data).hexdigest(), ext=ext.lower().lstrip("."))
+
+
 class ImageStore:
     """The image store of the run directory `run_root`.
 
@@ -63,7 +68,7 @@ class ImageStore:
 
     def put(self, data: bytes, ext: str) -> ImageRef:
         """Store `data` (an encoded image file) unless the same bytes are there already."""
-        ref = ImageRef(sha256=hashlib.sha256(data).hexdigest(), ext=ext.lower().lstrip("."))
+        ref = image_ref(data, ext)
         path = self.path(ref)
         # A file under its final name was renamed there whole after an fsync, so its
         # existence with the right size is proof enough; `verify_images` rehashes.
