@@ -144,6 +144,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         row(2, 0, "Describe <image>.", "a cat", 0.5, [0.0]),
         row(3, 0, "Describe <image>.", "a dog", 0.5, [0.0]),
     ]
+    rows[-1] |= {"reward_status": "error", "reward_error": "colour: ValueError: <no colour>"}
     vision_schema = SCHEMA.append(pa.field("images", pa.list_(pa.string())))
     write_run(
         root, [{**r, "images": im} for r, im in zip(rows, images, strict=True)], vision_schema
@@ -307,6 +308,14 @@ def test_html_page_embeds_each_image_and_escapes_text(runs: dict[str, Any], tmp_
     # Rewards and advantages: a constant advantage once, a varying one as mean/min/max.
     assert "0.5 on each of 2 token(s)" in doc
     assert "mean 0.5, min 0.25, max 0.75 over 2 token(s)" in doc
+    assert "error: colour: ValueError: &lt;no colour&gt;" in doc
+
+    # A text-only run's page: the same samples, and no image section at all.
+    assert main([str(runs["text"]), "html", "--out", str(out)]) == 0
+    doc = out.read_text(encoding="utf-8")
+    text = parse(doc)
+    assert len(text.samples) == 6 and not text.imgs and not text.errors
+    assert "no images" not in doc and "with images" not in doc
 
 
 def test_html_page_of_a_multi_turn_vision_run(runs: dict[str, Any], tmp_path: Path) -> None:
@@ -407,3 +416,15 @@ def test_the_page_renders_in_headless_chromium(runs: dict[str, Any], tmp_path: P
     assert '<script>document.body.dataset.pwned="1"</script>' in dom.stdout
     assert "data-pwned" not in dom.stdout
     assert parse(dom.stdout).body.get("data-images-loaded") == "3"  # the page's own did run
+
+
+def test_an_entry_naming_a_file_outside_the_store_is_an_error(runs: dict[str, Any]) -> None:
+    from rftpipe.inspect import images
+
+    root = runs["vision"]
+    sha = runs["refs"]["noise"].split("/")[2].partition(".")[0]
+    (root / "secret.png").write_bytes(runs["files"]["noise"])
+    # ImageRef.parse alone takes these: an extension with a path in it, a non-hex name.
+    for bad in (f"images/{sha[:2]}/{sha}.png/../../../secret.png", f"images/zz/{'z' * 64}.png"):
+        for got in (images.header(root, bad), images.load(root, bad)):
+            assert got.error == f"not an image store path: {bad!r}" and got.data_uri is None

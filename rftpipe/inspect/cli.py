@@ -199,6 +199,7 @@ def cmd_samples(args: argparse.Namespace) -> int:
     vision = IMAGES_COLUMN in run.dataset.schema.names
     cols += [IMAGES_COLUMN] if vision else []
     table = select_samples(run, args, cols)
+    described: dict[str, str] = {}
     for r in table.to_pylist():
         print(
             f"== step {r['step']}  prompt_id {r['prompt_id']}  sample {r['sample_idx']}  "
@@ -208,7 +209,7 @@ def cmd_samples(args: argparse.Namespace) -> int:
         for c in comps:
             print(f"   {c} {'null' if r[c] is None else format(r[c], '.6g')}")
         if vision:
-            print_images(run, r[IMAGES_COLUMN] or [])
+            print_images(run, r[IMAGES_COLUMN] or [], described)
         if multi_turn and r["num_turns"] is not None:
             print_episode(r)
         else:
@@ -221,15 +222,18 @@ def cmd_samples(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_images(run: Run, relpaths: list[str]) -> None:
+def print_images(run: Run, relpaths: list[str], seen: dict[str, str]) -> None:
     """A vision row's images: each store path with its size and format from the file's
-    header (or why it cannot be read); `none` for a text prompt of a vision run."""
+    header (or why it cannot be read); `none` for a text prompt of a vision run. `seen`
+    keeps each file's description: a group's samples show the same images."""
     if not relpaths:
         print("  images: none")
         return
     print(f"  images ({len(relpaths)}):")
     for p in relpaths:
-        print(f"    {printable(p)}  {images.header(run.rundir.root, p).describe()}")
+        if p not in seen:
+            seen[p] = images.header(run.rundir.root, p).describe()
+        print(f"    {printable(p)}  {seen[p]}")
 
 
 def print_episode(r: dict[str, Any]) -> None:

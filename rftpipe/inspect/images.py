@@ -75,7 +75,7 @@ def _open(data: bytes | Path) -> tuple[int, int, str]:
             return im.width, im.height, str(im.format)
     except FileNotFoundError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as e:
         raise ValueError(f"not a readable image ({type(e).__name__})") from None
 
 
@@ -114,7 +114,7 @@ def load(run_root: Path, relpath: str) -> StoredImage:
                 buf = io.BytesIO()
                 im.save(buf, format="PNG")
                 data, mime = buf.getvalue(), "image/png"
-    except (ValueError, OSError) as e:
+    except (Image.DecompressionBombError, ValueError, OSError) as e:
         return StoredImage(relpath, error=f"undecodable ({type(e).__name__}: {e})")
     uri = f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
     return StoredImage(relpath, w, h, fmt, data_uri=uri)
