@@ -39,7 +39,10 @@ class ImageRef:
         top, _, rest = relpath.partition("/")
         _, _, name = rest.partition("/")
         sha, _, ext = name.partition(".")
-        if top != IMAGES_DIR or len(sha) != 64 or not ext:
+        # Exactly a store path: a row naming anything else must not read outside the store.
+        hexdigits = set("0123456789abcdef")
+        ok = len(sha) == 64 and set(sha) <= hexdigits and ext.isalnum() and ext.isascii()
+        if top != IMAGES_DIR or not ok or relpath != cls(sha256=sha, ext=ext).relpath:
             raise ValueError(f"not an image store path: {relpath!r}")
         return cls(sha256=sha, ext=ext)
 
