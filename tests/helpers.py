@@ -80,10 +80,12 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def committed_hash(run_dir: Path) -> str:
-    """Hash of every committed file (stage dirs, trajectories, checkpoints, config)."""
+    """Hash of every committed file (stage dirs, trajectories, checkpoints, config); a
+    resume's pending config.next.yaml is not committed until its checks pass."""
     h = hashlib.sha256()
     for p in sorted(run_dir.rglob("*")):
-        if p.is_file() and not p.name.startswith(".tmp-") and p.name not in {"events.jsonl"}:
+        skipped = {"events.jsonl", "config.next.yaml"}
+        if p.is_file() and not p.name.startswith(".tmp-") and p.name not in skipped:
             h.update(str(p.relative_to(run_dir)).encode())
             h.update(p.read_bytes())
     return h.hexdigest()

@@ -223,6 +223,13 @@ class DatasetSourceConfig:
     weight: float = 1.0
     """Share of the prompt stream drawn from this dataset, relative to the others' weights."""
 
+    images_column: str | None = None
+    """Column of each row's images for a vision-language model (a local path, `file://`
+    URL, base64 data URI, bytes, a HF `datasets` Image cell, or a list of them), taken in
+    order by the prompt's `<image>` placeholders and by image parts without an image of
+    their own (None: `images` when the table has that column; empty string: none). Image
+    parts in chat content are read with or without this column."""
+
     def __post_init__(self) -> None:
         if not self.path:
             raise ValueError("path must name a file or a save_to_disk directory")
@@ -247,6 +254,37 @@ class DatasetSourceConfig:
         if self.data_source_column is None:
             return "data_source" if self.format == "verl" else None
         return self.data_source_column or None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ImagesConfig:
+    """How a vision-language model sees the prompts' images (`model.path` a Qwen2-VL /
+    Qwen2.5-VL): each image is resized to lie within [min_pixels, max_pixels], which
+    decides its image tokens (one per 28x28 pixels for Qwen2-VL's 14-pixel patches merged
+    2x2). Image tokens count toward `data.max_prompt_tokens` and
+    `train.max_tokens_per_micro_batch`."""
+
+    min_pixels: int | None = None
+    """Smallest image area after resizing, in pixels (None: the model's
+    preprocessor_config.json)."""
+
+    max_pixels: int | None = None
+    """Largest image area after resizing, in pixels (None: the model's
+    preprocessor_config.json)."""
+
+    max_per_prompt: int = 8
+    """Most images a prompt may hold; a row with more is refused at load. Serving engines
+    reserve memory for this many (vLLM `limit_mm_per_prompt`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("min_pixels", "max_pixels"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels={self.min_pixels} exceeds max_pixels={self.max_pixels}")
+        if self.max_per_prompt < 1:
+            raise ValueError(f"max_per_prompt must be >= 1, got {self.max_per_prompt}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -282,6 +320,9 @@ class DataConfig:
 
     shuffle: bool = True
     """Shuffle each epoch with a permutation derived from (seed, epoch)."""
+
+    images: ImagesConfig = field(default_factory=ImagesConfig)
+    """Image prompts (`data.datasets` rows with images, for a vision-language model)."""
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:
@@ -937,6 +978,11 @@ class TrainConfig:
     """Compute dtype. bfloat16 is mixed precision on every backend: master weights, gradient
     reduction and AdamW state stay fp32 (single: autocast; fsdp2: MixedPrecisionPolicy;
     deepspeed: its bf16 mode)."""
+
+    freeze_vision: bool = False
+    """A vision-language policy's vision tower (and its merger into the text model) keeps
+    its initial weights: no gradients, no optimizer state, not in the checkpoint's
+    optimizer state."""
 
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them:

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 PLACEHOLDER = "<image>"
 """verl's image placeholder in string content."""
 
+VIDEO_UNSUPPORTED = (
+    "videos are not supported (transformers' Qwen2-VL video processor needs torchvision, "
+    "which the CPU install lacks); give frames as images"
+)
 IMAGE_PART = {"type": "image"}
 """The image part of a `VisionPrompt` message; chat templates render it as the model's
 image tokens (Qwen2-VL: ``<|vision_start|><|image_pad|><|vision_end|>``)."""
@@ -157,6 +161,8 @@ def _part(p: Any, where: str, slots: list[tuple[str, Any]]) -> dict[str, Any]:
         value = url.get("url") if isinstance(url, dict) else url
         if value is None:
             raise UserError(f"{where}: an image_url part without a url")
+    elif kind in ("video", "video_url"):
+        raise UserError(f"{where}: a video part; {VIDEO_UNSUPPORTED}")
     else:
         raise UserError(f"{where}: not a text or image part ({p!r:.80})")
     slots.append((where, value))

@@ -10,9 +10,10 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from rftpipe.config.schema import DataConfig, EvalConfig
+from rftpipe.data.images import LoadedImage, VisionPrompt
 from rftpipe.data.sampler import SamplerState, global_window, mixed_window, schedule
 from rftpipe.data.sources import (
     Message,
@@ -22,6 +23,7 @@ from rftpipe.data.sources import (
     reasoning_gym_rows,
 )
 from rftpipe.errors import UserError
+from rftpipe.storage.images import ImageRef, image_ref
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,9 +39,23 @@ class Prompt:
     metadata: dict[str, Any]
     data_source: str = ""
     """The row's data source, which routes it to reward functions."""
-    messages: tuple[dict[str, str], ...] = ()
+    messages: tuple[dict[str, Any], ...] = ()
     """The chat messages `token_ids` templates (system prompt included): where a
-    multi-turn episode's conversation starts (`rollout.env`)."""
+    multi-turn episode's conversation starts (`rollout.env`). An image prompt's content is
+    a list of text and ``{"type": "image"}`` parts."""
+    images: tuple[LoadedImage, ...] = ()
+    """The images of the prompt's image parts, in order (empty: a text prompt)."""
+    image_refs: tuple[ImageRef, ...] = ()
+    """Where `images` live in the run's image store (what trajectory rows reference)."""
+
+
+class ImageTemplater(Protocol):
+    """A vision-language model's prompt encoding, as far as loading prompts needs it
+    (`rftpipe.engines.vision.VisionEncoder`)."""
+
+    def template_ids(self, prompt: VisionPrompt, row: str) -> list[int]:
+        """The chat-templated prompt, each image's pad token repeated once per image token."""
+        ...
 
 
 class PromptSet:
@@ -52,6 +68,7 @@ class PromptSet:
         cfg: DataConfig,
         scorer: Any,
         weights: Sequence[float] = (1.0,),
+        vision: ImageTemplater | None = None,
     ) -> None:
         self.scorer = scorer
         self._hash_rows = cfg.source == "datasets"
@@ -61,9 +78,21 @@ class PromptSet:
         self.sizes = [0] * len(self.weights)
         """Prompts kept per dataset; the prompt list holds them dataset after dataset."""
         for i, row in enumerate(rows):
-            messages = prompt_messages(cfg.system_prompt, row.text, row.messages)
-            ids = template_prompt(tokenizer, cfg.system_prompt, row.text, messages)
+            images = row.vision.images if row.vision is not None else ()
+            if images:
+                messages = prompt_messages(cfg.system_prompt, row.text, row.vision.messages)  # type: ignore[union-attr]
+                ids = _image_prompt_ids(cfg, vision, row, messages)
+            else:
+                messages = prompt_messages(cfg.system_prompt, row.text, row.messages)
+                ids = template_prompt(tokenizer, cfg.system_prompt, row.text, messages)
             if len(ids) > cfg.max_prompt_tokens:
+                if images and cfg.overlong == "truncate":
+                    raise UserError(
+                        f"data.overlong: {row.where} has {len(ids)} tokens (image tokens "
+                        f"included) > data.max_prompt_tokens={cfg.max_prompt_tokens}, and "
+                        "truncating would cut its image tokens; set data.overlong=filter, "
+                        "or lower data.images.max_pixels"
+                    )
                 if cfg.overlong == "error":
                     raise UserError(
                         f"data.max_prompt_tokens: prompt row {i} (id {row.prompt_id}) has "
@@ -81,6 +110,8 @@ class PromptSet:
                     metadata=row.metadata,
                     data_source=row.data_source,
                     messages=tuple(dict(m) for m in messages),
+                    images=images,
+                    image_refs=tuple(image_ref(im.data, im.ext) for im in images),
                 )
             )
             self.sizes[row.source] += 1
@@ -126,6 +157,9 @@ class PromptSet:
         h = hashlib.sha256()
         for p in self.prompts:
             h.update(json.dumps([p.prompt_id, p.token_ids, p.answer]).encode())
+            if p.image_refs:
+                # The pixels, not just their token count: a changed image is other data.
+                h.update(json.dumps([r.sha256 for r in p.image_refs]).encode())
             if self._hash_rows:
                 # What reward functions see besides the answer (data_source, extra_info);
                 # the older sources' fingerprints stay what they always were.
@@ -137,9 +171,28 @@ class PromptSet:
         return h.hexdigest()
 
 
+def _image_prompt_ids(
+    cfg: DataConfig, vision: ImageTemplater | None, row: RawRow, messages: list[dict[str, Any]]
+) -> list[int]:
+    assert row.vision is not None
+    n = len(row.vision.images)
+    if vision is None:
+        raise UserError(
+            f"{row.where}: the prompt shows {n} images but model.path is a text-only model "
+            "(its config.json has no vision_config)"
+        )
+    if n > cfg.images.max_per_prompt:
+        raise UserError(
+            f"{row.where}: {n} images > data.images.max_per_prompt={cfg.images.max_per_prompt}"
+        )
+    return vision.template_ids(
+        VisionPrompt(messages=tuple(messages), images=row.vision.images), row.where
+    )
+
+
 def prompt_messages(
-    system_prompt: str | None, text: str, messages: Sequence[Message] | None = None
-) -> list[Message]:
+    system_prompt: str | None, text: str, messages: Sequence[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """The chat messages of a prompt row: its own `messages`, or `text` as the user's; the
     `system_prompt` goes first only when they have no system message of their own (the
     dataset's per-row choice wins over the config's default)."""
@@ -164,13 +217,17 @@ def template_prompt(
     return list(out["input_ids"])
 
 
-def load_prompts(cfg: DataConfig, tokenizer: Any) -> PromptSet:
+def load_prompts(
+    cfg: DataConfig, tokenizer: Any, vision: ImageTemplater | None = None
+) -> PromptSet:
+    """The training prompts; `vision` encodes image prompts (None: a text-only model,
+    which refuses them)."""
     if cfg.source == "reasoning_gym":
         rows, ds = reasoning_gym_rows(cfg, cfg.reasoning_gym.size, cfg.reasoning_gym.seed)
         return PromptSet(rows, tokenizer, cfg, ds)
     if cfg.source == "datasets":
         rows = [r for k, d in enumerate(cfg.datasets) for r in load_source_rows(d, k)]
-        return PromptSet(rows, tokenizer, cfg, None, [d.weight for d in cfg.datasets])
+        return PromptSet(rows, tokenizer, cfg, None, [d.weight for d in cfg.datasets], vision)
     return PromptSet(file_rows(cfg), tokenizer, cfg, None)
 
 
@@ -185,12 +242,17 @@ def load_eval_prompts(cfg: DataConfig, ecfg: EvalConfig, tokenizer: Any) -> Prom
     return PromptSet(rows, tokenizer, cfg, ds)
 
 
-def content_key(p: Prompt) -> tuple[str, str | None]:
-    """What makes two prompts the same problem, whatever their ids."""
-    return (p.text.strip(), None if p.answer is None else p.answer.strip())
+ContentKey = tuple[str | None, ...]
 
 
-def _held_out(key: tuple[str, str | None], salt: int, fraction: float) -> bool:
+def content_key(p: Prompt) -> ContentKey:
+    """What makes two prompts the same problem, whatever their ids: the text, the answer,
+    and the images (the same question about another picture is another problem)."""
+    key = (p.text.strip(), None if p.answer is None else p.answer.strip())
+    return (*key, *(r.sha256 for r in p.image_refs)) if p.image_refs else key
+
+
+def _held_out(key: ContentKey, salt: int, fraction: float) -> bool:
     digest = hashlib.sha256(json.dumps([salt, *key]).encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
@@ -234,7 +296,7 @@ def split_held_out(
 
 
 def _distinct(prompts: Sequence[Prompt]) -> list[Prompt]:
-    out: dict[tuple[str, str | None], Prompt] = {}
+    out: dict[ContentKey, Prompt] = {}
     for p in prompts:
         out.setdefault(content_key(p), p)
     return list(out.values())

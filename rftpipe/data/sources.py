@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rftpipe.config.schema import DataConfig, DatasetSourceConfig
+from rftpipe.data.images import VIDEO_UNSUPPORTED, VisionPrompt, vision_prompt
 from rftpipe.errors import UserError
 
 Message = dict[str, str]
@@ -30,6 +31,11 @@ class RawRow:
     """The row's data source (verl's `data_source`)."""
     source: int = 0
     """Index of its dataset in `data.datasets` (0 for the single-source kinds)."""
+    vision: VisionPrompt | None = None
+    """A row with an images column or image parts: its messages with image parts and its
+    images (None: a text row)."""
+    where: str = ""
+    """The row as error messages name it."""
 
 
 def reasoning_gym_rows(cfg: DataConfig, size: int, seed: int) -> tuple[list[RawRow], Any]:
@@ -121,7 +127,23 @@ def load_source_rows(src: DatasetSourceConfig, index: int = 0) -> list[RawRow]:
             raise UserError(
                 f"{where}.{key}: column '{col}' not in '{src.path}' (has {table.column_names})"
             )
-    rows = [_raw_row(src, index, i, rec) for i, rec in enumerate(table.to_pylist())]
+    images_col = src.images_column
+    if images_col is None:
+        images_col = "images" if "images" in table.column_names else ""
+    elif images_col and images_col not in table.column_names:
+        raise UserError(
+            f"{where}.images_column: column '{images_col}' not in '{src.path}' "
+            f"(has {table.column_names})"
+        )
+    records = table.to_pylist()
+    if "videos" in table.column_names:
+        # verl's video column: refused rather than silently dropped from the prompt.
+        for i, rec in enumerate(records):
+            if rec["videos"]:
+                raise UserError(
+                    f"{where}: row {i} of '{src.path}': 'videos' holds a video; {VIDEO_UNSUPPORTED}"
+                )
+    rows = [_raw_row(src, index, i, rec, images_col) for i, rec in enumerate(records)]
     if len({r.prompt_id for r in rows}) != len(rows):
         raise UserError(f"{where}.id_column: ids in '{src.id_column}' are not unique")
     if not rows:
@@ -129,10 +151,25 @@ def load_source_rows(src: DatasetSourceConfig, index: int = 0) -> list[RawRow]:
     return rows
 
 
-def _raw_row(src: DatasetSourceConfig, index: int, i: int, rec: dict[str, Any]) -> RawRow:
-    """Row i of dataset `index`, its routed columns validated."""
+def _raw_row(
+    src: DatasetSourceConfig, index: int, i: int, rec: dict[str, Any], images_col: str
+) -> RawRow:
+    """Row i of dataset `index`, its routed columns validated (`images_col`: the images
+    column, or empty)."""
     row = f"data.datasets[{index}]: row {i} of '{src.path}'"
-    text, messages = prompt_of(rec[src.prompt_col], row, src.prompt_col)
+    prompt = rec[src.prompt_col]
+    vision = None
+    if images_col or _has_parts(prompt):
+        vision = vision_prompt(
+            prompt,
+            rec.get(images_col) if images_col else None,
+            row=row,
+            prompt_col=src.prompt_col,
+            images_col=images_col or "images",
+            base_dir=Path(src.path).expanduser().parent,
+        )
+        prompt = _text_messages(vision)
+    text, messages = prompt_of(prompt, row, src.prompt_col)
     answer = cell(rec, src.answer_col) if src.answer_col else None
     if src.data_source_col:
         data_source = cell(rec, src.data_source_col)
@@ -146,7 +183,9 @@ def _raw_row(src: DatasetSourceConfig, index: int, i: int, rec: dict[str, Any]) 
     # Every other column travels with the row for the reward functions (verl's
     # `extra_info`, `ability`, `reward_model`), the data source among them, which is where
     # the score stage reads it.
-    metadata = {k: v for k, v in rec.items() if k != src.prompt_col}
+    # The images travel as the prompt's own (stored once, referenced by path), never as
+    # bytes in every row's metadata.
+    metadata = {k: v for k, v in rec.items() if k not in (src.prompt_col, images_col, "videos")}
     metadata["data_source"] = data_source
     return RawRow(
         prompt_id=index * ID_STRIDE + local_id,
@@ -156,7 +195,28 @@ def _raw_row(src: DatasetSourceConfig, index: int, i: int, rec: dict[str, Any]) 
         messages=messages,
         data_source=data_source,
         source=index,
+        vision=vision,
+        where=row,
     )
+
+
+def _has_parts(prompt: Any) -> bool:
+    """Whether a prompt cell is chat messages with content parts (text and image parts)."""
+    return isinstance(prompt, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list) for m in prompt
+    )
+
+
+def _text_messages(vision: VisionPrompt) -> list[Message]:
+    """The messages as text (image parts dropped): the row's `text` and what the prompt
+    checks validate. A user message of images alone reads as ``<image>``."""
+    out = []
+    for m in vision.messages:
+        c = m["content"]
+        if not isinstance(c, str):
+            c = "".join(p["text"] if p["type"] == "text" else "<image>" for p in c)
+        out.append({"role": m["role"], "content": c})
+    return out
 
 
 def read_table(src: DatasetSourceConfig, where: str) -> Any:

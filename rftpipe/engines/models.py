@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -385,11 +386,20 @@ def check_reference_vocab(tokenizer, ref_dir: Path) -> None:
         )
 
 
-def load_causal_lm(path: Path, dtype: str) -> PreTrainedModel:
-    import torch
-    from transformers import AutoModelForCausalLM
+def is_vision_model(model_dir: Path) -> bool:
+    """Whether the model in `model_dir` takes images (its config has a vision tower)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return "vision_config" in config and "image_token_id" in config
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+
+def load_causal_lm(path: Path, dtype: str) -> PreTrainedModel:
+    """The policy's weights: a causal LM, or a vision-language model (its text model, LM
+    head and vision tower) for a model directory with a vision tower."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=getattr(torch, dtype))
     model.config.use_cache = False
     return model
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rftpipe.data.images import LoadedImage, VisionPrompt
-from rftpipe.engines.models import load_tokenizer
+from rftpipe.engines.models import is_vision_model, load_tokenizer
 from rftpipe.errors import UserError
 
 if TYPE_CHECKING:
@@ -93,12 +93,6 @@ class VisionInputs:
             )
 
 
-def is_vision_model(model_dir: Path) -> bool:
-    """Whether the model in `model_dir` takes images (its config has a vision tower)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    return "vision_config" in config and "image_token_id" in config
-
-
 def require_vision_model(model_dir: Path, prompt: VisionPrompt, row: str, field: str) -> None:
     """Exit 2 when `prompt` has images and the model in `model_dir` is text-only."""
     if prompt.images and not is_vision_model(model_dir):
@@ -154,11 +148,38 @@ class VisionEncoder:
     def count_tokens(self, prompt: VisionPrompt, row: str = "prompt") -> int:
         """The prompt's length in tokens, image tokens included (what the prompt-length
         policy and `max_tokens_per_micro_batch` count), from the images' sizes alone."""
-        text_ids = self._template_ids(prompt, row)
-        return (
-            len(text_ids)
-            - len(prompt.images)
-            + sum(self.image_tokens(im.size) for im in prompt.images)
+        return len(self.template_ids(prompt, row))
+
+    def template_ids(self, prompt: VisionPrompt, row: str = "prompt") -> list[int]:
+        """The token ids `encode` gives, from the images' sizes alone (no pixels
+        processed): what loading a dataset computes for each image prompt."""
+        counts = iter([self.image_tokens(im.size) for im in prompt.images])
+        return self._expand(self._template_ids(prompt, row), counts)
+
+    def _expand(self, ids: Sequence[int], counts: Any) -> list[int]:
+        out: list[int] = []
+        for t in ids:
+            out.extend([t] * next(counts) if t == self.image_token_id else [t])
+        return out
+
+    def inputs(self, images: Sequence[LoadedImage], input_ids: Sequence[int]) -> VisionInputs:
+        """The `VisionInputs` of a prompt whose token ids (`template_ids`, or a committed
+        row's `prompt_token_ids`) and images are known: the images processed again (the
+        same files and processor settings give the same pixels). A `ValueError` when the
+        ids hold other image-token counts than the images make."""
+        out = self.image_processor(images=[im.pil() for im in images], return_tensors="pt")
+        grid = out["image_grid_thw"]
+        mm = tuple(int(t == self.image_token_id) for t in input_ids)
+        if sum(mm) != int((grid.prod(-1) // self.merge**2).sum()):
+            raise ValueError(
+                f"the prompt holds {sum(mm)} image tokens but its {len(images)} images make "
+                f"{int((grid.prod(-1) // self.merge**2).sum())} (other pixel settings?)"
+            )
+        return VisionInputs(
+            pixel_values=out["pixel_values"],
+            image_grid_thw=grid,
+            mm_token_type_ids=mm,
+            images=tuple(images),
         )
 
     def encode(self, prompt: VisionPrompt, row: str = "prompt") -> EncodedPrompt:
@@ -174,10 +195,7 @@ class VisionEncoder:
             )
         out = self.image_processor(images=[im.pil() for im in prompt.images], return_tensors="pt")
         grid = out["image_grid_thw"]
-        counts = iter((grid.prod(-1) // self.merge**2).tolist())
-        expanded: list[int] = []
-        for t in ids:
-            expanded.extend([t] * next(counts) if t == self.image_token_id else [t])
+        expanded = self._expand(ids, iter((grid.prod(-1) // self.merge**2).tolist()))
         return EncodedPrompt(
             input_ids=tuple(expanded),
             mm_token_type_ids=tuple(int(t == self.image_token_id) for t in expanded),

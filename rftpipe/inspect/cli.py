@@ -5,6 +5,7 @@
                                             [--max-reward X] [--regex PAT]
                                             [--best K | --worst K] [--limit N]
     rftpipe inspect RUN_DIR export --format csv|jsonl --out FILE [sample filters]
+    rftpipe inspect RUN_DIR html [--out FILE] [sample filters] [--limit N (64)]
     rftpipe inspect RUN_DIR plot --out PNG [--data-out CSV]
     rftpipe inspect RUN_DIR compare RUN_B [--out PNG]
     rftpipe inspect RUN_DIR verify [--json]
@@ -33,6 +34,15 @@ On a multi-turn run (trajectory schema version 2) `samples` prints each episode 
 turn: per turn the model's message, the environment's answer, the turn's reward and its
 tokens by role (from turn_offsets and loss_mask; the text is the recorded messages).
 
+On a run whose model takes images (trajectory schema version 3) `samples` lists each
+sample's images: the store path (images/ab/<sha256>.<ext>) with the pixel size and format
+read from the file's header, or why it cannot be read.
+
+`html` writes one self-contained page (nothing fetched, images embedded as data: URIs) of
+the filtered samples: per prompt its text and images, per sample its rewards, advantage
+and response, or its turns on a multi-turn run. A missing or altered image is an error
+box in its place.
+
 --regex matches the response text (RE2 syntax, as pyarrow.compute evaluates it; on a
 multi-turn run, the last turn's).
 CSV exports drop the list columns (token ids, logprobs, advantages): CSV has no list
@@ -47,7 +57,6 @@ import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +64,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from rftpipe.inspect import images, page
+from rftpipe.inspect.episodes import EPISODE_FIELDS, episode_turns, message_line, printable
 from rftpipe.inspect.summary import InspectError, Run, open_run, summarize
 from rftpipe.inspect.verify import verify_run
 from rftpipe.stages import ORDER as STAGES
 from rftpipe.storage.episode_stats import has_episodes
+from rftpipe.storage.layout import IMAGES_COLUMN
 
 PROG = "inspect"
 
@@ -174,26 +186,8 @@ def select_samples(run: Run, args: argparse.Namespace, columns: list[str]) -> pa
     return table
 
 
-def _printable(s: str) -> str:
-    # Untrained models emit control bytes; escape them so they cannot corrupt the terminal.
-    return "".join(ch if ch.isprintable() or ch in "\n\t" else repr(ch)[1:-1] for ch in s)
-
-
 def _indent(s: str) -> str:
-    return "\n".join("    " + line for line in _printable(s).splitlines() or [""])
-
-
-EPISODE_FIELDS = [
-    "loss_mask",
-    "turn_offsets",
-    "turn_rewards",
-    "turn_infos",
-    "num_turns",
-    "env_reward",
-    "episode_status",
-    "messages",
-]
-"""What `samples` reads of a multi-turn row (schema version 2) to print it turn by turn."""
+    return "\n".join("    " + line for line in printable(s).splitlines() or [""])
 
 
 def cmd_samples(args: argparse.Namespace) -> int:
@@ -202,7 +196,10 @@ def cmd_samples(args: argparse.Namespace) -> int:
     multi_turn = has_episodes(run.dataset.schema.names)
     cols = ["prompt", "response", "response_length", "finish_reason", *comps]
     cols += EPISODE_FIELDS if multi_turn else []
+    vision = IMAGES_COLUMN in run.dataset.schema.names
+    cols += [IMAGES_COLUMN] if vision else []
     table = select_samples(run, args, cols)
+    described: dict[str, str] = {}
     for r in table.to_pylist():
         print(
             f"== step {r['step']}  prompt_id {r['prompt_id']}  sample {r['sample_idx']}  "
@@ -211,6 +208,8 @@ def cmd_samples(args: argparse.Namespace) -> int:
         )
         for c in comps:
             print(f"   {c} {'null' if r[c] is None else format(r[c], '.6g')}")
+        if vision:
+            print_images(run, r[IMAGES_COLUMN] or [], described)
         if multi_turn and r["num_turns"] is not None:
             print_episode(r)
         else:
@@ -223,54 +222,18 @@ def cmd_samples(args: argparse.Namespace) -> int:
     return 0
 
 
-def _message(m: dict[str, Any]) -> str:
-    """A chat message as printed: `[role] content` (`[tool NAME]` for a tool's answer)."""
-    role = f"{m.get('role')} {m['name']}" if m.get("name") else str(m.get("role"))
-    return f"[{role}] {m.get('content') or ''}"
-
-
-@dataclass(frozen=True, slots=True)
-class Turn:
-    """One turn of a recorded episode, as `samples` prints it."""
-
-    action: dict[str, Any] | None
-    """The model's message (None only if `messages` lacks it)."""
-    observations: list[dict[str, Any]]
-    """The environment's messages after it: none after the last turn, or when the token
-    budget left no room for them."""
-    model_tokens: int
-    """The turn's tokens with `loss_mask` 1 (sampled)."""
-    env_tokens: int
-    """The turn's tokens with `loss_mask` 0 (the environment's answer, templated)."""
-    reward: float | None
-    info: str | None
-    """`turn_infos`' JSON: the environment's info, or the error that ended the episode."""
-
-
-def episode_turns(r: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Turn]]:
-    """A multi-turn row's prompt messages and its turns. The text comes from `messages`,
-    not from decoding tokens (no tokenizer is loaded): each assistant message opens a
-    turn, since an environment never answers as the assistant. The token counts come from
-    `turn_offsets` (where each turn starts) and `loss_mask`."""
-    messages = json.loads(r["messages"])
-    starts = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-    mask, offsets = r["loss_mask"], r["turn_offsets"]
-    bounds = [*offsets, len(mask)]
-    turns = []
-    for t in range(max(len(offsets), len(starts))):
-        span = mask[bounds[t] : bounds[t + 1]] if t < len(offsets) else []
-        end = starts[t + 1] if t + 1 < len(starts) else len(messages)
-        turns.append(
-            Turn(
-                action=messages[starts[t]] if t < len(starts) else None,
-                observations=messages[starts[t] + 1 : end] if t < len(starts) else [],
-                model_tokens=sum(span),
-                env_tokens=len(span) - sum(span),
-                reward=r["turn_rewards"][t] if t < len(r["turn_rewards"]) else None,
-                info=r["turn_infos"][t] if t < len(r["turn_infos"]) else None,
-            )
-        )
-    return messages[: starts[0] if starts else len(messages)], turns
+def print_images(run: Run, relpaths: list[str], seen: dict[str, str]) -> None:
+    """A vision row's images: each store path with its size and format from the file's
+    header (or why it cannot be read); `none` for a text prompt of a vision run. `seen`
+    keeps each file's description: a group's samples show the same images."""
+    if not relpaths:
+        print("  images: none")
+        return
+    print(f"  images ({len(relpaths)}):")
+    for p in relpaths:
+        if p not in seen:
+            seen[p] = images.header(run.rundir.root, p).describe()
+        print(f"    {printable(p)}  {seen[p]}")
 
 
 def print_episode(r: dict[str, Any]) -> None:
@@ -285,7 +248,7 @@ def print_episode(r: dict[str, Any]) -> None:
     )
     print("  prompt:")
     for m in prompt:
-        print(_indent(_message(m)))
+        print(_indent(message_line(m)))
     for t, turn in enumerate(turns, 1):
         last = t == len(turns)
         status = f"ends the episode: {r['episode_status']}" if last else "continues"
@@ -294,11 +257,47 @@ def print_episode(r: dict[str, Any]) -> None:
             f"{turn.env_tokens} environment tokens, {status}"
         )
         if turn.action is not None:
-            print(_indent(_message(turn.action)))
+            print(_indent(message_line(turn.action)))
         for m in turn.observations:
-            print(_indent(_message(m)))
+            print(_indent(message_line(m)))
         if turn.info not in (None, "{}"):
-            print(f"    info {_printable(turn.info or '')}")
+            print(f"    info {printable(turn.info or '')}")
+
+
+def cmd_html(args: argparse.Namespace) -> int:
+    """One self-contained HTML page of the filtered samples (`rftpipe.inspect.page`)."""
+    run = open_run(args.run_dir)
+    names = run.dataset.schema.names
+    comps = run.reward_components
+    multi_turn = has_episodes(names)
+    cols = ["prompt", "response", "response_length", "finish_reason", *comps]
+    cols += [
+        c for c in ("reward_status", "reward_error", "advantages", IMAGES_COLUMN) if c in names
+    ]
+    cols += EPISODE_FIELDS if multi_turn else []
+    table = select_samples(run, args, cols)
+    name = run.rundir.root.name
+    out = args.out or Path(f"{name}-samples{'' if args.step is None else f'-step{args.step}'}.html")
+    subtitle = (
+        f"{run.rundir.root}: {table.num_rows} sample(s) of committed steps "
+        f"{run.steps[0]}..{run.steps[-1]}"
+        + ("" if args.step is None else f", step {args.step}")
+        + (", with images" if IMAGES_COLUMN in names else "")
+        + (", multi-turn" if multi_turn else "")
+    )
+    doc = page.render(
+        run.rundir.root,
+        table.to_pylist(),
+        components=comps,
+        multi_turn=multi_turn,
+        title=f"rftpipe samples: {name}",
+        subtitle=subtitle,
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(doc, encoding="utf-8")
+    print(out)
+    print(f"{table.num_rows} sample(s)", file=sys.stderr)
+    return 0
 
 
 def _is_list(t: pa.DataType) -> bool:
@@ -529,6 +528,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", type=Path, required=True)
     _add_filters(s, default_limit=None)
     s.set_defaults(func=cmd_export)
+    s = sub.add_parser("html", help="one self-contained HTML page of samples with images")
+    s.add_argument(
+        "--out", type=Path, help="the page (default: RUN_NAME-samples[-stepN].html here)"
+    )
+    _add_filters(s, default_limit=64)
+    s.set_defaults(func=cmd_html)
     s = sub.add_parser("plot", help="PNG of reward, length, KL and stage timings")
     s.add_argument("--out", type=Path, required=True)
     s.add_argument("--data-out", type=Path, help="CSV of the plotted series, one row per step")

@@ -67,17 +67,20 @@ def model_shape(model: torch.nn.Module) -> ModelShape:
     """The shape of a transformers causal LM, whole, sharded (FSDP2) or partitioned (ZeRO)."""
     model = _hf_model(model)
     lm = as_causal_lm(model)
-    cfg = lm.config
-    embeddings = {
+    # A vision-language model: the text model's shape. Its vision tower runs on image
+    # patches, not on the sequence's tokens, so it is left out (MFU then undercounts).
+    cfg = lm.config.get_text_config()
+    tower = getattr(getattr(model, "model", None), "visual", None)
+    skipped = {
         id(p)
-        for m in (lm.get_input_embeddings(), lm.get_output_embeddings())
+        for m in (lm.get_input_embeddings(), lm.get_output_embeddings(), tower)
         if m is not None
         for p in m.parameters()
     }
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return ModelShape(
-        non_embedding_params=sum(_numel(p) for p in model.parameters() if id(p) not in embeddings),
+        non_embedding_params=sum(_numel(p) for p in model.parameters() if id(p) not in skipped),
         layers=cfg.num_hidden_layers,
         attention_width=heads * head_dim,
         hidden=cfg.hidden_size,

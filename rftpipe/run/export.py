@@ -118,6 +118,10 @@ def export_final(
             model.load_state_dict(weights)
         models.as_causal_lm(model).save_pretrained(tmp)
     rt.tokenizer.save_pretrained(tmp)
+    if rt.vision is not None:
+        # The image processor as the run used it (data.images' pixel range included), so
+        # the export sees images as the policy was trained to.
+        rt.vision.image_processor.save_pretrained(tmp)
     atomic_write_json(tmp / EXPORT_MARKER, {"step": rt.cfg.total_steps})
     old = rt.run.root / f".tmp-old-{final.name}"
     shutil.rmtree(old, ignore_errors=True)

@@ -27,8 +27,10 @@ from rftpipe.run.runtime import rebuild_actor
 from rftpipe.stages import FINAL, chain_position
 from rftpipe.stages.base import Runtime
 from rftpipe.stages.chain import PIPELINE
+from rftpipe.stages.images import store_images
 from rftpipe.stages.sync import sync_weights
 from rftpipe.storage.atomic import CorruptionError, fsync_dir
+from rftpipe.storage.images import quarantine_corrupt_images, verify_images
 from rftpipe.storage.layout import RunDir, list_steps
 from rftpipe.storage.stage_store import StageStore
 
@@ -83,6 +85,30 @@ def check_files(store: StageStore, ckpt_step: int, repair: bool) -> None:
             return
 
 
+def check_images(rt: Runtime, repair: bool) -> None:
+    """Rehash the run's image store (rank 0). A corrupt image is refused, or with `repair`
+    moved to the quarantine and written again from the dataset, which still holds it (the
+    data fingerprint guarantees the same prompts): the rows that reference it stay valid."""
+    bad = verify_images(rt.run.root)
+    if not bad:
+        return
+    if not repair:
+        raise UserError(
+            f"corrupt image {bad[0].path} ({bad[0].why}; {len(bad)} in all); rerun with "
+            "--repair to write it again from the dataset"
+        )
+    dest = rt.run.quarantine / time.strftime("%Y%m%d-%H%M%S") / "images"
+    moved = quarantine_corrupt_images(rt.run.root, dest)
+    names = {p.name for p in moved}
+    prompts = [*rt.prompts.prompts, *(rt.held_out.prompts if rt.held_out else ())]
+    store_images(
+        rt.run.root,
+        [p for p in prompts if any(r.relpath.endswith(tuple(names)) for r in p.image_refs)],
+    )
+    events().write("repair_images", moved=len(moved), quarantine=str(dest))
+    log.warning("--repair: rewrote %d corrupt images from the dataset", len(moved))
+
+
 def quarantine_from(run: RunDir, step: int) -> None:
     """Move step `step` and everything after it (stages, trajectories, checkpoints) aside."""
     dest = run.quarantine / time.strftime("%Y%m%d-%H%M%S")
@@ -133,6 +159,8 @@ def prepare(rt: Runtime, repair: bool) -> int:
         removed = store.clean_uncommitted(FINAL)
         done = writer.list_committed(rt.run.checkpoints)
         check_files(store, done[-1].step if done else 0, repair)
+        if rt.vision is not None:
+            check_images(rt, repair)
         newest = store.newest_commit(chain_position)
         if newest is not None and store.manifest(*newest).get("published"):
             store.publish(*newest)  # killed between its commit and its publication

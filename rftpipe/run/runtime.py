@@ -26,6 +26,8 @@ from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train import TRAIN_ENGINES
 from rftpipe.engines.train.base import AdaptersOffReference, TrainEngine
 from rftpipe.engines.train.critic import Critic, critic_train_config, head_seed, load_value_model
+from rftpipe.engines.train.vision import freeze_vision
+from rftpipe.engines.vision import VisionEncoder
 from rftpipe.envs.base import call
 from rftpipe.envs.loader import make_environment
 from rftpipe.errors import UserError
@@ -138,9 +140,16 @@ def build(
     if cfg.model.reference is not None:
         ref_dir = models.resolve_model_path(cfg.model.reference, "model.reference")
         models.check_reference_vocab(tokenizer, ref_dir)
+    vision = load_vision(cfg, model_dir)
     prompts, held_out = split_held_out(
-        cfg.data, cfg.eval, load_prompts(cfg.data, tokenizer), tokenizer
+        cfg.data, cfg.eval, load_prompts(cfg.data, tokenizer, vision), tokenizer
     )
+    if cfg.rollout.env is not None and (p := next((p for p in prompts.prompts if p.images), None)):
+        # An environment re-templates the conversation from its own (text) messages.
+        raise UserError(
+            f"rollout.env: prompt {p.prompt_id} has images; multi-turn episodes take text "
+            "prompts only so far"
+        )
     check_coverage(cfg.reward, prompts.data_sources())
     check_round_size(cfg, len(prompts))
     # Before any model loads, so a bad PTX file fails in seconds.
@@ -191,7 +200,27 @@ def build(
         ckpt_schedule=make_schedule(cfg.checkpoint, run.events_path),
         critic=build_critic(cfg, model_dir, dist),
         ptx=ptx,
+        vision=vision,
     )
+
+
+def load_vision(cfg: RunConfig, model_dir: Path) -> VisionEncoder | None:
+    """The policy's image encoding (None: a text-only model, whose data must hold no
+    images, which loading the prompts checks)."""
+    if not models.is_vision_model(model_dir):
+        if cfg.train.freeze_vision:
+            raise UserError(
+                f"train.freeze_vision: model.path '{cfg.model.path}' has no vision tower"
+            )
+        return None
+    if not ROLLOUT_ENGINES[cfg.rollout.engine].takes_images:
+        takes = sorted(k for k, e in ROLLOUT_ENGINES.items() if e.takes_images)
+        raise UserError(
+            f"rollout.engine={cfg.rollout.engine}: a vision-language model.path rolls out on "
+            f"{takes} only so far"
+        )
+    images = cfg.data.images
+    return VisionEncoder.load(model_dir, min_pixels=images.min_pixels, max_pixels=images.max_pixels)
 
 
 def build_reference(
@@ -259,6 +288,9 @@ def load_for_engine(
     """The initial weights, with `model.lora`'s adapters (unless `lora` is False: a
     separate reference model), placed for `cfg.train.backend` (`place_for_engine`)."""
     model: torch.nn.Module = models.load_causal_lm(model_dir, cfg.model.dtype)
+    if cfg.train.freeze_vision:
+        # Before any engine builds its optimizer from the trainable parameters.
+        freeze_vision(model)
     if lora and cfg.model.lora is not None:
         # On the CPU, before any backend wraps or shards it: every backend and rank then
         # starts from the same adapters.

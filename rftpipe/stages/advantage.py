@@ -16,6 +16,7 @@ from rftpipe.config.schema import AdvantageConfig, KLConfig, old_logprobs_source
 from rftpipe.stages import StageName
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
 from rftpipe.stages.batching import model_token_mask, pad_ragged, turn_tokens
+from rftpipe.stages.images import RowImages, image_rows
 from rftpipe.storage.baseline_rows import baseline_flags
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
@@ -191,23 +192,34 @@ class AdvantageStage(NoSideEffects):
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
         kl_coef = float(rt.kl_ctrl.coef)
         cfg = AdvantageStageConfig(advantage=rt.cfg.advantage, kl=rt.cfg.kl, kl_coef=kl_coef)
+        scored = rows()
+        # A vision-language policy's rows: the reference and the actor see their images.
+        vision = RowImages(rt.vision, rt.run.root).of(image_rows(scored))
         ref = (
             None
             if rt.reference is None
             # Under the sampling temperature, as the rollout recorded its own logprobs.
-            else partial(rt.reference.compute_logprobs, temperature=rt.cfg.rollout.temperature)
+            else partial(
+                rt.reference.compute_logprobs,
+                temperature=rt.cfg.rollout.temperature,
+                vision=vision,
+            )
         )
         # The actor still holds the weights that sampled these rows (the step's train stage
         # has not run, and a restart replays every earlier one before this stage), and a
         # committed column is never recomputed, so the old policy is exact under replay too.
         actor = (
-            partial(rt.train_engine.compute_logprobs, temperature=rt.cfg.rollout.temperature)
+            partial(
+                rt.train_engine.compute_logprobs,
+                temperature=rt.cfg.rollout.temperature,
+                vision=vision,
+            )
             if old_logprobs_source(rt.cfg.train, rt.cfg.rollout) == "actor"
             else None
         )
         table, metrics = run(
             cfg,
-            rows(),
+            scored,
             ref,
             rt.dist.all_reduce_sum,
             actor_logprobs=actor,

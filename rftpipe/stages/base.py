@@ -24,6 +24,7 @@ from rftpipe.dist import Dist
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.engines.train.base import TrainEngine
 from rftpipe.engines.train.critic import Critic
+from rftpipe.engines.vision import VisionEncoder
 from rftpipe.rewards.types import RewardComponent
 from rftpipe.storage.layout import RunDir
 from rftpipe.storage.stage_store import StageStore
@@ -69,6 +70,8 @@ class Runtime:
     """The value model (`critic`), on the actor's backend; None without one."""
     ptx: tuple[PTXExample, ...] = ()
     """The supervised examples of `train.ptx` (empty with it off)."""
+    vision: VisionEncoder | None = None
+    """The policy's image encoding (a vision-language model); None for a text model."""
 
 
 Rows = Callable[[], pa.Table]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from rftpipe.data.ptx import PTXExample
 from rftpipe.dist import Dist
 from rftpipe.engines.train.forward import split_micro_batches
 from rftpipe.seeding import derive_seed
+from rftpipe.stages.images import RowImages, Vision
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,6 +41,12 @@ class TrainInputs:
     micro-batch's padded width, verl's fallback)."""
     ptx: Sequence[PTXExample] = ()
     """Every example of `train.ptx.data` (the same on all ranks); empty with ptx off."""
+    images: RowImages | None = None
+    """The rows' images (a vision-language policy), rebuilt from the run's image store."""
+
+    def vision(self, chunk: Sequence[Mapping[str, Any]]) -> Vision:
+        """A micro-batch's images, per row (None: a text-only micro-batch)."""
+        return None if self.images is None else self.images.of(chunk)
 
 
 def minibatch_plan(inp: TrainInputs, epoch: int, mini_batches: int) -> list[list[int]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -31,10 +32,12 @@ from rftpipe.config.schema import EnvConfig, EvalConfig, RewardConfig, RolloutCo
 from rftpipe.data.prompts import Prompt, content_key
 from rftpipe.data.sampler import rank_slice
 from rftpipe.engines.rollout.base import RolloutEngine
+from rftpipe.engines.vision import VisionEncoder
 from rftpipe.rewards.types import RewardComponent
 from rftpipe.seeding import derive_seed
 from rftpipe.stages import StageName, episodes, score
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
+from rftpipe.stages.images import prompt_inputs, store_images, with_image_refs
 from rftpipe.stages.rollout import EPISODE_COLUMNS, Unlogged, env_maker
 
 EVAL_SCHEMA = pa.schema(
@@ -70,6 +73,10 @@ class EvalInputs:
     eval: EvalConfig
     rollout: RolloutConfig
     reward: RewardConfig
+    encoder: VisionEncoder | None = None
+    """A vision-language policy's image encoding (its problems' images go to the engine)."""
+    run_root: Path | None = None
+    """The run directory, whose image store the rows' images go to (with `encoder`)."""
 
 
 def run(
@@ -90,6 +97,11 @@ def run(
         table = _episode_table(engine, tokenizer, inp, inp.rollout.env, calls)
     else:
         table = _completion_table(engine, tokenizer, inp, calls)
+    if inp.encoder is not None:
+        assert inp.run_root is not None, "a vision run stores its images"
+        # Stored before scoring: reward functions read the images from the store.
+        store_images(inp.run_root, inp.prompts)
+        table = with_image_refs(table, inp.prompts)
     scored = score.run(inp.reward, components, table)
     metric = scored.column(f"reward_{inp.eval.metric}").to_pylist()
     # Null where the metric's function does not score the row's data source.
@@ -126,14 +138,17 @@ def _completion_table(
             cols[name].append(value)
 
     for call in calls:
-        greedy = engine.greedy([p.token_ids for p in call], budget)
+        vision = prompt_inputs(inp.encoder, call)
+        greedy = engine.greedy([p.token_ids for p in call], budget, vision=vision)
         for p, toks in zip(call, greedy, strict=True):
             # `greedy` drops the EOS, so a completion shorter than the budget ended on one.
             add(p, -1, "greedy", toks, "stop" if len(toks) < budget else "length")
         if not inp.eval.samples:
             continue
         seeds = [derive_seed(inp.run_seed, inp.step, "eval", p.prompt_id) for p in call]
-        groups = engine.generate_groups([p.token_ids for p in call], inp.eval.samples, seeds)
+        groups = engine.generate_groups(
+            [p.token_ids for p in call], inp.eval.samples, seeds, vision=vision
+        )
         for p, group in zip(call, groups, strict=True):
             for k, (toks, reason) in enumerate(
                 zip(group.tokens, group.finish_reasons, strict=True)
@@ -217,6 +232,8 @@ class EvalStage(NoSideEffects):
             eval=rt.cfg.eval,
             rollout=rt.cfg.rollout,
             reward=rt.cfg.reward,
+            encoder=rt.vision,
+            run_root=rt.run.root,
         )
         table = run(rt.rollout_engine, rt.tokenizer, rt.rewards, inp)
         train = {content_key(p) for p in rt.prompts.prompts}

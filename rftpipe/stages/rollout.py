@@ -14,6 +14,7 @@ from rftpipe.config.schema import EnvConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout.base import RolloutEngine
+from rftpipe.engines.vision import VisionEncoder
 from rftpipe.envs.base import Environment
 from rftpipe.envs.loader import make_environment
 from rftpipe.envs.pool import shared_pool
@@ -21,7 +22,8 @@ from rftpipe.observe.events import events
 from rftpipe.seeding import derive_seed
 from rftpipe.stages import episodes, round_stage
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
-from rftpipe.storage.layout import EPISODE_SCHEMA_VERSION
+from rftpipe.stages.images import prompt_inputs, store_images, with_image_refs
+from rftpipe.storage.layout import schema_version
 from rftpipe.storage.stage_store import StageStore
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -73,6 +75,8 @@ class RolloutInputs:
     it is the same on any replay."""
     env: EnvConfig | None = None
     """The multi-turn environment (`rollout.env`), if any."""
+    encoder: VisionEncoder | None = None
+    """A vision-language policy's image encoding (its prompts' images go to the engine)."""
 
 
 def run(
@@ -101,14 +105,15 @@ def run(
             engine.greedy([], cfg.max_new_tokens)
     for call in calls:
         seeds = [derive_seed(inp.run_seed, inp.step, inp.seed_stage, p.prompt_id) for p in call]
-        groups = engine.generate_groups([p.token_ids for p in call], cfg.n, seeds)
+        vision = prompt_inputs(inp.encoder, call)
+        groups = engine.generate_groups([p.token_ids for p in call], cfg.n, seeds, vision=vision)
         for p, group in zip(call, groups, strict=True):
             for k, (toks, lps, reason) in enumerate(
                 zip(group.tokens, group.logprobs, group.finish_reasons, strict=True)
             ):
                 _append(cols, _row(inp, engine, tokenizer, p, k, toks, lps, reason))
         if inp.baseline:
-            outs = engine.greedy([p.token_ids for p in call], cfg.max_new_tokens)
+            outs = engine.greedy([p.token_ids for p in call], cfg.max_new_tokens, vision=vision)
             for p, toks in zip(call, outs, strict=True):
                 # Engines return greedy responses without EOS: one shorter than the budget
                 # stopped on it, which is put back so the row reads like a sample.
@@ -290,7 +295,7 @@ class _StoreLog:
         name = t.name(k)
         table = episode_rows(self.inp, self.engine, self.tokenizer, finished)
         meta = {
-            "rftpipe.schema_version": EPISODE_SCHEMA_VERSION,
+            "rftpipe.schema_version": schema_version(table.column_names),
             "rftpipe.stage": name,
             "rftpipe.step": str(step),
         }
@@ -338,9 +343,14 @@ class RolloutStage(NoSideEffects):
             ).traits.needs_baseline_rollout,
             seed_stage=self.name,
             env=rt.cfg.rollout.env,
+            encoder=rt.vision,
         )
         turns = TurnStore(rt.store, rt.dist, self.name)
         table = run(rt.cfg.rollout, rt.rollout_engine, rt.tokenizer, inp, turns)
+        if rt.vision is not None:
+            # The images are durable before the shard that references them is written.
+            store_images(rt.run.root, plan.mine)
+            table = with_image_refs(table, plan.mine)
         extra: dict[str, object] = {"sampler": plan.sampler, "prompt_ids": plan.global_ids}
         if rt.cfg.rollout.env is not None:
             extra["env_s"] = turns.env_s  # rank 0's

@@ -47,6 +47,7 @@ from rftpipe.stages.batching import (
     pad_ragged,
     seeded_rng,
 )
+from rftpipe.stages.images import RowImages
 from rftpipe.storage.atomic import CorruptionError
 from rftpipe.storage.baseline_rows import without_baseline
 
@@ -219,6 +220,7 @@ def _micro_step(
         [r["response_token_ids"] for r in chunk],
         inp.temperature,
         with_entropy=True,
+        vision=inp.vision(chunk),
     )
     assert ent is not None  # asked for with_entropy=True
     old, adv, mask = old.to(lp.device), adv.to(lp.device), mask.to(lp.device)
@@ -346,6 +348,7 @@ class TrainStage:
             temperature=rt.cfg.rollout.temperature,
             response_budget=response_budget(rt.cfg.rollout),
             ptx=rt.ptx,
+            images=RowImages(rt.vision, rt.run.root) if rt.vision is not None else None,
         )
         if not plan.global_ids:
             # Dynamic sampling kept no group (none varied): nothing to learn from this step.

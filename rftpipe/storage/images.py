@@ -39,9 +39,17 @@ class ImageRef:
         top, _, rest = relpath.partition("/")
         _, _, name = rest.partition("/")
         sha, _, ext = name.partition(".")
-        if top != IMAGES_DIR or len(sha) != 64 or not ext:
+        # Exactly a store path: a row naming anything else must not read outside the store.
+        hexdigits = set("0123456789abcdef")
+        ok = len(sha) == 64 and set(sha) <= hexdigits and ext.isalnum() and ext.isascii()
+        if top != IMAGES_DIR or not ok or relpath != cls(sha256=sha, ext=ext).relpath:
             raise ValueError(f"not an image store path: {relpath!r}")
         return cls(sha256=sha, ext=ext)
+
+
+def image_ref(data: bytes, ext: str) -> ImageRef:
+    """The reference of an image file's bytes (where the store keeps it)."""
+    return ImageRef(sha256=hashlib.sha256(data).hexdigest(), ext=ext.lower().lstrip("."))
 
 
 class ImageStore:
@@ -63,7 +71,7 @@ class ImageStore:
 
     def put(self, data: bytes, ext: str) -> ImageRef:
         """Store `data` (an encoded image file) unless the same bytes are there already."""
-        ref = ImageRef(sha256=hashlib.sha256(data).hexdigest(), ext=ext.lower().lstrip("."))
+        ref = image_ref(data, ext)
         path = self.path(ref)
         # A file under its final name was renamed there whole after an fsync, so its
         # existence with the right size is proof enough; `verify_images` rehashes.

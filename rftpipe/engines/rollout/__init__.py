@@ -104,11 +104,13 @@ class RolloutEngineEntry:
     """(cfg, model_dir, dist, tokenizer, actor module) -> the engine."""
     preflight: Callable[[RunConfig, Path], None] | None = None
     """Refuses (UserError) what would fail later, before the run directory is written."""
+    takes_images: bool = False
+    """Its calls take `vision=` (image prompts of a vision-language model)."""
 
 
 #: Rollout engines by `rollout.engine`; serving engines import their library lazily.
 ROLLOUT_ENGINES: dict[str, RolloutEngineEntry] = {
-    "hf": RolloutEngineEntry(_hf_engine),
+    "hf": RolloutEngineEntry(_hf_engine, takes_images=True),
     "vllm": RolloutEngineEntry(_vllm_engine, _vllm_preflight),
     "sglang": RolloutEngineEntry(_sglang_engine),
 }

@@ -16,7 +16,19 @@ from typing import Literal, Protocol
 
 import torch
 
+from rftpipe.engines.vision import VisionInputs
+
 FinishReason = Literal["stop", "length"]
+Vision = Sequence[VisionInputs | None] | None
+"""Per prompt of a call, its images (None: a text prompt); None for a call without any."""
+
+
+def no_images(vision: Vision) -> None:
+    """Refuse images in an engine that does not take them yet. The runtime refuses a
+    vision-language model on such an engine (`ROLLOUT_ENGINES[...].takes_images`), so
+    images reaching one are a wiring bug."""
+    if vision is not None and any(v is not None for v in vision):
+        raise NotImplementedError("this rollout engine does not take images yet")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,11 +69,18 @@ class RolloutEngine(Protocol):
         ...
 
     def generate_groups(
-        self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        seeds: Sequence[int],
+        *,
+        vision: Vision = None,
     ) -> list[GroupOutput]:
         """n samples of each prompt; `seeds[g]` is group g's seed, derived from (run seed,
         step, stage, prompt id). An engine seeds each sample from its group's seed and its
-        index, or (HF loop) one generator per call from the first group's seed."""
+        index, or (HF loop) one generator per call from the first group's seed. `vision`:
+        each prompt's images (a vision-language model; engines whose registry entry
+        `takes_images`), also in the other generating calls."""
         ...
 
     def generate_rows(
@@ -70,6 +89,8 @@ class RolloutEngine(Protocol):
         seeds: Sequence[int],
         max_new: Sequence[int],
         keys: Sequence[Hashable] | None = None,
+        *,
+        vision: Vision = None,
     ) -> list[SampleOutput]:
         """One sample of each prompt (a multi-turn episode's next turn): row r drawn from
         `seeds[r]` alone (from run seed, step, stage, prompt id, sample, turn) and cut at
@@ -90,12 +111,14 @@ class RolloutEngine(Protocol):
         keep nothing."""
         ...
 
-    def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    def greedy(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, vision: Vision = None
+    ) -> list[list[int]]:
         """Greedy completions without their EOS (evaluation)."""
         ...
 
     def greedy_rows(
-        self, prompts: Sequence[Sequence[int]], max_new: Sequence[int]
+        self, prompts: Sequence[Sequence[int]], max_new: Sequence[int], *, vision: Vision = None
     ) -> list[SampleOutput]:
         """The greedy continuation of each prompt (a held-out evaluation episode's next
         turn), as `generate_rows` gives a sample: EOS kept, cut at `max_new[r]` new tokens

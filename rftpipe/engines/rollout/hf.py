@@ -12,11 +12,14 @@ from transformers import DynamicCache, GenerationConfig
 
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.engines.models import as_causal_lm
-from rftpipe.engines.rollout.base import FinishReason, GroupOutput, SampleOutput, split_groups
+from rftpipe.engines.rollout.base import (
+    FinishReason,
+    GroupOutput,
+    SampleOutput,
+    Vision,
+    split_groups,
+)
 from rftpipe.engines.vision import VisionInputs, vision_forward_inputs
-
-Vision = Sequence[VisionInputs | None] | None
-"""Per prompt, its images (None: a text prompt; the whole argument None: all text)."""
 
 
 class HFGenerateEngine:

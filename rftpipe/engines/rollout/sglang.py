@@ -67,7 +67,16 @@ from typing import Any
 import torch
 
 from rftpipe.config.schema import RolloutConfig
-from rftpipe.engines.rollout.base import FinishReason, GroupOutput, SampleOutput, split_groups
+from rftpipe.engines.rollout.base import (
+    FinishReason,
+    GroupOutput,
+    SampleOutput,
+    Vision,
+    split_groups,
+)
+from rftpipe.engines.rollout.base import (
+    no_images as _no_images,
+)
 from rftpipe.errors import UserError
 from rftpipe.seeding import sample_seed
 
@@ -274,8 +283,9 @@ class SGLangEngine:
         return False
 
     def generate_groups(
-        self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]
+        self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int], vision: Vision = None
     ) -> list[GroupOutput]:
+        _no_images(vision)
         self._check_ready()
         if not prompts:
             return []
@@ -311,6 +321,7 @@ class SGLangEngine:
         seeds: Sequence[int],
         max_new: Sequence[int],
         keys: Sequence[Hashable] | None = None,
+        vision: Vision = None,
     ) -> list[SampleOutput]:
         """Multi-turn episodes are not built on SGLang (the config refuses `rollout.env` with
         `rollout.engine=sglang`; this guards any other caller)."""
@@ -320,7 +331,7 @@ class SGLangEngine:
         )
 
     def greedy_rows(
-        self, prompts: Sequence[Sequence[int]], max_new: Sequence[int]
+        self, prompts: Sequence[Sequence[int]], max_new: Sequence[int], vision: Vision = None
     ) -> list[SampleOutput]:
         """See `generate_rows`: no multi-turn episodes on SGLang, so none to evaluate."""
         raise NotImplementedError(
@@ -328,8 +339,11 @@ class SGLangEngine:
             "use rollout.engine=vllm or hf"
         )
 
-    def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    def greedy(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, vision: Vision = None
+    ) -> list[list[int]]:
         """Greedy completions without the EOS (for evaluation, not for training rows)."""
+        _no_images(vision)
         self._check_ready()
         if not prompts:
             return []

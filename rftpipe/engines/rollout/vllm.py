@@ -29,7 +29,16 @@ import torch.distributed as tdist
 
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.dist import Dist
-from rftpipe.engines.rollout.base import FinishReason, GroupOutput, SampleOutput, split_groups
+from rftpipe.engines.rollout.base import (
+    FinishReason,
+    GroupOutput,
+    SampleOutput,
+    Vision,
+    split_groups,
+)
+from rftpipe.engines.rollout.base import (
+    no_images as _no_images,
+)
 from rftpipe.errors import UserError
 from rftpipe.seeding import sample_seed
 
@@ -299,9 +308,10 @@ class VLLMEngine:
         return outs[start : start + len(_samples(mine))]
 
     def generate_groups(
-        self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]
+        self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int], vision: Vision = None
     ) -> list[GroupOutput]:
         """All groups in one call: vLLM schedules the requests itself."""
+        _no_images(vision)
         mt = self.cfg.max_new_tokens
         outs = self._run(
             [
@@ -326,6 +336,7 @@ class VLLMEngine:
         seeds: Sequence[int],
         max_new: Sequence[int],
         keys: Sequence[Hashable] | None = None,
+        vision: Vision = None,
     ) -> list[SampleOutput]:
         """One sample of each prompt (a multi-turn episode's next turn): row r is its own
         request, seeded `seeds[r]` and cut at `max_new[r]` tokens, so its tokens depend on
@@ -337,6 +348,7 @@ class VLLMEngine:
         turns' KV blocks instead of prefilling the whole conversation again; `keys` are
         not needed for that.
         """
+        _no_images(vision)
         sent = [r for r, m in enumerate(max_new) if m > 0]
         for r in sent:
             self._check_fits(len(prompts[r]), max_new[r])
@@ -350,10 +362,11 @@ class VLLMEngine:
         ]
 
     def greedy_rows(
-        self, prompts: Sequence[Sequence[int]], max_new: Sequence[int]
+        self, prompts: Sequence[Sequence[int]], max_new: Sequence[int], vision: Vision = None
     ) -> list[SampleOutput]:
         """Greedy continuations (temperature 0), each its own request, as `generate_rows`
         sends samples; no logprobs are asked for (0 each: evaluation reads none)."""
+        _no_images(vision)
         sent = [r for r, m in enumerate(max_new) if m > 0]
         for r in sent:
             self._check_fits(len(prompts[r]), max_new[r])
@@ -379,7 +392,10 @@ class VLLMEngine:
                 "rollout.env.max_total_tokens); raise data.max_prompt_tokens"
             )
 
-    def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    def greedy(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, vision: Vision = None
+    ) -> list[list[int]]:
+        _no_images(vision)
         outs = self._run([(list(p), max_new_tokens, None) for p in prompts])
         result = []
         for out in outs:
