@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rftpipe.engines.train.base import _EngineBase
+from rftpipe.engines.train.base import _EngineBase, _text_only
 from rftpipe.engines.train.forward import grouped_logprobs
 from rftpipe.engines.train.vision import build_vision_micro_batch, vision_response_logprobs
 from rftpipe.engines.vision import VisionInputs
@@ -35,10 +35,12 @@ class SingleDeviceEngine(_EngineBase):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T) response logprobs (and entropies) with gradients, prompts computed once per group.
 
-        With `vision` (a vision-language policy; each row's prompt's images, None for a
-        text row) the rows take one right-padded forward with the model's M-RoPE positions
-        instead (`rftpipe.engines.train.vision`): no prefix sharing there, each row's
-        prompt and images are computed once per row.
+        A vision-language policy's rows (`vision`: each row's prompt's images, None for a
+        text row; `vision` None: text rows) take one right-padded forward with the model's
+        M-RoPE positions instead (`rftpipe.engines.train.vision`): no prefix sharing there,
+        each row's prompt and images are computed once per row. Text rows too, as on the
+        sharded backends, whose ranks must all run the tower: its gradients are then zero,
+        not absent, in a step without images, and AdamW moves it alike on every backend.
 
         With `param_dtype=bfloat16` the forward runs under autocast: matmuls in bf16 from
         the fp32 weights, which (and so AdamW's state and the gradients) stay fp32.
@@ -46,8 +48,9 @@ class SingleDeviceEngine(_EngineBase):
         with torch.autocast(
             self.device.type, dtype=torch.bfloat16, enabled=self.cfg.param_dtype == "bfloat16"
         ):
-            if vision is not None:
-                vb = build_vision_micro_batch(self.model, prompts, responses, vision, pad_id=0)
+            if self._vlm:
+                rows = [None] * len(prompts) if vision is None else list(vision)
+                vb = build_vision_micro_batch(self.model, prompts, responses, rows, pad_id=0)
                 return vision_response_logprobs(
                     self.model,
                     vb.to(self.device),
@@ -56,6 +59,7 @@ class SingleDeviceEngine(_EngineBase):
                     self._entropy_grad,
                     self._chunk,
                 )
+            _text_only(vision, "single")
             return grouped_logprobs(
                 self.model,
                 prompts,

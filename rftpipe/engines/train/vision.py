@@ -92,7 +92,7 @@ def build_vision_micro_batch(
         if v is not None:
             v.check(len(p), f"row {r}")
     images = vision_forward_inputs(
-        model, mb.input_ids, mb.attention_mask, vision, [0] * len(vision)
+        hf_model(model), mb.input_ids, mb.attention_mask, vision, [0] * len(vision)
     )
     if images is None:
         pos = (mb.attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -139,9 +139,10 @@ def rows_hidden(
     pixel_values: torch.Tensor | None = None,
     image_grid_thw: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(B, L) rows' last hidden states from a Qwen2-VL-family base model `vl` (its
-    `visual` and `language_model`): the tower's merged patch features at the rows' image
-    tokens (`mm_token_type_ids` 1), the text model with the M-RoPE `position_ids`.
+    """(B, L, hidden) last hidden states of the rows, from a Qwen2-VL-family base model
+    `vl` (its `visual` and `language_model`): the tower's merged patch features at the
+    rows' image tokens (`mm_token_type_ids` 1), the text model with the M-RoPE
+    `position_ids`.
 
     The tower runs in every call: on a blank one-patch image when no row has images, its
     output added to the embeddings times zero. So every rank of a sharded backend gathers
@@ -176,7 +177,7 @@ def rows_hidden(
 def vision_hidden(model: torch.nn.Module, vb: VisionMicroBatch) -> torch.Tensor:
     """(B, L, hidden) last hidden states of the rows (a Qwen2-VL conditional-generation
     model: its `model` holds `visual` and `language_model`); `rows_hidden`."""
-    return rows_hidden(model.model, vb.mb.input_ids, **vb.image_inputs())  # type: ignore[union-attr]
+    return rows_hidden(hf_model(model).model, vb.mb.input_ids, **vb.image_inputs())
 
 
 def vision_response_logprobs(
