@@ -10,8 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import launch_ranks, png
+import vision_task
+from helpers import TESTS_ON_PATH, final_weights, launch_ranks, png, submit, trajectories
 from safetensors.torch import load_file
+from test_vision_pipeline import RUN as PIPELINE
+from test_vision_pipeline import vl_run
 from vision_worker import VARIANTS, single_name
 
 from rftpipe.config.schema import CriticConfig, TrainConfig
@@ -20,6 +23,7 @@ from rftpipe.dist import Dist
 from rftpipe.engines.train.critic import Critic, critic_train_config, load_value_model
 from rftpipe.engines.train.single import SingleDeviceEngine
 from rftpipe.engines.vision import VisionEncoder, collate
+from rftpipe.storage.layout import IMAGES_COLUMN
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 RUN = [v for v in ("fsdp2", "fsdp2-tower", "zero3") if HAVE_DEEPSPEED or not v.startswith("zero")]
@@ -138,3 +142,37 @@ def test_critic_values_see_the_image(tiny_vl: Path, tmp_path: Path) -> None:
             hidden = model.model(**batch, use_cache=False).last_hidden_state
             own = model.value_head(hidden)[0, len(e.input_ids) - 1 : -1, 0]
             torch.testing.assert_close(torch.tensor(values), own, atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_vision_run_on_two_fsdp2_ranks_ends_like_one_rank(tmp_path: Path) -> None:
+    """The pipeline (rollout, advantage with the reference's and the actor's logprobs,
+    train; micro-batches with and without images, a trained tower) for 2 steps on
+    `single` and on 2 `fsdp2` ranks: the same samples, and final weights within 1e-6
+    (AdamW's eps 1e-3 as in `vision_worker.ADAM_EPS`; measured 1.2e-7, 2026-11-26)."""
+    data = vision_task.write_mixed_dataset(tmp_path / "data", 12, 3)
+    overrides = vl_run(data, *PIPELINE, "total_steps=2", "train.adam_eps=1e-3")
+    runs = {}
+    for name, extra, launch in (
+        ("single", (), ()),
+        ("fsdp2", ("train.backend=fsdp2",), ("--tasks-per-node", "2")),
+    ):
+        runs[name] = tmp_path / name
+        out = submit(runs[name], *overrides, *extra, extra=launch, env=TESTS_ON_PATH)
+        assert out.returncode == 0, out.stderr[-3000:]
+    order = [("step", "ascending"), ("prompt_id", "ascending"), ("sample_idx", "ascending")]
+    one, two = (trajectories(runs[n]).drop_columns(["rank"]).sort_by(order) for n in runs)
+    assert one.num_rows == two.num_rows > 0
+    assert any(one.column(IMAGES_COLUMN).to_pylist()) and not all(
+        one.column(IMAGES_COLUMN).to_pylist()
+    )
+    for col in one.column_names:
+        a, b = one.column(col).to_pylist(), two.column(col).to_pylist()
+        if col == "logprobs":  # step 2 samples from weights that differ in the last bits
+            assert _max_diff(a, b) <= LOGPROB_TOL
+        else:
+            assert a == b, col
+    wa, wb = final_weights(runs["single"]), final_weights(runs["fsdp2"])
+    assert wa.keys() == wb.keys()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= WEIGHT_TOL
