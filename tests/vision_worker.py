@@ -46,6 +46,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 """A frozen tower unless `freeze` is False (then the tower trains: its gradients reduce
 while rank 1's training rows have no image)."""
+TOWER_CHUNK = 5
+"""`train.logprob_chunk_size` of the variants with a trained tower (and of their single
+baseline): the LM head returns chunked logprobs from inside the root's image forward."""
 ADAM_EPS = 1e-3
 """AdamW's eps in every variant: its first step moves a weight by lr * g / (|g| + eps), so
 with the default 1e-8 a gradient near 1e-8 turns its last-bit differences between
@@ -122,7 +125,12 @@ def run(variant: str, dist: Dist, image_dir: Path, take: Sequence[Sequence[int]]
     freeze = spec.get("freeze", True)
     stage = {"zero_stage": spec["zero_stage"]} if "zero_stage" in spec else {}
     cfg = TrainConfig(
-        backend=spec["backend"], lr=1e-3, adam_eps=ADAM_EPS, micro_batch_size=2, **stage
+        backend=spec["backend"],
+        lr=1e-3,
+        adam_eps=ADAM_EPS,
+        micro_batch_size=2,
+        logprob_chunk_size=0 if freeze else TOWER_CHUNK,
+        **stage,
     )
     prompts, responses, vision = rows(image_dir)
     mine = take[dist.rank]
