@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -105,7 +106,7 @@ def _judge_config(batch_size: int) -> RewardConfig:
     )
 
 
-def _judge(batch_size: int = 8) -> VisionJudge:
+def _judge(batch_size: int) -> VisionJudge:
     judge = resolve_all(_judge_config(batch_size), None)["reward_judge"]
     assert isinstance(judge, VisionJudge)
     return judge
@@ -124,6 +125,7 @@ def _direct(judge: VisionJudge, s: RewardSample) -> float:
     return float(lp[yes] - lp[no])
 
 
+@pytest.mark.slow  # about 12 s on a loaded 2-core machine: the VLM's first import and load
 def test_a_vision_judge_scores_rows_with_their_images(tiny_vl: Path, tmp_path: Path) -> None:
     table = image_rollouts(tmp_path, PICTURES)
     # One more group, a text prompt of the same vision run.
@@ -138,7 +140,7 @@ def test_a_vision_judge_scores_rows_with_their_images(tiny_vl: Path, tmp_path: P
     want = [_direct(judge, s) for s in samples]
     # Left-padded batches of mixed lengths, with and without images, equal each row alone.
     assert t["reward_judge"] == pytest.approx(want, abs=1e-5, rel=0)
-    one = _judge(batch_size=1)
+    one = replace(judge, cfg=replace(judge.cfg, batch_size=1))
     assert [o.value for o in one.score(samples, True)] == pytest.approx(want, abs=1e-5, rel=0)
     # The image decides the score: the same row with another picture scores otherwise.
     s = samples[0]
@@ -148,6 +150,14 @@ def test_a_vision_judge_scores_rows_with_their_images(tiny_vl: Path, tmp_path: P
     other = RewardSample(**{**_fields(s), "images": (SampleImage(sha, str(moved)),)})
     assert abs(_direct(judge, other) - want[0]) > 1e-4
     assert judge.score([other], True)[0].value == pytest.approx(_direct(judge, other), abs=1e-5)
+    # A multi-turn row's conversation places its images by its own placeholders: the same
+    # conversation as messages reads exactly as the single-turn row.
+    chat = [
+        {"role": "user", "content": "<image>" + s.prompt},
+        {"role": "assistant", "content": s.response},
+    ]
+    turns = RewardSample(**{**_fields(s), "messages": chat})
+    assert judge_prompt(turns) == judge_prompt(s)
 
 
 def _fields(s: RewardSample) -> dict:

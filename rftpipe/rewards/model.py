@@ -248,9 +248,12 @@ class VisionJudge:
                 "start with the same token"
             )
         device = torch.device(device)
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=getattr(torch, cfg.dtype))
+        model: torch.nn.Module = AutoModelForImageTextToText.from_pretrained(
+            path, dtype=getattr(torch, cfg.dtype)
+        )
+        model.to(device).eval()
         log.info("vision judge %s loaded on %s (%s)", cfg.path, device, cfg.dtype)
-        return cls(spec, cfg, model.to(device).eval(), encoder, device, (yes, no), question)
+        return cls(spec, cfg, model, encoder, device, (yes, no), question)
 
     def log_odds(self, prompts: Sequence[VisionPrompt]) -> list[float]:
         """(B,) log p(yes) - log p(no) of the prompts, in order, `batch_size` per forward."""
