@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -70,6 +71,8 @@ class EvalInputs:
     eval: EvalConfig
     rollout: RolloutConfig
     reward: RewardConfig
+    run_root: Path | None = None
+    """The run directory, under which rows' `images` paths are (rows with images need it)."""
 
 
 def run(
@@ -90,7 +93,7 @@ def run(
         table = _episode_table(engine, tokenizer, inp, inp.rollout.env, calls)
     else:
         table = _completion_table(engine, tokenizer, inp, calls)
-    scored = score.run(inp.reward, components, table)
+    scored = score.run(inp.reward, components, table, inp.run_root)
     metric = scored.column(f"reward_{inp.eval.metric}").to_pylist()
     # Null where the metric's function does not score the row's data source.
     correct = [None if v is None else v >= inp.eval.threshold for v in metric]
@@ -217,6 +220,7 @@ class EvalStage(NoSideEffects):
             eval=rt.cfg.eval,
             rollout=rt.cfg.rollout,
             reward=rt.cfg.reward,
+            run_root=rt.run.root,
         )
         table = run(rt.rollout_engine, rt.tokenizer, rt.rewards, inp)
         train = {content_key(p) for p in rt.prompts.prompts}
