@@ -19,6 +19,7 @@ from reward_server import RewardServer, Schedule, score_of
 
 from rftpipe.config.loader import from_dict
 from rftpipe.config.schema import RewardConfig
+from rftpipe.errors import UserError
 from rftpipe.rewards import pool, resolve_all
 from rftpipe.rewards.model import VisionJudge, judge_prompt
 from rftpipe.rewards.types import RewardSample, SampleImage
@@ -82,6 +83,10 @@ def test_a_remote_server_receives_and_checks_the_images(
         stored = run / ImageRef.parse(table.column("images")[0].as_py()[0]).relpath
         stored.write_bytes(PICTURES[2])
         bad = score.run(cfg, resolve_all(cfg, None), table, run).to_pydict()
+        stored.unlink()
+        if how == "base64":  # a damaged run directory: one line naming the row, no retries
+            with pytest.raises(UserError, match="reward.remote: cannot read image .* of step 1"):
+                score.run(cfg, resolve_all(cfg, None), table, run)
     assert t["reward_remote"] == [score_of(r) for r in t["response"]]
     assert t["reward_remote_images"] == [1.0 if p == 0 else 2.0 for p in t["prompt_id"]]
     assert t["reward_remote_verified"] == t["reward_remote_images"]

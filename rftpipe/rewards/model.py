@@ -191,7 +191,7 @@ def judge_prompt(s: RewardSample, question: str = JUDGE_QUESTION) -> VisionPromp
     The images go where the prompt's ``<image>`` placeholders are, or, if it has none,
     before its text; a multi-turn row's conversation (`s.messages`) places them by its
     own image parts. Exit 2 naming the row when the images do not fit the prompt."""
-    images = [im.read_bytes() for im in s.images]
+    images = s.image_bytes("reward.functions")
     turn = {"role": "user", "content": question}
     if s.messages is not None:
         return vision_prompt([*s.messages, turn], images, row=s.where, prompt_col="messages")

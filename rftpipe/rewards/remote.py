@@ -99,22 +99,13 @@ class Circuit:
 
 def image_entries(s: RewardSample, how: ImagePayload) -> list[dict[str, str]]:
     """The row's images as its request lists them (`reward.remote.image_payload`): each
-    {sha256, path} (`path`) or {sha256, base64} of the file's bytes (`base64`). A stored
-    image that cannot be read is a damaged run directory: a `UserError` naming the row,
-    never a retried request."""
+    {sha256, path} (`path`) or {sha256, base64} of the file's bytes (`base64`)."""
     if how == "path":
         return [{"sha256": im.sha256, "path": im.path} for im in s.images]
-    out = []
-    for im in s.images:
-        try:
-            data = im.read_bytes()
-        except OSError as exc:
-            raise UserError(
-                f"reward.remote: cannot read image {im.path} of {s.where} "
-                f"({exc.strerror or exc}); check the run with `rftpipe inspect RUN verify`"
-            ) from exc
-        out.append({"sha256": im.sha256, "base64": base64.b64encode(data).decode("ascii")})
-    return out
+    return [
+        {"sha256": im.sha256, "base64": base64.b64encode(data).decode("ascii")}
+        for im, data in zip(s.images, s.image_bytes("reward.remote"), strict=True)
+    ]
 
 
 def payload(s: RewardSample, how: ImagePayload = "path") -> dict[str, Any]:

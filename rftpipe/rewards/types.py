@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from rftpipe.config.schema import RewardFunctionConfig
+from rftpipe.errors import UserError
 from rftpipe.storage.images import ImageRef
 
 if TYPE_CHECKING:
@@ -80,6 +81,21 @@ class RewardSample:
     def where(self) -> str:
         """The row, as error messages name it."""
         return f"step {self.step} prompt_id {self.prompt_id} sample_idx {self.sample_idx}"
+
+    def image_bytes(self, field: str) -> list[bytes]:
+        """The files of `images`, in order, for a component that sends or encodes them. A
+        stored image that cannot be read is a damaged run directory: a `UserError` naming
+        `field` and the row (never a retried request or a row's failure)."""
+        out = []
+        for im in self.images:
+            try:
+                out.append(im.read_bytes())
+            except OSError as exc:
+                raise UserError(
+                    f"{field}: cannot read image {im.path} of {self.where} "
+                    f"({exc.strerror or exc}); check the run with `rftpipe inspect RUN verify`"
+                ) from exc
+        return out
 
 
 def data_source_of(row: Mapping[str, Any], metadata: Mapping[str, Any]) -> str:

@@ -94,8 +94,6 @@ def run(
 def _sample(r: dict[str, Any], run_root: Path | None) -> RewardSample:
     metadata = json.loads(r["metadata"])
     relpaths = r.get(IMAGES_COLUMN) or []
-    if relpaths and run_root is None:
-        raise ValueError("score.run: rows with images need the run directory (run_root)")
     return RewardSample(
         step=r["step"],
         prompt_id=r["prompt_id"],
@@ -108,8 +106,23 @@ def _sample(r: dict[str, Any], run_root: Path | None) -> RewardSample:
         response_token_ids=r["response_token_ids"],
         finish_reason=r["finish_reason"],
         messages=json.loads(r["messages"]) if r.get("messages") else None,
-        images=tuple(SampleImage.in_run(run_root, p) for p in relpaths) if run_root else (),
+        images=_images(r, relpaths, run_root),
     )
+
+
+def _images(
+    r: dict[str, Any], relpaths: list[str], run_root: Path | None
+) -> tuple[SampleImage, ...]:
+    """The row's images, as `RewardSample.images`."""
+    if not relpaths:
+        return ()
+    if run_root is None:
+        raise ValueError("score.run: rows with images need the run directory (run_root)")
+    try:
+        return tuple(SampleImage.in_run(run_root, p) for p in relpaths)
+    except ValueError as exc:  # a committed row we wrote: a bug or damage, not user input
+        where = f"step {r['step']} prompt_id {r['prompt_id']} sample_idx {r['sample_idx']}"
+        raise ValueError(f"{where}: {exc}") from exc
 
 
 def _value(fn: str, s: RewardSample, o: Outcome | None) -> tuple[float, dict[str, Any]]:
