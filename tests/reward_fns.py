@@ -132,14 +132,14 @@ def red_mean(sample) -> dict:
     return {"score": red, "images": len(sample.images), "verified": float(ok)}
 
 
-def image_rollouts(run_root, pictures: list[bytes]) -> pa.Table:
-    """`rollouts()` (2 prompts x 3 samples) with an `images` column of a vision run: prompt
+def image_rollouts(run_root, pictures: list[bytes], n: int = 3) -> pa.Table:
+    """`rollouts(n=n)` (2 prompts x n samples) with an `images` column of a vision run: prompt
     0 showed `pictures[0]`, prompt 1 showed `pictures[1:]`; the pictures (PNG bytes) are
     put in `run_root`'s image store."""
     from rftpipe.storage.images import ImageStore
 
     store = ImageStore(run_root)
     refs = [store.put(b, "png").relpath for b in pictures]
-    table = rollouts()
+    table = rollouts(n=n)
     shown = [refs[:1] if p == 0 else refs[1:] for p in table.column("prompt_id").to_pylist()]
     return table.append_column("images", pa.array(shown, pa.list_(pa.string())))

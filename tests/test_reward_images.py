@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +95,20 @@ def test_a_remote_server_receives_and_checks_the_images(
     assert bad["reward_remote_verified"] == [0.0 if p == 0 else 2.0 for p in t["prompt_id"]]
 
 
+def test_a_text_reward_model_scores_the_text_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    entry = {"path": "reward_model", "name": "rm", "model": {"path": "builtin:tiny-reward"}}
+    cfg = from_dict(RewardConfig, {"functions": [entry]})
+    rm = resolve_all(cfg, None)
+    with_images = score.run(cfg, rm, image_rollouts(tmp_path, PICTURES), tmp_path)
+    score.run(cfg, rm, image_rollouts(tmp_path, PICTURES), tmp_path)
+    text = score.run(cfg, rm, rollouts())
+    assert with_images.column("reward_rm").equals(text.column("reward_rm"))
+    said = [m for m in caplog.messages if "does not see their images" in m]
+    assert len(said) == 1, caplog.messages  # once, not once per shard
+
+
 def _judge_config(batch_size: int) -> RewardConfig:
     return from_dict(
         RewardConfig,
@@ -111,12 +124,6 @@ def _judge_config(batch_size: int) -> RewardConfig:
     )
 
 
-def _judge(batch_size: int) -> VisionJudge:
-    judge = resolve_all(_judge_config(batch_size), None)["reward_judge"]
-    assert isinstance(judge, VisionJudge)
-    return judge
-
-
 def _direct(judge: VisionJudge, s: RewardSample) -> float:
     """One unpadded forward of the row alone, the model placing its own positions."""
     e = judge.encoder.encode(judge_prompt(s))
@@ -130,31 +137,31 @@ def _direct(judge: VisionJudge, s: RewardSample) -> float:
     return float(lp[yes] - lp[no])
 
 
-@pytest.mark.slow  # about 12 s on a loaded 2-core machine: the VLM's first import and load
+@pytest.mark.slow  # 4 to 45 s on a loaded 2-core machine: 8 forwards of the tiny VLM
 def test_a_vision_judge_scores_rows_with_their_images(tiny_vl: Path, tmp_path: Path) -> None:
-    table = image_rollouts(tmp_path, PICTURES)
-    # One more group, a text prompt of the same vision run.
-    text = rollouts(prompts=1, n=2).append_column(
-        "images", pa.array([[], []], pa.list_(pa.string()))
-    )
-    table = pa.concat_tables([table, text.set_column(1, "prompt_id", pa.array([2, 2]))])
-    judge = _judge(batch_size=8)
+    table = image_rollouts(tmp_path, PICTURES, n=2)
+    # One more row, a text prompt of the same vision run.
+    text = rollouts(prompts=1, n=1).append_column("images", pa.array([[]], pa.list_(pa.string())))
+    table = pa.concat_tables([table, text.set_column(1, "prompt_id", pa.array([2]))])
     cfg = _judge_config(8)
+    judge = resolve_all(cfg, None)["reward_judge"]
+    assert isinstance(judge, VisionJudge)
     t = score.run(cfg, {"reward_judge": judge}, table, tmp_path).to_pydict()
     samples = [score._sample(r, tmp_path) for r in table.to_pylist()]
     want = [_direct(judge, s) for s in samples]
-    # Left-padded batches of mixed lengths, with and without images, equal each row alone.
+    # One left-padded batch of rows of 2, 1 and no images and of unequal lengths equals
+    # each row alone.
+    assert len({len(judge.encoder.encode(judge_prompt(s)).input_ids) for s in samples}) == 3
     assert t["reward_judge"] == pytest.approx(want, abs=1e-5, rel=0)
-    one = replace(judge, cfg=replace(judge.cfg, batch_size=1))
-    assert [o.value for o in one.score(samples, True)] == pytest.approx(want, abs=1e-5, rel=0)
     # The image decides the score: the same row with another picture scores otherwise.
     s = samples[0]
     moved = tmp_path / "other.png"
     moved.write_bytes(PICTURES[2])
     sha = hashlib.sha256(PICTURES[2]).hexdigest()
     other = RewardSample(**{**_fields(s), "images": (SampleImage(sha, str(moved)),)})
-    assert abs(_direct(judge, other) - want[0]) > 1e-4
-    assert judge.score([other], True)[0].value == pytest.approx(_direct(judge, other), abs=1e-5)
+    alone = _direct(judge, other)
+    assert abs(alone - want[0]) > 1e-4
+    assert judge.score([other], True)[0].value == pytest.approx(alone, abs=1e-5, rel=0)
     # A multi-turn row's conversation places its images by its own placeholders: the same
     # conversation as messages reads exactly as the single-turn row.
     chat = [

@@ -263,10 +263,10 @@ class VisionJudge:
         out: list[float] = []
         for i in range(0, len(encoded), self.cfg.batch_size):
             batch = collate(encoded[i : i + self.cfg.batch_size], pad, left=True)
+            batch = {k: v.to(self.device) for k, v in batch.items()}
             # Explicit positions: with left padding, each row's start at its first real
             # token, as it has alone.
             batch["position_ids"] = rope_position_ids(self.model, batch)
-            batch = {k: v.to(self.device) for k, v in batch.items()}
             if "pixel_values" in batch:
                 batch["pixel_values"] = batch["pixel_values"].to(getattr(torch, self.cfg.dtype))
             with torch.no_grad():
