@@ -93,7 +93,6 @@ def run(
 
 def _sample(r: dict[str, Any], run_root: Path | None) -> RewardSample:
     metadata = json.loads(r["metadata"])
-    relpaths = r.get(IMAGES_COLUMN) or []
     return RewardSample(
         step=r["step"],
         prompt_id=r["prompt_id"],
@@ -106,14 +105,14 @@ def _sample(r: dict[str, Any], run_root: Path | None) -> RewardSample:
         response_token_ids=r["response_token_ids"],
         finish_reason=r["finish_reason"],
         messages=json.loads(r["messages"]) if r.get("messages") else None,
-        images=_images(r, relpaths, run_root),
+        images=_images(r, run_root),
     )
 
 
-def _images(
-    r: dict[str, Any], relpaths: list[str], run_root: Path | None
-) -> tuple[SampleImage, ...]:
-    """The row's images, as `RewardSample.images`."""
+def _images(r: dict[str, Any], run_root: Path | None) -> tuple[SampleImage, ...]:
+    """The row's images (its `images` column, absent in a text-only run), as
+    `RewardSample.images`."""
+    relpaths = r.get(IMAGES_COLUMN) or []
     if not relpaths:
         return ()
     if run_root is None:
