@@ -93,6 +93,18 @@ class VisionInputs:
             )
 
 
+VISION_TOWER_PREFIXES = ("model.visual.", "visual.")
+"""Where a Qwen2-VL-family model's vision tower (patch embedding, blocks, merger) sits in
+its tensor names: transformers 5's module (`model.visual.`) and the saved checkpoint's
+layout (`visual.`)."""
+
+
+def is_vision_tower_name(name: str) -> bool:
+    """Whether the tensor `name` (a transformers state-dict or checkpoint name) belongs to
+    the vision tower."""
+    return name.startswith(VISION_TOWER_PREFIXES)
+
+
 def is_vision_model(model_dir: Path) -> bool:
     """Whether the model in `model_dir` takes images (its config has a vision tower)."""
     config = json.loads((model_dir / "config.json").read_text())
