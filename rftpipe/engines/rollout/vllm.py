@@ -541,6 +541,13 @@ class VLLMEngine:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
+        if self._vision:
+            # So were cached image embeddings. vLLM's reload clears the worker's encoder
+            # and processed-input caches but not the scheduler's or the front end's
+            # records of them: the next request with a seen image would fail ("Encoder
+            # cache miss for <hash>"), so clear those too.
+            self.llm.reset_mm_cache()
+            self.llm.llm_engine.reset_encoder_cache()
         self._needs_weights = False
         self.weight_version = version
         self.last_sync_s = time.perf_counter() - t0
