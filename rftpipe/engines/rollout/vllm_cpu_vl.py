@@ -20,7 +20,9 @@ resize arithmetic; the PIL class is what `VisionEncoder` encodes prompts with), 
 model is registered with vLLM again with a processing info whose processor has no video
 processor and which supports images only. vLLM's model code, image processing, scheduler
 and sampler are otherwise its own. It does nothing where torchvision imports (vLLM on
-GPUs), so the GPU tests run stock vLLM.
+GPUs), so the GPU tests run stock vLLM. The patches live in this process, which is where
+the engine core runs (`import_vllm` sets `VLLM_ENABLE_V1_MULTIPROCESSING=0`); a forked
+engine process would inherit them, a spawned one would not.
 """
 
 from __future__ import annotations
