@@ -273,7 +273,7 @@ class VLLMEngine:
             kwargs["limit_mm_per_prompt"] = limits if needs_compat() else limits | {"video": 0}
             pixels = {"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels}
             if any(v is not None for v in pixels.values()):
-                kwargs["mm_processor_kwargs"] = {k: v for k, v in pixels.items() if v}
+                kwargs["mm_processor_kwargs"] = {k: v for k, v in pixels.items() if v is not None}
         if dist.world > 1:
             # Reuse the trainer's process group: each tensor-parallel group of ranks holds
             # one engine, and the groups generate independently (vLLM's "external DP").
@@ -370,6 +370,8 @@ class VLLMEngine:
         if not batch:
             return []
         requests = []
+        # A group's samples share one `Images`: decode its files once.
+        decoded: dict[int, list[Any]] = {}
         for p, _, _, images in batch:
             if images is None:
                 requests.append(TokensPrompt(prompt_token_ids=p))
@@ -380,10 +382,12 @@ class VLLMEngine:
                     "take a prompt with images"
                 )
             ids, files = images
+            if id(images) not in decoded:
+                decoded[id(images)] = [im.pil() for im in files]
             requests.append(
                 TokensPrompt(
                     prompt_token_ids=list(ids),
-                    multi_modal_data={"image": [im.pil() for im in files]},
+                    multi_modal_data={"image": decoded[id(images)]},
                 )
             )
         params = [
