@@ -117,3 +117,29 @@ def first_token_even(sample) -> float:
     random model score alike (what dynamic sampling drops) and others do not."""
     ids = sample.response_token_ids
     return float(bool(ids) and ids[0] % 2 == 0)
+
+
+def red_mean(sample) -> dict:
+    """rftpipe signature: the mean red channel (0-255) of the row's first image (-1 for a
+    row without images), with how many images it saw and whether their bytes hash to
+    their names."""
+    import hashlib
+
+    import numpy as np
+
+    ok = all(hashlib.sha256(im.read_bytes()).hexdigest() == im.sha256 for im in sample.images)
+    red = float(np.asarray(sample.images[0].pil())[..., 0].mean()) if sample.images else -1.0
+    return {"score": red, "images": len(sample.images), "verified": float(ok)}
+
+
+def image_rollouts(run_root, pictures: list[bytes], n: int = 3) -> pa.Table:
+    """`rollouts(n=n)` (2 prompts x n samples) with an `images` column of a vision run: prompt
+    0 showed `pictures[0]`, prompt 1 showed `pictures[1:]`; the pictures (PNG bytes) are
+    put in `run_root`'s image store."""
+    from rftpipe.storage.images import ImageStore
+
+    store = ImageStore(run_root)
+    refs = [store.put(b, "png").relpath for b in pictures]
+    table = rollouts(n=n)
+    shown = [refs[:1] if p == 0 else refs[1:] for p in table.column("prompt_id").to_pylist()]
+    return table.append_column("images", pa.array(shown, pa.list_(pa.string())))

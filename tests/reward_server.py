@@ -6,14 +6,19 @@ the end of the list, its last action). Actions: `ok` (score the row), an HTTP st
 such as `503` or `400`, `slow` (answer after `slow_s`, beyond the client's timeout) and
 `drop` (close the connection without a reply). With `kill_at` = N, the N-th request of
 all SIGKILLs the process group `kill_pgid` before its reply: a run dying mid-score. Every
-request is appended to a JSON-lines log: time, row key, its attempt number, the action
-and whether the bearer token matched.
+request is appended to a JSON-lines log: time, row key, its attempt number, the action,
+whether the bearer token matched and the keys of each of its images.
 
 The score of a row is a pure function of its response text, so tests can recompute it.
+A row with images is answered with how many it had (`images`) and how many of them the
+server read whose bytes hash to their `sha256` (`verified`): from the file at `path`, or
+from `base64`.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import signal
@@ -28,6 +33,15 @@ from typing import Any
 def score_of(response: str) -> float:
     """The server's reward: the share of characters with an even code point."""
     return sum(ord(c) % 2 == 0 for c in response) / max(1, len(response))
+
+
+def verified(images: list[dict[str, str]]) -> int:
+    """How many of a request's images the server reads with bytes matching `sha256`."""
+    n = 0
+    for im in images:
+        data = base64.b64decode(im["base64"]) if "base64" in im else Path(im["path"]).read_bytes()
+        n += hashlib.sha256(data).hexdigest() == im["sha256"]
+    return n
 
 
 @dataclass
@@ -106,6 +120,7 @@ class RewardServer:
                         "action": action,
                         "token_ok": token_ok,
                         "header_row": self.headers.get("X-Rftpipe-Row"),
+                        "image_keys": [sorted(im) for im in body.get("images", [])],
                     }
                 )
                 if action == "kill":
@@ -119,7 +134,10 @@ class RewardServer:
                     action = "ok"
                 if action == "ok":
                     s = score_of(body["response"])
-                    self._reply(200, {"score": s, "length": len(body["response"])})
+                    reply = {"score": s, "length": len(body["response"])}
+                    if images := body.get("images"):
+                        reply |= {"images": len(images), "verified": verified(images)}
+                    self._reply(200, reply)
                 else:
                     self._reply(int(action), {"error": f"scheduled {action}"})
 

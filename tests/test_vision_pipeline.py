@@ -6,6 +6,7 @@ points and at random instants (bitwise equal to an uninterrupted run), corrupt i
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -342,3 +343,51 @@ def test_the_policy_learns_to_use_the_image(tmp_path: Path) -> None:
     rows = trajectories(control)
     assert "images" in rows.column_names and not any(rows.column("images").to_pylist())
     assert pa.compute.sum(pa.compute.list_value_length(trajectories(vlm).column("images"))).as_py()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_a_vllm_vision_run_with_a_frozen_tower(mixed: Path, tiny_vl: Path, tmp_path: Path) -> None:
+    """vLLM (on CPU through `rftpipe.engines.rollout.vllm_cpu_vl`) rolls out the image
+    prompts; its logprobs agree with the trainer's before and after a weight sync that
+    leaves the frozen tower out, and the tower keeps its initial weights."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    steps = (*RUN[1:], "total_steps=2", "rollout.engine=vllm", "train.freeze_vision=true")
+    out = submit(run, *vl_run(mixed, *steps), env=TESTS_ON_PATH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    diffs = [m["rollout/logprob_abs_diff_max"] for m in metrics if m.get("step", 0) >= 1]
+    assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
+    assert any(trajectories(run).column("images").to_pylist())
+    initial = load_file(tiny_vl / "model.safetensors")
+    final = final_weights(run)
+    tower = [k for k in final if "visual." in k]
+    assert tower and all(torch.equal(final[k], initial[k]) for k in tower)
+    text = [k for k in final if "visual." not in k and k in initial]
+    assert any(not torch.equal(final[k], initial[k]) for k in text)
+
+
+def test_one_and_two_ranks_agree_with_images(mixed: Path, tmp_path: Path) -> None:
+    """FSDP2 on 1 and 2 gloo ranks: the same rows (image and text prompts, dealt in whole
+    calls of 2 groups) and the same weights, as for text (tests/test_distributed.py)."""
+    steps = (
+        *RUN[1:],
+        "total_steps=2",
+        "train.backend=fsdp2",
+        "rollout.groups_per_call=2",
+        "train.freeze_vision=true",
+    )
+    runs = {}
+    for world in (1, 2):
+        run = runs[world] = tmp_path / f"w{world}"
+        extra = ("--tasks-per-node", str(world))
+        out = submit(run, *vl_run(mixed, *steps), env=TESTS_ON_PATH, extra=extra)
+        assert out.returncode == 0, out.stderr[-3000:]
+    cols = ["prompt_id", "sample_idx", "images", "response_token_ids", "reward", "advantages"]
+    one, two = trajectories(runs[1]), trajectories(runs[2])
+    assert one.select(cols).equals(two.select(cols))
+    assert set(two.column("rank").to_pylist()) == {0, 1}
+    wa, wb = final_weights(runs[1]), final_weights(runs[2])
+    num = sum(float((wa[k] - wb[k]).pow(2).sum()) for k in wa) ** 0.5
+    assert num / sum(float(wa[k].pow(2).sum()) for k in wa) ** 0.5 < 1e-5

@@ -7,7 +7,8 @@ both on `builtin:tiny-vl`, each a real run through `jobs.submit` (local cluster)
 The image side's prompts hold `--images` pictures of `--size` x `--size` pixels each and
 the same short question; the text side's prompts are that question padded with text to
 exactly the image prompts' token count (image tokens included), so both sides roll out,
-score and train sequences of the same lengths. The text side trains through the text path
+score and train sequences of the same lengths (with a KL term, so the advantage stage runs
+the reference's forward over them too). The text side trains through the text path
 (prefix forest: a group's prompt computed once), the image side through the padded forward
 with the vision tower (see docs/vision.md). Sides alternate `--repeats` times; prints, per
 side, the medians over steps 2..N (step 1 warms up) of each stage's seconds and memory
@@ -31,7 +32,9 @@ KEYS = (
     "perf/rollout_s",
     "perf/advantage_s",
     "perf/train_s",
-    "perf/rollout_mem_peak_gib",
+    "perf/rollout_mem_increment_gib",
+    "perf/advantage_mem_increment_gib",
+    "perf/train_mem_increment_gib",
     "perf/train_mem_peak_gib",
 )
 
@@ -91,6 +94,9 @@ def run(data: Path, out: Path, args: argparse.Namespace) -> list[dict]:
         "train.mini_batches=1",
         f"train.micro_batch_size={args.prompts * args.n}",
         "checkpoint.interval=1000",
+        # The reference's logprobs in the advantage stage take the images too.
+        "kl.mode=loss",
+        "kl.coef=0.05",
     ]
     cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--run-dir", str(out)]
     cmd += ["--config", str(ROOT / "configs" / "tiny_dense.yaml"), *overrides]

@@ -698,7 +698,8 @@ class RemoteRewardConfig:
     """A reward server, used as the component `remote` of `reward.functions`.
 
     Each row is one POST of JSON {step, prompt_id, sample_idx, prompt, response, answer,
-    data_source, metadata, finish_reason}; the reply is a number or a dict with `score`.
+    data_source, metadata, finish_reason, images}; the reply is a number or a dict with
+    `score`.
     """
 
     url: str = ""
@@ -729,6 +730,13 @@ class RemoteRewardConfig:
     """Consecutive failed requests (over all rows, any success resets the count) after
     which the circuit opens: the run stops with an error instead of retrying a server
     that is down."""
+
+    image_payload: Literal["path", "base64"] = "path"
+    """How a row's images travel in its request's `images` list (in the order its prompt
+    showed them; empty for a text row): `path` sends each as {sha256, path}, the file's
+    absolute path under the run directory, for a server that shares the file system;
+    `base64` sends {sha256, base64}, the file's bytes, for one that does not (each
+    request then carries its images, about 4/3 of their size)."""
 
     def __post_init__(self) -> None:
         if self.url and not re.match(r"https?://", self.url):

@@ -93,6 +93,18 @@ class VisionInputs:
             )
 
 
+VISION_TOWER_PREFIXES = ("model.visual.", "visual.")
+"""Where a Qwen2-VL-family model's vision tower (patch embedding, blocks, merger) sits in
+its tensor names: transformers 5's module (`model.visual.`) and the saved checkpoint's
+layout (`visual.`)."""
+
+
+def is_vision_tower_name(name: str) -> bool:
+    """Whether the tensor `name` (a transformers state-dict or checkpoint name) belongs to
+    the vision tower."""
+    return name.startswith(VISION_TOWER_PREFIXES)
+
+
 def require_vision_model(model_dir: Path, prompt: VisionPrompt, row: str, field: str) -> None:
     """Exit 2 when `prompt` has images and the model in `model_dir` is text-only."""
     if prompt.images and not is_vision_model(model_dir):

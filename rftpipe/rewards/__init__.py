@@ -6,7 +6,8 @@ a shard's rows into one `Outcome` per row (ok with the returned value, or timeou
 error). In-process built-ins (`rftpipe.rewards.builtin`) run in this process; import-path
 functions run in worker processes that are killed on timeout (`rftpipe.rewards.pool`);
 `remote` posts each row to a server (`rftpipe.rewards.remote`); `reward_model` runs a
-sequence-classification model (`rftpipe.rewards.model`). The score stage
+sequence-classification model, or a vision-language model as a judge
+(`rftpipe.rewards.model`). The score stage
 (`rftpipe.stages.score`) turns outcomes into columns and applies `reward.on_error`.
 """
 
@@ -120,9 +121,9 @@ def _reward_model(
     device: Any,
 ) -> RewardComponent:
     # Imported on use: it loads transformers, which a config without a model never needs.
-    from rftpipe.rewards.model import RewardModel
+    from rftpipe.rewards import model
 
-    return RewardModel.build(spec, device)
+    return model.build(spec, device)
 
 
 #: Every name `reward.functions` takes besides `module:function` -> its builder.

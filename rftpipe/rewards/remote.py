@@ -9,12 +9,17 @@ the circuit; `circuit_after` of them in a row, over all rows, stop the run inste
 hammering a server that is down. The bearer token is read from the environment variable
 `reward.remote.token_env` and never logged or written.
 
+A row's images travel in its request's `images` list as {sha256, path}, the file's
+absolute path under the run directory, or, with `reward.remote.image_payload: base64`,
+as {sha256, base64} for a server that does not share the file system.
+
 The score stage commits what the server returned with its rows, so a committed row is
 never requested again, whatever instant the run dies (`rftpipe.stages.score`).
 """
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import logging
@@ -25,7 +30,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Any
+from typing import Any, Literal
 
 from tenacity import (
     RetryCallState,
@@ -40,6 +45,9 @@ from rftpipe.errors import UserError
 from rftpipe.rewards.types import Outcome, RewardSample
 
 log = logging.getLogger(__name__)
+
+ImagePayload = Literal["path", "base64"]
+"""`reward.remote.image_payload`: how a request carries the row's images."""
 
 #: Client errors that say "not now" rather than "wrong request": retried like a 5xx.
 RETRIED_4XX = frozenset({408, 429})
@@ -89,8 +97,19 @@ class Circuit:
             self.failures = 0
 
 
-def payload(s: RewardSample) -> dict[str, Any]:
-    """The JSON body of one row's request."""
+def image_entries(s: RewardSample, how: ImagePayload) -> list[dict[str, str]]:
+    """The row's images as its request lists them (`reward.remote.image_payload`): each
+    {sha256, path} (`path`) or {sha256, base64} of the file's bytes (`base64`)."""
+    if how == "path":
+        return [{"sha256": im.sha256, "path": im.path} for im in s.images]
+    return [
+        {"sha256": im.sha256, "base64": base64.b64encode(data).decode("ascii")}
+        for im, data in zip(s.images, s.image_bytes("reward.remote"), strict=True)
+    ]
+
+
+def payload(s: RewardSample, how: ImagePayload = "path") -> dict[str, Any]:
+    """The JSON body of one row's request (`how`: `reward.remote.image_payload`)."""
     return {
         "step": s.step,
         "prompt_id": s.prompt_id,
@@ -101,6 +120,7 @@ def payload(s: RewardSample) -> dict[str, Any]:
         "data_source": s.data_source,
         "metadata": s.metadata,
         "finish_reason": s.finish_reason,
+        "images": image_entries(s, how),
     }
 
 
@@ -134,20 +154,21 @@ class RemoteReward:
             headers["Authorization"] = f"Bearer {token}"
         return headers
 
-    def _try(self, s: RewardSample) -> Any:
-        """One request; the decoded reply, or Transient / BadRequest."""
+    def _try(self, s: RewardSample, body: bytes) -> Any:
+        """One request of `s` with JSON `body`; the decoded reply, or Transient /
+        BadRequest."""
         if self._abort.is_set():
             raise _Aborted
         self.circuit.check()
         req = urllib.request.Request(
             self.cfg.url,
-            data=json.dumps(payload(s)).encode(),
+            data=body,
             headers=self._headers(s),
             method="POST",
         )
         try:
             with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as resp:
-                body = resp.read()
+                reply = resp.read()
         except urllib.error.HTTPError as exc:
             detail = " ".join(exc.read(300).decode(errors="replace").split())
             exc.close()
@@ -168,9 +189,9 @@ class RemoteReward:
             raise Transient(why, timeout=timeout) from None
         self.circuit.succeeded()
         try:
-            return json.loads(body)
+            return json.loads(reply)
         except ValueError:
-            raise Transient(f"reply is not JSON: {body[:80]!r}") from None
+            raise Transient(f"reply is not JSON: {reply[:80]!r}") from None
 
     def _score_row(self, s: RewardSample) -> Outcome:
         def before_sleep(state: RetryCallState) -> None:
@@ -190,8 +211,10 @@ class RemoteReward:
             before_sleep=before_sleep,
             reraise=True,
         )
+        # Built once, outside the tries: base64 reads the images' files a single time.
+        body = json.dumps(payload(s, self.cfg.image_payload)).encode()
         try:
-            return Outcome("ok", retrying(self._try, s))
+            return Outcome("ok", retrying(self._try, s, body))
         except Transient as exc:
             return Outcome(
                 "timeout" if exc.timeout else "error",

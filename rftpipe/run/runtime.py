@@ -213,12 +213,6 @@ def load_vision(cfg: RunConfig, model_dir: Path) -> VisionEncoder | None:
                 f"train.freeze_vision: model.path '{cfg.model.path}' has no vision tower"
             )
         return None
-    if not ROLLOUT_ENGINES[cfg.rollout.engine].takes_images:
-        takes = sorted(k for k, e in ROLLOUT_ENGINES.items() if e.takes_images)
-        raise UserError(
-            f"rollout.engine={cfg.rollout.engine}: a vision-language model.path rolls out on "
-            f"{takes} only so far"
-        )
     images = cfg.data.images
     return VisionEncoder.load(model_dir, min_pixels=images.min_pixels, max_pixels=images.max_pixels)
 

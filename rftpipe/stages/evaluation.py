@@ -76,7 +76,8 @@ class EvalInputs:
     encoder: VisionEncoder | None = None
     """A vision-language policy's image encoding (its problems' images go to the engine)."""
     run_root: Path | None = None
-    """The run directory, whose image store the rows' images go to (with `encoder`)."""
+    """The run directory: its image store takes the rows' images (with `encoder`), and
+    reward functions read them from there."""
 
 
 def run(
@@ -102,7 +103,7 @@ def run(
         # Stored before scoring: reward functions read the images from the store.
         store_images(inp.run_root, inp.prompts)
         table = with_image_refs(table, inp.prompts)
-    scored = score.run(inp.reward, components, table)
+    scored = score.run(inp.reward, components, table, inp.run_root)
     metric = scored.column(f"reward_{inp.eval.metric}").to_pylist()
     # Null where the metric's function does not score the row's data source.
     correct = [None if v is None else v >= inp.eval.threshold for v in metric]

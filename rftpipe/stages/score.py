@@ -9,6 +9,10 @@ Each row also gets `reward_status` (ok, or the first function's timeout / error)
 `reward.on_error=fail`; under `zero` its component scores 0, is counted in the step's
 metrics and logged. A malformed return value (not a number, NaN, a dict without
 `score`) always stops the run: no policy can make it a reward.
+
+The rows of a vision run carry the images their prompt showed (column `images`, paths
+under the run directory): each sample gets them as `RewardSample.images`, absolute paths
+under `run_root` with their sha256.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -28,17 +33,29 @@ from rftpipe.config.schema import RewardConfig
 from rftpipe.errors import UserError
 from rftpipe.rewards import applies
 from rftpipe.rewards.signatures import parse_value
-from rftpipe.rewards.types import Outcome, RewardComponent, RewardSample, data_source_of
+from rftpipe.rewards.types import (
+    Outcome,
+    RewardComponent,
+    RewardSample,
+    SampleImage,
+    data_source_of,
+)
 from rftpipe.stages import generation, round_stage
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
+from rftpipe.storage.layout import IMAGES_COLUMN
 
 log = logging.getLogger(__name__)
 
 
 def run(
-    cfg: RewardConfig, components: Mapping[str, RewardComponent], rollouts: pa.Table
+    cfg: RewardConfig,
+    components: Mapping[str, RewardComponent],
+    rollouts: pa.Table,
+    run_root: Path | None = None,
 ) -> pa.Table:
-    samples = [_sample(r) for r in rollouts.to_pylist()]
+    """`rollouts` with the reward columns appended; `run_root` is the run directory the
+    rows' `images` paths are under (needed only if some row has images)."""
+    samples = [_sample(r, run_root) for r in rollouts.to_pylist()]
     weights = cfg.weights or (1.0,) * len(components)
     total = [0.0] * len(samples)
     status = ["ok"] * len(samples)
@@ -74,7 +91,7 @@ def run(
     return out.append_column(pa.field("reward", pa.float64()), pa.array(total, pa.float64()))
 
 
-def _sample(r: dict[str, Any]) -> RewardSample:
+def _sample(r: dict[str, Any], run_root: Path | None) -> RewardSample:
     metadata = json.loads(r["metadata"])
     return RewardSample(
         step=r["step"],
@@ -88,7 +105,23 @@ def _sample(r: dict[str, Any]) -> RewardSample:
         response_token_ids=r["response_token_ids"],
         finish_reason=r["finish_reason"],
         messages=json.loads(r["messages"]) if r.get("messages") else None,
+        images=_images(r, run_root),
     )
+
+
+def _images(r: dict[str, Any], run_root: Path | None) -> tuple[SampleImage, ...]:
+    """The row's images (its `images` column, absent in a text-only run), as
+    `RewardSample.images`."""
+    relpaths = r.get(IMAGES_COLUMN) or []
+    if not relpaths:
+        return ()
+    if run_root is None:
+        raise ValueError("score.run: rows with images need the run directory (run_root)")
+    try:
+        return tuple(SampleImage.in_run(run_root, p) for p in relpaths)
+    except ValueError as exc:  # a committed row we wrote: a bug or damage, not user input
+        where = f"step {r['step']} prompt_id {r['prompt_id']} sample_idx {r['sample_idx']}"
+        raise ValueError(f"{where}: {exc}") from exc
 
 
 def _value(fn: str, s: RewardSample, o: Outcome | None) -> tuple[float, dict[str, Any]]:
@@ -159,7 +192,7 @@ class ScoreStage(NoSideEffects):
         return round_stage("score", self.round)
 
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
-        table = run(rt.cfg.reward, rt.rewards, rows())
+        table = run(rt.cfg.reward, rt.rewards, rows(), rt.run.root)
         ds = rt.cfg.rollout.dynamic_sampling
         if not ds.enabled:
             return StageOutput(rows=table)

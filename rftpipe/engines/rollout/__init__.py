@@ -66,6 +66,10 @@ def engine_spec(cfg: RunConfig, model_dir: Path, tokenizer: Any) -> Any:
         seed=cfg.seed,
         max_model_len=max_model_len(cfg),
         lora_rank=cfg.model.lora.r if cfg.model.lora is not None else None,
+        max_images_per_prompt=cfg.data.images.max_per_prompt,
+        min_pixels=cfg.data.images.min_pixels,
+        max_pixels=cfg.data.images.max_pixels,
+        frozen_vision=cfg.train.freeze_vision,
     )
 
 
@@ -89,6 +93,7 @@ def _sglang_engine(
         tokenizer.pad_token_id,
         cfg.model.dtype,
         cfg.seed,
+        frozen_vision=cfg.train.freeze_vision,
     )
 
 
@@ -104,13 +109,11 @@ class RolloutEngineEntry:
     """(cfg, model_dir, dist, tokenizer, actor module) -> the engine."""
     preflight: Callable[[RunConfig, Path], None] | None = None
     """Refuses (UserError) what would fail later, before the run directory is written."""
-    takes_images: bool = False
-    """Its calls take `vision=` (image prompts of a vision-language model)."""
 
 
 #: Rollout engines by `rollout.engine`; serving engines import their library lazily.
 ROLLOUT_ENGINES: dict[str, RolloutEngineEntry] = {
-    "hf": RolloutEngineEntry(_hf_engine, takes_images=True),
+    "hf": RolloutEngineEntry(_hf_engine),
     "vllm": RolloutEngineEntry(_vllm_engine, _vllm_preflight),
     "sglang": RolloutEngineEntry(_sglang_engine),
 }

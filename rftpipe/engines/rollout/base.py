@@ -23,14 +23,6 @@ Vision = Sequence[VisionInputs | None] | None
 """Per prompt of a call, its images (None: a text prompt); None for a call without any."""
 
 
-def no_images(vision: Vision) -> None:
-    """Refuse images in an engine that does not take them yet. The runtime refuses a
-    vision-language model on such an engine (`ROLLOUT_ENGINES[...].takes_images`), so
-    images reaching one are a wiring bug."""
-    if vision is not None and any(v is not None for v in vision):
-        raise NotImplementedError("this rollout engine does not take images yet")
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GroupOutput:
     """n samples of one prompt."""
@@ -79,8 +71,8 @@ class RolloutEngine(Protocol):
         """n samples of each prompt; `seeds[g]` is group g's seed, derived from (run seed,
         step, stage, prompt id). An engine seeds each sample from its group's seed and its
         index, or (HF loop) one generator per call from the first group's seed. `vision`:
-        each prompt's images (a vision-language model; engines whose registry entry
-        `takes_images`), also in the other generating calls."""
+        each prompt's images (a vision-language model), also in the other generating
+        calls."""
         ...
 
     def generate_rows(

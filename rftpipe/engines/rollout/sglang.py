@@ -49,6 +49,15 @@ srt/constants.py, docs/advanced_features/sglang_for_rl.md and deterministic_infe
   here because every call waits for its results; resuming a tag that is not released fails,
   so the engine tracks what it released.
 
+* Images. A prompt with images goes in as its token ids, each image's pad token already
+  repeated once per image token (as `VisionEncoder` encodes it), with one `image_data`
+  item in SGLang's `processor_output` format: the image processor's output for the
+  prompt (`pixel_values`, `image_grid_thw`, `input_ids`; docs/advanced_features/
+  vlm_query.md, "Call with Processor Output"). SGLang then neither re-runs the image
+  processor nor re-expands the pads, so its prompt is ours token for token and its
+  pixels the trainer's. A frozen vision tower (`frozen_vision`) is left out of a weight
+  sync in memory.
+
 Not verified on a GPU from this repository's machine (SGLang has no CPU wheel): float32 with
 the triton attention backend under deterministic inference (chosen for `dtype="float32"`),
 and the exact SGLang release range; tests/test_sglang_engine.py checks all of it on a GPU.
@@ -74,9 +83,7 @@ from rftpipe.engines.rollout.base import (
     Vision,
     split_groups,
 )
-from rftpipe.engines.rollout.base import (
-    no_images as _no_images,
-)
+from rftpipe.engines.vision import VisionInputs, is_vision_tower_name
 from rftpipe.errors import UserError
 from rftpipe.seeding import sample_seed
 
@@ -159,6 +166,21 @@ def _raise_unless_ok(result: Any, what: str) -> None:
         raise RuntimeError(f"SGLang {what} failed: {message}")
 
 
+def processor_output(prompt: Sequence[int], vision: VisionInputs | None) -> dict | None:
+    """The `image_data` item of one prompt (SGLang's `processor_output` format: the image
+    processor's output, its ids already expanded), None for a text prompt."""
+    if vision is None:
+        return None
+    vision.check(len(prompt), "sglang prompt")
+    n = len(vision.mm_token_type_ids)
+    return {
+        "format": "processor_output",
+        "input_ids": torch.tensor([list(prompt[:n])]),
+        "pixel_values": vision.pixel_values,
+        "image_grid_thw": vision.image_grid_thw,
+    }
+
+
 def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes"}
 
@@ -197,6 +219,7 @@ class SGLangEngine:
         seed: int,
         *,
         base_gpu_id: int | None = None,
+        frozen_vision: bool = False,
     ) -> None:
         try:
             import sglang
@@ -240,6 +263,8 @@ class SGLangEngine:
         self.pad_id = pad_id
         self.dtype = torch_dtype
         self.weight_version = 0
+        self.frozen_vision = frozen_vision
+        """`train.freeze_vision`: a sync in memory leaves the vision tower's tensors out."""
         gpu = torch.cuda.current_device() if base_gpu_id is None else base_gpu_id
         self.device = torch.device("cuda", gpu)
         self._level = inf.sleep_level
@@ -283,9 +308,14 @@ class SGLangEngine:
         return False
 
     def generate_groups(
-        self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int], vision: Vision = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        seeds: Sequence[int],
+        vision: Vision = None,
     ) -> list[GroupOutput]:
-        _no_images(vision)
+        """n samples of each prompt; `vision`: each prompt's images (None: text), sent as
+        `processor_output` items (module doc)."""
         self._check_ready()
         if not prompts:
             return []
@@ -301,11 +331,14 @@ class SGLangEngine:
         }
         input_ids: list[list[int]] = []
         params: list[dict[str, Any]] = []
+        images: list[dict | None] = []
+        items = _items(prompts, vision)
         for g, prompt in enumerate(prompts):
             for j in range(n):
                 input_ids.append(list(prompt))
                 params.append({**base, "sampling_seed": _sglang_seed(seeds[g], j)})
-        rows = [self._parse(out) for out in self._generate(input_ids, params)]
+                images.append(items[g])
+        rows = [self._parse(out) for out in self._generate(input_ids, params, images)]
         return split_groups([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], n)
 
     @property
@@ -342,8 +375,8 @@ class SGLangEngine:
     def greedy(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, vision: Vision = None
     ) -> list[list[int]]:
-        """Greedy completions without the EOS (for evaluation, not for training rows)."""
-        _no_images(vision)
+        """Greedy completions without the EOS (for evaluation, not for training rows);
+        `vision` as in `generate_groups`."""
         self._check_ready()
         if not prompts:
             return []
@@ -353,7 +386,9 @@ class SGLangEngine:
             "stop_token_ids": [self.eos_id],
             "skip_special_tokens": False,
         }
-        outs = self._generate([list(p) for p in prompts], [dict(params) for _ in prompts])
+        outs = self._generate(
+            [list(p) for p in prompts], [dict(params) for _ in prompts], _items(prompts, vision)
+        )
         completions = []
         for out in outs:
             tokens = self._parse(out)[0]
@@ -362,9 +397,18 @@ class SGLangEngine:
             )
         return completions
 
-    def _generate(self, input_ids: list[list[int]], params: list[dict[str, Any]]) -> list[dict]:
+    def _generate(
+        self,
+        input_ids: list[list[int]],
+        params: list[dict[str, Any]],
+        images: Sequence[dict | None] | None = None,
+    ) -> list[dict]:
+        extra: dict[str, Any] = {}
+        if images is not None and any(im is not None for im in images):
+            # One item (all the prompt's images) per request; None for a text request.
+            extra["image_data"] = [None if im is None else [im] for im in images]
         outs = self._engine.generate(
-            input_ids=input_ids, sampling_params=params, return_logprob=True
+            input_ids=input_ids, sampling_params=params, return_logprob=True, **extra
         )
         return [outs] if isinstance(outs, dict) else list(outs)
 
@@ -422,6 +466,9 @@ class SGLangEngine:
             )
         else:
             state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+            if self.frozen_vision:
+                # SGLang keeps the tensors it is not given: the tower it loaded at start.
+                state = {k: v for k, v in state.items() if not is_vision_tower_name(k)}
             self._load_from_memory(state)
         if _KV_CACHE in self._released:
             self._resume([_KV_CACHE])
@@ -505,6 +552,15 @@ class SGLangEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _items(prompts: Sequence[Sequence[int]], vision: Vision) -> list[dict | None]:
+    """Each prompt's `processor_output` item (all None without `vision`)."""
+    if vision is None:
+        return [None] * len(prompts)
+    if len(vision) != len(prompts):
+        raise ValueError(f"vision: {len(vision)} entries for {len(prompts)} prompts")
+    return [processor_output(p, v) for p, v in zip(prompts, vision, strict=True)]
 
 
 def _memory_tags() -> list[str]:

