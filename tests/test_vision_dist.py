@@ -13,7 +13,7 @@ import torch
 import vision_task
 from helpers import TESTS_ON_PATH, final_weights, launch_ranks, png, submit, trajectories
 from safetensors.torch import load_file
-from test_vision_pipeline import RUN as PIPELINE
+from test_vision_pipeline import BASE as PIPELINE
 from test_vision_pipeline import vl_run
 from vision_worker import VARIANTS, single_name
 

@@ -225,6 +225,8 @@ class AdvantageStage(NoSideEffects):
             actor_logprobs=actor,
             reduce_max=rt.dist.all_reduce_max,
             # The critic holds the weights of the step's train stages so far, as the actor.
-            critic_values=None if rt.critic is None else rt.critic.compute_values,
+            critic_values=None
+            if rt.critic is None
+            else partial(rt.critic.compute_values, vision=vision),
         )
         return StageOutput(rows=table, extra={"kl_coef": kl_coef, "metrics": metrics})

@@ -19,6 +19,7 @@ from rftpipe.stages.batching import (
     pad_ragged,
     seeded_rng,
 )
+from rftpipe.stages.images import Vision
 
 #: Stand-in row for a rank with no rows left in a micro-batch slot (its loss weight is 0).
 _PADDING_ROW = {
@@ -40,7 +41,9 @@ def run(critic: Critic, dist: Dist, inp: TrainInputs) -> dict[str, float]:
     with critic.engine.train_mode(), seeded_rng(inp.run_seed, inp.step, "critic", dist.device):
         for mb in mini_batches(cfg, dist, inp, rows):
             for chunk in mb.micro:
-                _micro_step(critic, dist, chunk, mb.counts, inp.response_budget, sums)
+                _micro_step(
+                    critic, dist, chunk, mb.counts, inp.response_budget, sums, inp.vision(chunk)
+                )
             grad_norm += critic.engine.optimizer_step()
             updates += 1
             critic.engine.lr_scheduler_step()
@@ -67,11 +70,14 @@ def _micro_step(
     count: torch.Tensor,
     response_budget: int,
     sums: dict[str, float],
+    vision: Vision = None,
 ) -> None:
     weight = 1.0 if chunk else 0.0
     chunk = chunk or [_PADDING_ROW]
     vpred = critic.values(
-        [r["prompt_token_ids"] for r in chunk], [r["response_token_ids"] for r in chunk]
+        [r["prompt_token_ids"] for r in chunk],
+        [r["response_token_ids"] for r in chunk],
+        vision=vision,
     )
     old, mask = pad_ragged([r["values"] for r in chunk], torch.float32)
     mask = model_token_mask([r.get("loss_mask") for r in chunk], mask)
