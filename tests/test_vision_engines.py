@@ -328,3 +328,42 @@ def test_the_single_engine_trains_rows_with_images(
                 want, _ = own_forward_logprobs(m, e, r, pad)
                 torch.testing.assert_close(torch.tensor(got), want, atol=1e-6, rtol=0)
         assert after != initial
+
+
+def test_a_groups_rows_run_the_tower_once_in_a_micro_batch(
+    model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+) -> None:
+    """Rows that share their prompt's inputs (a group's, as `RowImages` gives them) run the
+    tower on its images once, and take the same logprobs and gradients as rows given
+    separate copies (each image through the tower once per row)."""
+    pad = encoder.tokenizer.pad_token_id
+    one, two, text = (e.vision_inputs() for e in prompts)
+    assert one is not None and two is not None and text is None
+    rows = [0, 0, 0, 1, 1, 2]
+    ids = [prompts[i].input_ids for i in rows]
+    resp = [RESPONSES[i][: 2 + k] for k, i in enumerate(rows)]
+    shared = [one, one, one, two, two, None]
+    copies = [dataclasses.replace(v) if v is not None else None for v in shared]
+    seen: list[int] = []
+    hook = vision_tower(model).register_forward_hook(
+        lambda mod, args, out: seen.append(args[0].shape[0])
+    )
+    out = {}
+    try:
+        for name, vision in (("shared", shared), ("copies", copies)):
+            model.zero_grad()
+            vb = build_vision_micro_batch(model, ids, resp, vision, pad)
+            lp, _ = vision_response_logprobs(model, vb, 1.0, with_entropy=False)
+            (lp * vb.mb.response_mask).sum().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            out[name] = (lp.detach(), grads)
+    finally:
+        hook.remove()
+        model.zero_grad()
+    patches = [one.pixel_values.shape[0], two.pixel_values.shape[0]]
+    assert seen == [patches[0] + patches[1], 3 * patches[0] + 2 * patches[1]]
+    torch.testing.assert_close(out["shared"][0], out["copies"][0], atol=1e-6, rtol=0)
+    assert out["shared"][1].keys() == out["copies"][1].keys()
+    for n, g in out["shared"][1].items():
+        ref = out["copies"][1][n]
+        assert float((g - ref).norm() / ref.norm().clamp(min=1e-30)) <= 1e-5, n

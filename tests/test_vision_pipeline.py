@@ -84,6 +84,7 @@ def reference(mixed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_rows_reference_each_image_once_in_the_store(reference: Path, mixed: Path) -> None:
     rows = trajectories(reference)
     assert rows.schema.metadata[b"rftpipe.schema_version"] == b"3"
+    assert "values" in rows.column_names  # the critic scored the image rows
     data = [json.loads(x) for x in mixed.read_text().splitlines()]
     refs = set()
     for r in rows.to_pylist():

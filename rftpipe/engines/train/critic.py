@@ -68,6 +68,7 @@ class ValueModel(torch.nn.Module):
         mm_token_type_ids: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        image_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(B, L) float32 value of each position's state (the prefix up to and including it).
 
@@ -84,6 +85,7 @@ class ValueModel(torch.nn.Module):
                 mm_token_type_ids,
                 pixel_values,
                 image_grid_thw,
+                image_index,
             )
         else:
             hidden = self.model(

@@ -48,9 +48,15 @@ class VisionMicroBatch:
     mm_token_type_ids: torch.Tensor
     """(B, L) 1 on the prompts' image tokens."""
     pixel_values: torch.Tensor | None
-    """The rows' images' patches, in row order (None: no row has images)."""
+    """The rows' images' patches, in row order (None: no row has images); with
+    `image_index`, each distinct prompt's images once."""
     image_grid_thw: torch.Tensor | None
     """(images, 3) their patch grids, in the same order."""
+    image_index: torch.Tensor | None = None
+    """(row images,) for each image of the rows in row order, its position in
+    `pixel_values`' images; None when those hold every row's images in row order. A
+    group's rows share their prompt's images: the tower then runs on them once per
+    micro-batch, and its features (and their gradients) are shared by the rows."""
 
     def image_inputs(self) -> dict[str, torch.Tensor]:
         """The keyword arguments beside `input_ids` of a forward over these rows
@@ -63,6 +69,8 @@ class VisionMicroBatch:
         if self.pixel_values is not None and self.image_grid_thw is not None:
             out["pixel_values"] = self.pixel_values
             out["image_grid_thw"] = self.image_grid_thw
+        if self.image_index is not None:
+            out["image_index"] = self.image_index
         return out
 
     def to(self, device: torch.device) -> VisionMicroBatch:
@@ -75,6 +83,7 @@ class VisionMicroBatch:
             mm_token_type_ids=self.mm_token_type_ids.to(device, non_blocking=True),
             pixel_values=move(self.pixel_values),
             image_grid_thw=move(self.image_grid_thw),
+            image_index=move(self.image_index),
         )
 
 
@@ -103,13 +112,38 @@ def build_vision_micro_batch(
             pixel_values=None,
             image_grid_thw=None,
         )
+    pixels, grid, index = _distinct_images(vision)
     return VisionMicroBatch(
         mb=mb,
         position_ids=images["position_ids"],
         mm_token_type_ids=images["mm_token_type_ids"],
-        pixel_values=images["pixel_values"],
-        image_grid_thw=images["image_grid_thw"],
+        pixel_values=images["pixel_values"] if index is None else pixels,
+        image_grid_thw=images["image_grid_thw"] if index is None else grid,
+        image_index=index,
     )
+
+
+def _distinct_images(
+    vision: Sequence[VisionInputs | None],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(pixels, grids, index) of the distinct prompts' images among the rows (one
+    `VisionInputs` per prompt, shared by its rows: `rftpipe.stages.images.RowImages`), and
+    each row image's position among them; index None when every row's images are distinct."""
+    first: dict[int, int] = {}  # id of a prompt's inputs -> its first image's position
+    distinct: list[VisionInputs] = []
+    index: list[int] = []
+    for v in vision:
+        if v is None:
+            continue
+        if id(v) not in first:
+            first[id(v)] = sum(len(d.image_grid_thw) for d in distinct)
+            distinct.append(v)
+        index.extend(range(first[id(v)], first[id(v)] + len(v.image_grid_thw)))
+    if len(index) == sum(len(d.image_grid_thw) for d in distinct):
+        return torch.empty(0), torch.empty(0), None
+    pixels = torch.cat([d.pixel_values for d in distinct])
+    grid = torch.cat([d.image_grid_thw for d in distinct])
+    return pixels, grid, torch.tensor(index, dtype=torch.long)
 
 
 def vision_lm(model: torch.nn.Module) -> bool:
@@ -138,11 +172,13 @@ def rows_hidden(
     mm_token_type_ids: torch.Tensor,
     pixel_values: torch.Tensor | None = None,
     image_grid_thw: torch.Tensor | None = None,
+    image_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B, L, hidden) last hidden states of the rows, from a Qwen2-VL-family base model
     `vl` (its `visual` and `language_model`): the tower's merged patch features at the
     rows' image tokens (`mm_token_type_ids` 1), the text model with the M-RoPE
-    `position_ids`.
+    `position_ids`. With `image_index` the tower runs on distinct images only and each
+    row image takes the features of the one it names (`VisionMicroBatch.image_index`).
 
     The tower runs in every call: on a blank one-patch image when no row has images, its
     output added to the embeddings times zero. So every rank of a sharded backend gathers
@@ -154,8 +190,10 @@ def rows_hidden(
     blank = pixel_values is None
     if blank:
         pixel_values, image_grid_thw = _blank_image(vl, embeds)
-    feats = vl.get_image_features(pixel_values, image_grid_thw, return_dict=True)
-    feats = torch.cat(feats.pooler_output).to(embeds.dtype)
+    pooled = vl.get_image_features(pixel_values, image_grid_thw, return_dict=True).pooler_output
+    if image_index is not None:
+        pooled = [pooled[i] for i in image_index.tolist()]
+    feats = torch.cat(pooled).to(embeds.dtype)
     if blank:
         embeds = embeds + feats.sum() * 0.0
     else:
@@ -230,6 +268,7 @@ def rows_forward(module: torch.nn.Module) -> Iterator[None]:
         mm_token_type_ids: torch.Tensor,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        image_index: torch.Tensor | None = None,
         use_cache: bool = False,
         logits_to_keep: int = 0,
     ) -> Any:
@@ -243,6 +282,7 @@ def rows_forward(module: torch.nn.Module) -> Iterator[None]:
             mm_token_type_ids,
             pixel_values,
             image_grid_thw,
+            image_index,
         )
         kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         # A ModelOutput (a dict) as the model's own: DeepSpeed hooks the output's tensors.
