@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,3 +36,33 @@ def tiny_vl(model_cache: Path) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
         yield prepare_tiny_vl()
+
+
+@pytest.fixture(scope="module")
+def vl_encoder(tiny_vl: Path) -> Any:  # -> rftpipe.engines.vision.VisionEncoder
+    """`builtin:tiny-vl`'s prompt encoding (tokenizer and image processor)."""
+    from rftpipe.engines.vision import VisionEncoder
+
+    return VisionEncoder.load(tiny_vl)
+
+
+@pytest.fixture(scope="module")
+def vl_prompts(tmp_path_factory: pytest.TempPathFactory, vl_encoder: Any) -> list:
+    """A 1-image, a 2-image and a text prompt of unequal lengths, encoded for
+    `builtin:tiny-vl` (`EncodedPrompt`s): a batch of them pads and mixes image and text."""
+    from helpers import png
+
+    from rftpipe.data.images import vision_prompt
+
+    d = tmp_path_factory.mktemp("images")
+    paths = []
+    for i, (w, h) in enumerate([(56, 56), (80, 60), (40, 90)]):
+        paths.append(d / f"im{i}.png")
+        paths[-1].write_bytes(png(i, w, h))
+    return [
+        vl_encoder.encode(vision_prompt("<image>What is it?", str(paths[0]), row="row 0")),
+        vl_encoder.encode(
+            vision_prompt("<image> or <image>: taller?", [str(paths[1]), str(paths[2])], row="r1")
+        ),
+        vl_encoder.encode(vision_prompt("no picture here, only some text", row="row 2")),
+    ]

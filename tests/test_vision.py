@@ -36,11 +36,6 @@ def model(tiny_vl: Path) -> Any:
     return AutoModelForImageTextToText.from_pretrained(tiny_vl).eval()
 
 
-@pytest.fixture(scope="module")
-def encoder(tiny_vl: Path) -> VisionEncoder:
-    return VisionEncoder.load(tiny_vl)
-
-
 @pytest.fixture
 def images(tmp_path: Path) -> list[Path]:
     paths = []
@@ -56,7 +51,7 @@ def logits(model: Any, encoded: list[EncodedPrompt], pad_id: int) -> torch.Tenso
 
 
 def test_tiny_vl_runs_a_padded_batch_with_and_without_images(
-    tiny_vl: Path, model: Any, encoder: VisionEncoder, images: list[Path]
+    tiny_vl: Path, model: Any, vl_encoder: VisionEncoder, images: list[Path]
 ) -> None:
     assert 13e6 < sum(p.numel() for p in model.parameters()) < 20e6
     one = vision_prompt("<image>What is it?", str(images[0]), row="row 0")
@@ -64,16 +59,16 @@ def test_tiny_vl_runs_a_padded_batch_with_and_without_images(
         "<image> or <image>: which is taller?", [str(images[1]), str(images[2])], row="row 1"
     )
     text = vision_prompt("no picture here, just text", row="row 2")
-    encoded = [encoder.encode(p) for p in (one, two, text)]
+    encoded = [vl_encoder.encode(p) for p in (one, two, text)]
     # 56x56 -> a 4x4 patch grid -> 4 tokens; 80x60 and 40x90 resize to 84x56 and 56x84.
     assert [e.num_image_tokens for e in encoded] == [4, 12, 0]
     assert encoded[1].image_grid_thw is not None
     assert encoded[1].image_grid_thw.tolist() == [[1, 4, 6], [1, 6, 4]]
-    assert [encoder.count_tokens(p) for p in (one, two, text)] == [
+    assert [vl_encoder.count_tokens(p) for p in (one, two, text)] == [
         len(e.input_ids) for e in encoded
     ]
 
-    pad = encoder.tokenizer.pad_token_id
+    pad = vl_encoder.tokenizer.pad_token_id
     batch = logits(model, encoded, pad)
     assert torch.isfinite(batch).all()
     # Left padding: each row's own logits sit at the right end of the batch.
@@ -84,19 +79,19 @@ def test_tiny_vl_runs_a_padded_batch_with_and_without_images(
 
 
 def test_the_image_changes_only_the_logits_after_it(
-    model: Any, encoder: VisionEncoder, images: list[Path]
+    model: Any, vl_encoder: VisionEncoder, images: list[Path]
 ) -> None:
-    a = encoder.encode(vision_prompt("Look: <image> colour?", str(images[0]), row="row 0"))
-    b = encoder.encode(vision_prompt("Look: <image> colour?", str(images[3]), row="row 1"))
+    a = vl_encoder.encode(vision_prompt("Look: <image> colour?", str(images[0]), row="row 0"))
+    b = vl_encoder.encode(vision_prompt("Look: <image> colour?", str(images[3]), row="row 1"))
     assert a.input_ids == b.input_ids
     first = a.mm_token_type_ids.index(1)
-    la, lb = (logits(model, [e], encoder.tokenizer.pad_token_id)[0] for e in (a, b))
+    la, lb = (logits(model, [e], vl_encoder.tokenizer.pad_token_id)[0] for e in (a, b))
     torch.testing.assert_close(la[:first], lb[:first])
     after = slice(first + a.num_image_tokens, None)
     assert (la[after] - lb[after]).abs().max() > 1e-3
 
 
-def test_the_layouts_encode_the_same(encoder: VisionEncoder, images: list[Path]) -> None:
+def test_the_layouts_encode_the_same(vl_encoder: VisionEncoder, images: list[Path]) -> None:
     data = images[1].read_bytes()
     uri = "data:image/png;base64," + base64.b64encode(data).decode()
     question = "Which colour?"
@@ -138,7 +133,7 @@ def test_the_layouts_encode_the_same(encoder: VisionEncoder, images: list[Path])
         ),
         "path string": vision_prompt(f"<image>{question}", str(images[1]), row="row 0"),
     }
-    encoded = {name: encoder.encode(p) for name, p in layouts.items()}
+    encoded = {name: vl_encoder.encode(p) for name, p in layouts.items()}
     ref = encoded["content parts"]
     assert ref.num_image_tokens == 6 and ref.pixel_values is not None
     for name, e in encoded.items():
@@ -146,7 +141,7 @@ def test_the_layouts_encode_the_same(encoder: VisionEncoder, images: list[Path])
         assert e.pixel_values is not None and torch.equal(e.pixel_values, ref.pixel_values), name
 
 
-def test_a_datasets_image_column(encoder: VisionEncoder, images: list[Path]) -> None:
+def test_a_datasets_image_column(vl_encoder: VisionEncoder, images: list[Path]) -> None:
     """HF `datasets` with an `Image` feature: the decoded PIL cell and the raw one agree."""
     import datasets
 
@@ -161,7 +156,7 @@ def test_a_datasets_image_column(encoder: VisionEncoder, images: list[Path]) -> 
         ds.data.table.to_pylist()[0]["prompt"], ds.data.table.to_pylist()[0]["images"], row="row 0"
     )
     by_path = vision_prompt("<image>Which colour?", str(images[2]), row="row 0")
-    encoded = [encoder.encode(p) for p in (decoded, raw, by_path)]
+    encoded = [vl_encoder.encode(p) for p in (decoded, raw, by_path)]
     assert encoded[0].input_ids == encoded[1].input_ids == encoded[2].input_ids
     assert all(torch.equal(e.pixel_values, encoded[2].pixel_values) for e in encoded)  # type: ignore[arg-type]
 
@@ -270,26 +265,26 @@ def test_another_vision_family_is_refused(tmp_path: Path) -> None:
         VisionEncoder.load(tmp_path)
 
 
-def test_a_prompt_spelling_the_image_token(encoder: VisionEncoder) -> None:
+def test_a_prompt_spelling_the_image_token(vl_encoder: VisionEncoder) -> None:
     """Text that spells the image-pad token would shift every image's tokens: refused."""
     prompt = vision_prompt("say <|image_pad|> please", row="row 9")
     with pytest.raises(UserError, match=r"^row 9: .* rendered 1 '<\|image_pad\|>' tokens"):
-        encoder.encode(prompt, row="row 9")
+        vl_encoder.encode(prompt, row="row 9")
 
 
 def test_greedy_generate_from_a_mixed_batch(
-    model: Any, encoder: VisionEncoder, images: list[Path]
+    model: Any, vl_encoder: VisionEncoder, images: list[Path]
 ) -> None:
     """What a rollout engine will call: the batched continuation is each prompt's alone."""
     from transformers import GenerationConfig
 
-    pad = encoder.tokenizer.pad_token_id
+    pad = vl_encoder.tokenizer.pad_token_id
     gen = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=pad)
     prompts = [
         vision_prompt("<image>What is it?", str(images[0]), row="row 0"),
         vision_prompt("just text", row="row 1"),
     ]
-    encoded = [encoder.encode(p) for p in prompts]
+    encoded = [vl_encoder.encode(p) for p in prompts]
     with torch.no_grad():
         batch = model.generate(**collate(encoded, pad), generation_config=gen)[:, -4:]
         for e, row in zip(encoded, batch, strict=True):

