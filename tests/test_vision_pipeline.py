@@ -369,3 +369,41 @@ def test_a_vllm_vision_run_with_a_frozen_tower(mixed: Path, tiny_vl: Path, tmp_p
     assert tower and all(torch.equal(final[k], initial[k]) for k in tower)
     text = [k for k in final if "visual." not in k and k in initial]
     assert any(not torch.equal(final[k], initial[k]) for k in text)
+
+
+def test_a_saved_hf_dataset_with_image_features_loads(tiny_vl: Path, tmp_path: Path) -> None:
+    """`data.datasets` on a `save_to_disk` directory whose `images` column is a list of
+    `datasets.Image` features, mixed with a row without images."""
+    import datasets
+
+    from rftpipe.config.schema import DataConfig, DatasetSourceConfig
+    from rftpipe.data.prompts import load_prompts
+    from rftpipe.engines.models import load_tokenizer
+    from rftpipe.engines.vision import VisionEncoder
+
+    pictures = [tmp_path / f"{c}.png" for c in vision_task.COLOURS]
+    for path, colour in zip(pictures, vision_task.COLOURS, strict=True):
+        path.write_bytes(vision_task.picture(colour, 3))
+    ds = datasets.Dataset.from_dict(
+        {
+            "prompt": ["<image> then <image>?", "No picture."],
+            "answer": ["a", "b"],
+            "images": [[str(p) for p in pictures], []],
+        },
+        features=datasets.Features(
+            {
+                "prompt": datasets.Value("string"),
+                "answer": datasets.Value("string"),
+                "images": [datasets.Image()],
+            }
+        ),
+    )
+    ds.save_to_disk(str(tmp_path / "saved"))
+    cfg = DataConfig(
+        source="datasets", datasets=(DatasetSourceConfig(path=str(tmp_path / "saved")),)
+    )
+    got = load_prompts(cfg, load_tokenizer(tiny_vl), VisionEncoder.load(tiny_vl)).prompts
+    assert [len(p.images) for p in got] == [2, 0]
+    assert [im.data for im in got[0].images] == [p.read_bytes() for p in pictures]
+    assert got[0].token_ids.count(IMAGE_PAD) == 8 and IMAGE_PAD not in got[1].token_ids
+    assert "images" not in got[0].metadata  # the pictures travel once, not in every row
