@@ -169,8 +169,11 @@ def test_a_vision_run_on_two_fsdp2_ranks_ends_like_one_rank(tmp_path: Path) -> N
     )
     for col in one.column_names:
         a, b = one.column(col).to_pylist(), two.column(col).to_pylist()
-        if col == "logprobs":  # step 2 samples from weights that differ in the last bits
-            assert _max_diff(a, b) <= LOGPROB_TOL
+        if col in ("logprobs", "ref_logprobs"):
+            # Step 2 samples from weights that differ in the last bits, and `single` scores
+            # a micro-batch without images through the prefix forest, the sharded ranks
+            # through the padded forward (equal within 5e-7 on these rows).
+            assert _max_diff(a, b) <= LOGPROB_TOL, col
         else:
             assert a == b, col
     wa, wb = final_weights(runs["single"]), final_weights(runs["fsdp2"])

@@ -345,3 +345,35 @@ def test_a_groups_rows_run_the_tower_once_in_a_micro_batch(
     for n, g in out["shared"][1].items():
         ref = out["copies"][1][n]
         assert float((g - ref).norm() / ref.norm().clamp(min=1e-30)) <= 1e-5, n
+
+
+def test_a_text_step_of_a_vlm_takes_the_forest_and_zero_tower_gradients(
+    tiny_vl: Path, vl_prompts: list[EncodedPrompt]
+) -> None:
+    """`single`: a micro-batch without images takes the prefix forest (its logprobs equal
+    the padded image forward's), and a step with no image gives the trained tower zero
+    gradients, not none: AdamW keeps state for it and its weight decay moves it, as on the
+    sharded backends, whose every forward runs the tower."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = TrainConfig(lr=1e-3, weight_decay=0.1)
+    engine = SingleDeviceEngine(model, cfg, Dist())
+    ids = [vl_prompts[2].input_ids] * 2
+    with engine.train_mode():
+        lp, _ = engine.forward(ids, RESPONSES[:2], 1.0, with_entropy=False)
+        vb = build_vision_micro_batch(model, ids, RESPONSES[:2], [None, None], 0)
+        padded, _ = vision_response_logprobs(model, vb, 1.0, with_entropy=False)
+        for i, r in enumerate(RESPONSES[:2]):
+            torch.testing.assert_close(lp[i, : len(r)], padded[i, : len(r)], atol=1e-6, rtol=0)
+        engine.backward(-lp[:, :2].sum())
+        engine.optimizer_step()
+    tower = [(n, p) for n, p in model.named_parameters() if n.startswith("model.visual.")]
+    decay = {p for g in engine.optimizer.param_groups if g["weight_decay"] for p in g["params"]}
+    assert tower and any(p in decay for _, p in tower)
+    for n, p in tower:
+        assert p in engine.optimizer.state, n
+        # The update of a zero gradient is 0; only decay (where its group has it) moves it.
+        want = before[n] * (1 - 1e-3 * 0.1) if p in decay else before[n]
+        torch.testing.assert_close(p.detach(), want, atol=0, rtol=1e-6)

@@ -9,7 +9,12 @@ import torch
 
 from rftpipe.engines.train.base import _EngineBase, _text_only
 from rftpipe.engines.train.forward import grouped_logprobs
-from rftpipe.engines.train.vision import build_vision_micro_batch, vision_response_logprobs
+from rftpipe.engines.train.vision import (
+    build_vision_micro_batch,
+    hf_model,
+    vision_response_logprobs,
+    vision_tower,
+)
 from rftpipe.engines.vision import VisionInputs
 from rftpipe.errors import UserError
 
@@ -35,12 +40,12 @@ class SingleDeviceEngine(_EngineBase):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T) response logprobs (and entropies) with gradients, prompts computed once per group.
 
-        A vision-language policy's rows (`vision`: each row's prompt's images, None for a
-        text row; `vision` None: text rows) take one right-padded forward with the model's
-        M-RoPE positions instead (`rftpipe.engines.train.vision`): no prefix sharing there,
-        each row's prompt and images are computed once per row. Text rows too, as on the
-        sharded backends, whose ranks must all run the tower: its gradients are then zero,
-        not absent, in a step without images, and AdamW moves it alike on every backend.
+        A vision-language policy's micro-batch with images (`vision`: each row's prompt's
+        images, None for a text row) takes one right-padded forward with the model's M-RoPE
+        positions instead (`rftpipe.engines.train.vision`): no prefix sharing of the text
+        there, a group's images through the tower once. Its text-only micro-batches keep the
+        prefix forest (text rows' positions are the same on all three M-RoPE axes);
+        `optimizer_step` gives the tower zero gradients where no micro-batch ran it.
 
         With `param_dtype=bfloat16` the forward runs under autocast: matmuls in bf16 from
         the fp32 weights, which (and so AdamW's state and the gradients) stay fp32.
@@ -48,9 +53,8 @@ class SingleDeviceEngine(_EngineBase):
         with torch.autocast(
             self.device.type, dtype=torch.bfloat16, enabled=self.cfg.param_dtype == "bfloat16"
         ):
-            if self._vlm:
-                rows = [None] * len(prompts) if vision is None else list(vision)
-                vb = build_vision_micro_batch(self.model, prompts, responses, rows, pad_id=0)
+            if self._vlm and vision is not None and any(v is not None for v in vision):
+                vb = build_vision_micro_batch(self.model, prompts, responses, vision, pad_id=0)
                 return vision_response_logprobs(
                     self.model,
                     vb.to(self.device),
@@ -59,7 +63,8 @@ class SingleDeviceEngine(_EngineBase):
                     self._entropy_grad,
                     self._chunk,
                 )
-            _text_only(vision, "single")
+            if not self._vlm:
+                _text_only(vision, "single")
             return grouped_logprobs(
                 self.model,
                 prompts,
@@ -69,6 +74,16 @@ class SingleDeviceEngine(_EngineBase):
                 self._entropy_grad,
                 self._chunk,
             )
+
+    def optimizer_step(self) -> float:
+        if self._vlm:
+            # A step whose micro-batches held no image never ran the tower: zero gradients,
+            # not none, as on the sharded backends (whose every forward runs it), so AdamW
+            # moves the tower alike there and here (its moments decay, its update goes on).
+            for p in vision_tower(hf_model(self.model)).parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        return super().optimizer_step()
 
     def run_module(self, **inputs: torch.Tensor) -> torch.Tensor:
         """As the base, under the same autocast as `forward` with `param_dtype=bfloat16`."""
