@@ -281,12 +281,31 @@ def vision_forward_inputs(
 ) -> dict[str, torch.Tensor] | None:
     """The image keyword arguments of a padded forward over `input_ids` (B, L), whose row r
     holds its prompt from column `starts[r]` (left padding: the padding's width; right
-    padding: 0), with `rows[r]` that prompt's images or None: pixel_values and
-    image_grid_thw of the rows with images in row order, mm_token_type_ids (B, L), and the
-    3-D M-RoPE position_ids (3, B, L) from the model's own `get_rope_index` (0 on padding).
+    padding: 0), with `rows[r]` that prompt's images or None: `rope_inputs`, and the
+    pixel_values of the rows with images in row order.
 
     None when no row has images: the caller's text forward is then unchanged.
     """
+    import torch
+
+    out = rope_inputs(model, input_ids, attention_mask, rows, starts)
+    if out is not None:
+        pixels = [v.pixel_values for v in rows if v is not None]
+        out["pixel_values"] = torch.cat(pixels).to(input_ids.device)
+    return out
+
+
+def rope_inputs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    rows: Sequence[VisionInputs | None],
+    starts: Sequence[int],
+) -> dict[str, torch.Tensor] | None:
+    """As `vision_forward_inputs`, without the pixels: image_grid_thw of the rows with
+    images in row order, mm_token_type_ids (B, L), and the 3-D M-RoPE position_ids
+    (3, B, L) from the model's own `get_rope_index` (0 on padding). None when no row has
+    images."""
     import torch
 
     if all(v is None for v in rows):
@@ -298,18 +317,11 @@ def vision_forward_inputs(
             mm[r, start : start + len(v.mm_token_type_ids)] = torch.tensor(
                 v.mm_token_type_ids, device=device
             )
-    with_images = [v for v in rows if v is not None]
-    pixel_values = torch.cat([v.pixel_values for v in with_images]).to(device)
-    grid = torch.cat([v.image_grid_thw for v in with_images]).to(device)
+    grid = torch.cat([v.image_grid_thw for v in rows if v is not None]).to(device)
     position_ids, _ = _vl_model(model).get_rope_index(
         input_ids, mm_token_type_ids=mm, image_grid_thw=grid, attention_mask=attention_mask
     )
-    return {
-        "pixel_values": pixel_values,
-        "image_grid_thw": grid,
-        "mm_token_type_ids": mm,
-        "position_ids": position_ids,
-    }
+    return {"image_grid_thw": grid, "mm_token_type_ids": mm, "position_ids": position_ids}
 
 
 def _vl_model(model: Any) -> Any:

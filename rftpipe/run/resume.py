@@ -30,7 +30,7 @@ from rftpipe.stages.chain import PIPELINE
 from rftpipe.stages.images import store_images
 from rftpipe.stages.sync import sync_weights
 from rftpipe.storage.atomic import CorruptionError, fsync_dir
-from rftpipe.storage.images import quarantine_corrupt_images, verify_images
+from rftpipe.storage.images import ImageRef, quarantine_corrupt_images, verify_images
 from rftpipe.storage.layout import RunDir, list_steps
 from rftpipe.storage.stage_store import StageStore
 
@@ -99,12 +99,9 @@ def check_images(rt: Runtime, repair: bool) -> None:
         )
     dest = rt.run.quarantine / time.strftime("%Y%m%d-%H%M%S") / "images"
     moved = quarantine_corrupt_images(rt.run.root, dest)
-    names = {p.name for p in moved}
+    gone = {ImageRef.parse(p.relative_to(rt.run.root).as_posix()) for p in moved}
     prompts = [*rt.prompts.prompts, *(rt.held_out.prompts if rt.held_out else ())]
-    store_images(
-        rt.run.root,
-        [p for p in prompts if any(r.relpath.endswith(tuple(names)) for r in p.image_refs)],
-    )
+    store_images(rt.run.root, [p for p in prompts if gone.intersection(p.image_refs)])
     events().write("repair_images", moved=len(moved), quarantine=str(dest))
     log.warning("--repair: rewrote %d corrupt images from the dataset", len(moved))
 

@@ -21,7 +21,7 @@ from rftpipe.data.images import LoadedImage
 from rftpipe.data.prompts import Prompt
 from rftpipe.engines.vision import VisionEncoder, VisionInputs
 from rftpipe.storage.atomic import CorruptionError
-from rftpipe.storage.images import ImageRef, ImageStore, image_corruption
+from rftpipe.storage.images import ImageRef, ImageStore, image_ref
 from rftpipe.storage.layout import IMAGES_COLUMN
 
 Vision = list[VisionInputs | None] | None
@@ -95,12 +95,13 @@ class RowImages:
         on other pixels than the rollout saw)."""
         from PIL import Image
 
-        path = self.store.path(ImageRef.parse(relpath))
+        ref = ImageRef.parse(relpath)
+        path = self.store.path(ref)
         if not path.exists():
             raise CorruptionError(path, "an image a committed row references is missing")
-        if (err := image_corruption(path)) is not None:
-            raise err
         data = path.read_bytes()
+        if image_ref(data, ref.ext) != ref:
+            raise CorruptionError(path, "image bytes disagree with their sha256 name")
         with Image.open(io.BytesIO(data)) as im:
             size = im.size
         return LoadedImage(data=data, ext=path.suffix.lstrip("."), size=size)

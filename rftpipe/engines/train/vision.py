@@ -34,7 +34,7 @@ from rftpipe.engines.train.forward import (
     build_micro_batch,
     root_forward_logprobs,
 )
-from rftpipe.engines.vision import VisionInputs, vision_forward_inputs
+from rftpipe.engines.vision import VisionInputs, rope_inputs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,7 +100,8 @@ def build_vision_micro_batch(
     for r, (p, v) in enumerate(zip(prompts, vision, strict=True)):
         if v is not None:
             v.check(len(p), f"row {r}")
-    images = vision_forward_inputs(
+    # The positions need every row's grid; the pixels only each distinct prompt's.
+    images = rope_inputs(
         hf_model(model), mb.input_ids, mb.attention_mask, vision, [0] * len(vision)
     )
     if images is None:
@@ -117,8 +118,8 @@ def build_vision_micro_batch(
         mb=mb,
         position_ids=images["position_ids"],
         mm_token_type_ids=images["mm_token_type_ids"],
-        pixel_values=images["pixel_values"] if index is None else pixels,
-        image_grid_thw=images["image_grid_thw"] if index is None else grid,
+        pixel_values=pixels,
+        image_grid_thw=grid,
         image_index=index,
     )
 
@@ -127,8 +128,9 @@ def _distinct_images(
     vision: Sequence[VisionInputs | None],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(pixels, grids, index) of the distinct prompts' images among the rows (one
-    `VisionInputs` per prompt, shared by its rows: `rftpipe.stages.images.RowImages`), and
-    each row image's position among them; index None when every row's images are distinct."""
+    `VisionInputs` per prompt, shared by its rows: `rftpipe.stages.images.RowImages`), in
+    first-seen order, and each row image's position among them; index None when every
+    row's images are distinct (pixels and grids are then the rows' own, in row order)."""
     first: dict[int, int] = {}  # id of a prompt's inputs -> its first image's position
     distinct: list[VisionInputs] = []
     index: list[int] = []
@@ -139,11 +141,9 @@ def _distinct_images(
             first[id(v)] = sum(len(d.image_grid_thw) for d in distinct)
             distinct.append(v)
         index.extend(range(first[id(v)], first[id(v)] + len(v.image_grid_thw)))
-    if len(index) == sum(len(d.image_grid_thw) for d in distinct):
-        return torch.empty(0), torch.empty(0), None
     pixels = torch.cat([d.pixel_values for d in distinct])
     grid = torch.cat([d.image_grid_thw for d in distinct])
-    return pixels, grid, torch.tensor(index, dtype=torch.long)
+    return pixels, grid, None if len(index) == len(grid) else torch.tensor(index, dtype=torch.long)
 
 
 def vision_lm(model: torch.nn.Module) -> bool:
