@@ -239,7 +239,9 @@ def launch_ranks(
         subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
         for r in range(world)
     ]
-    assert [p.wait(timeout=timeout) for p in procs] == [0] * world, (script, args)
+    # The exit codes in the message: a negative one is the signal that ended the rank.
+    codes = [p.wait(timeout=timeout) for p in procs]
+    assert codes == [0] * world, (script, args, "exit codes", codes)
 
 
 def backend_workers(out: Path, world: int, *fields: str) -> dict:

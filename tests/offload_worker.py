@@ -25,6 +25,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 from backend_worker import GROUPS, SAMPLES, _copy_into, _detached, _value, fixed_rows, full_weights
+from helpers import exit_rank
 from torch.distributed.tensor import DTensor
 
 from rftpipe.config.schema import KLConfig, TrainConfig
@@ -169,3 +170,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank()

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
+from helpers import exit_rank
 
 from rftpipe.config.schema import TrainConfig
 from rftpipe.dist import Dist, init_from_env
@@ -111,3 +112,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank()

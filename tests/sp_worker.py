@@ -31,6 +31,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as tdist
 from backend_worker import GROUPS, SAMPLES, _value, fixed_rows, full_weights
+from helpers import exit_rank
 from safetensors.torch import save_file
 
 from rftpipe.config.schema import KLConfig, TrainConfig
@@ -160,3 +161,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank()
