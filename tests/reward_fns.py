@@ -143,3 +143,12 @@ def image_rollouts(run_root, pictures: list[bytes], n: int = 3) -> pa.Table:
     table = rollouts(n=n)
     shown = [refs[:1] if p == 0 else refs[1:] for p in table.column("prompt_id").to_pylist()]
     return table.append_column("images", pa.array(shown, pa.list_(pa.string())))
+
+
+def trl_red_mean(prompts, completions, images, **columns) -> list[float]:
+    """TRL signature: each completion's mean red channel (0-255) of its prompt's first
+    image, -1 without images; the images are decoded RGB pictures."""
+    import numpy as np
+
+    assert all(im.mode == "RGB" for ims in images for im in ims)
+    return [float(np.asarray(ims[0])[..., 0].mean()) if ims else -1.0 for ims in images]

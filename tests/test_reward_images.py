@@ -36,8 +36,10 @@ def red(data: bytes) -> float:
 
 
 def test_a_pooled_function_sees_the_rows_images(tmp_path: Path) -> None:
+    """The rftpipe signature gets `SampleImage`s; the trl one, decoded pictures."""
     table = image_rollouts(tmp_path, PICTURES)
-    cfg = from_dict(RewardConfig, {"functions": ["reward_fns:red_mean"], "workers": 1})
+    trl = {"path": "reward_fns:trl_red_mean", "signature": "trl", "name": "trl_red"}
+    cfg = from_dict(RewardConfig, {"functions": ["reward_fns:red_mean", trl], "workers": 1})
     try:
         t = score.run(cfg, resolve_all(cfg, None), table, tmp_path).to_pydict()
     finally:
@@ -51,9 +53,11 @@ def test_a_pooled_function_sees_the_rows_images(tmp_path: Path) -> None:
     ]
     assert t["reward_red_mean_images"] == [1.0 if p == 0 else 2.0 for p in prompts]
     assert t["reward_red_mean_verified"] == [1.0] * 6
+    assert t["reward_trl_red"] == t["reward_red_mean"]
     # A text-only table: no images, and no run directory needed.
     text = score.run(cfg, resolve_all(cfg, None), rollouts()).to_pydict()
     assert text["reward_red_mean"] == [-1.0] * 6 and text["reward_red_mean_images"] == [0.0] * 6
+    assert text["reward_trl_red"] == [-1.0] * 6
 
 
 def test_samples_carry_absolute_store_paths(tmp_path: Path) -> None:

@@ -40,7 +40,12 @@ def _call_trl(fn: Callable[..., Any], samples: Sequence[RewardSample]) -> Any:
 
 def trl_columns(samples: Sequence[RewardSample]) -> dict[str, list[Any]]:
     """TRL's keyword arguments: `prompts`, `completions`, `completion_ids`, then the
-    dataset's columns, one list entry per completion."""
+    dataset's columns, one list entry per completion. `images` holds each completion's
+    prompt's images decoded (PIL, RGB; empty for a text prompt), as TRL passes a VLM
+    dataset's `images` column. A group's completions share their prompt's images: each is
+    decoded once per call."""
+    decoded = {im.sha256: im for s in samples for im in s.images}
+    pil = {sha: im.pil() for sha, im in decoded.items()}
     return {
         "prompts": [s.prompt for s in samples],
         "completions": [s.response for s in samples],
@@ -51,6 +56,7 @@ def trl_columns(samples: Sequence[RewardSample]) -> dict[str, list[Any]]:
         "prompt_id": [s.prompt_id for s in samples],
         "sample_idx": [s.sample_idx for s in samples],
         "finish_reason": [s.finish_reason for s in samples],
+        "images": [[pil[im.sha256] for im in s.images] for s in samples],
     }
 
 
