@@ -136,6 +136,30 @@ def test_merged_weights_equal_peft_merge() -> None:
     assert float((merged[q] - initial[q]).abs().max()) > 1e-3
 
 
+def test_a_vision_tower_gets_adapters_only_when_asked(tiny_vl: Path) -> None:
+    """`fc1` is a layer of builtin:tiny-vl's vision tower alone: refused while
+    `model.lora.vision_tower` is off (naming it and the tower), adapted with the text
+    model's `q_proj` when on. With `train.freeze_vision` the option is refused at load."""
+    from rftpipe.config.loader import from_dict
+    from rftpipe.config.schema import RunConfig
+    from rftpipe.errors import UserError
+
+    tower_only = r"fc1 match no module of the model outside its vision tower \(model.lora"
+    with pytest.raises(UserError, match=tower_only):
+        lora.check_targets_of(tiny_vl, LoraConfig(target_modules=("q_proj", "fc1")))
+    cfg = LoraConfig(target_modules=("q_proj", "fc1"), vision_tower=True)
+    lora.check_targets_of(tiny_vl, cfg)
+    model = lora.apply_lora(load_causal_lm(tiny_vl, "float32"), cfg, 0, "actor")
+    adapted = [n for n, _ in model.named_modules() if n.endswith(".lora_A")]
+    assert {n.split(".")[-2] for n in adapted} == {"q_proj", "fc1"}
+    assert all(("visual." in n) == n.endswith("fc1.lora_A") for n in adapted)
+    with pytest.raises(ValueError, match=r"model.lora.vision_tower=true .* train.freeze_vision"):
+        from_dict(
+            RunConfig,
+            {"model": {"lora": {"vision_tower": True}}, "train": {"freeze_vision": True}},
+        )
+
+
 def test_target_modules_that_match_nothing_exit_2(tmp_path: Path) -> None:
     out = submit(tmp_path / "run", "model.lora={target_modules: [q_proj, qkv_proj]}")
     assert out.returncode == 2

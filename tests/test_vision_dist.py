@@ -144,15 +144,24 @@ def test_critic_values_see_the_image(tiny_vl: Path, tmp_path: Path) -> None:
             torch.testing.assert_close(torch.tensor(values), own, atol=1e-6, rtol=0)
 
 
+LORA_VL = "model.lora={r: 4, target_modules: [q_proj, v_proj, fc1], vision_tower: true}"
+"""Adapters on the text model's attention and the vision tower's MLP (`fc1`, in the tower
+only)."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_vision_run_on_two_fsdp2_ranks_ends_like_one_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tuning", ["full", "lora"])
+def test_a_vision_run_on_two_fsdp2_ranks_ends_like_one_rank(tmp_path: Path, tuning: str) -> None:
     """The pipeline (rollout, advantage with the reference's and the actor's logprobs,
     train; micro-batches with and without images, a trained tower) for 2 steps on
     `single` and on 2 `fsdp2` ranks: the same samples, and final weights within 1e-6
-    (AdamW's eps 1e-3 as in `vision_worker.ADAM_EPS`; measured 1.2e-7, 2026-11-26)."""
+    (AdamW's eps 1e-3 as in `vision_worker.ADAM_EPS`; measured 1.2e-7, 2026-11-26).
+    With `lora`, the adapters (the tower's among them; the reference is the base model
+    with them off) agree so, and every one moved."""
     data = vision_task.write_mixed_dataset(tmp_path / "data", 12, 3)
-    overrides = vl_run(data, *PIPELINE, "total_steps=2", "train.adam_eps=1e-3")
+    lora = (LORA_VL,) if tuning == "lora" else ()
+    overrides = vl_run(data, *PIPELINE, "total_steps=2", "train.adam_eps=1e-3", *lora)
     runs = {}
     for name, extra, launch in (
         ("single", (), ()),
@@ -176,6 +185,12 @@ def test_a_vision_run_on_two_fsdp2_ranks_ends_like_one_rank(tmp_path: Path) -> N
             assert _max_diff(a, b) <= LOGPROB_TOL, col
         else:
             assert a == b, col
-    wa, wb = final_weights(runs["single"]), final_weights(runs["fsdp2"])
+    if lora:
+        wa, wb = (load_file(runs[n] / "export" / "adapter_model.safetensors") for n in runs)
+        assert any(".visual." in k for k in wa) and any(".language_model." in k for k in wa)
+        # B starts at zero: each adapter's B moved, in the tower as in the text model.
+        assert all(float(w.abs().max()) > 0 for k, w in wa.items() if ".lora_B." in k)
+    else:
+        wa, wb = final_weights(runs["single"]), final_weights(runs["fsdp2"])
     assert wa.keys() == wb.keys()
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= WEIGHT_TOL

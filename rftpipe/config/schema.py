@@ -107,6 +107,12 @@ class LoraConfig:
     """Besides the adapters (RUN/export, peft format), export the policy with the adapters
     merged into its weights (RUN/export_merged, HF format)."""
 
+    vision_tower: bool = False
+    """A vision-language model's vision tower gets adapters too, on its layers that
+    `target_modules` match (Qwen2.5-VL's tower MLP shares the text model's `gate_proj`,
+    `up_proj`, `down_proj`). False: the tower keeps its weights, and only the text model
+    (and LM head, if targeted) adapts. Not with `train.freeze_vision`."""
+
     def __post_init__(self) -> None:
         if self.r < 1:
             raise ValueError("r must be at least 1")
@@ -1486,6 +1492,15 @@ class RunConfig:
             )
         self._check_dynamic_sampling(columns)
         self._check_env()
+        if (
+            self.model.lora is not None
+            and self.model.lora.vision_tower
+            and self.train.freeze_vision
+        ):
+            raise ValueError(
+                "model.lora.vision_tower=true puts adapters in the vision tower, which "
+                "train.freeze_vision=true keeps frozen; set one of them to false"
+            )
         if self.model.reference is not None and self.kl.mode == "none":
             # Refused rather than warned: a reference nothing reads is the silent no-op
             # that model.reference used to be.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -30,37 +31,62 @@ PREFIX = "base_model.model."
 """What `peft.PeftModel` puts before the wrapped model's own parameter names."""
 
 
+VISION_TOWER = r"(.*\.)?visual(\..*)?"
+"""peft's `exclude_modules` pattern (fully matched against a module's dotted name) of a
+Qwen2-VL-family vision tower and its merger: `visual` in the conditional-generation model
+(``model.visual``) and in the critic's backbone (``visual``) alike."""
+
+
+def tower_excluded(model: torch.nn.Module, cfg: LoraConfig) -> bool:
+    """Whether `model`'s vision tower stays without adapters: it has one and
+    `cfg.vision_tower` is off."""
+    return not cfg.vision_tower and any(
+        re.fullmatch(VISION_TOWER, n) for n, _ in model.named_modules()
+    )
+
+
 def check_targets(model: torch.nn.Module, cfg: LoraConfig) -> None:
-    """Refuse target module names that match no module of `model` (a typo would otherwise
-    train nothing of what the user meant, or, when none matches, fail deep inside peft)."""
-    names = [n for n, _ in model.named_modules()]
+    """Refuse target module names that match no module of `model` that takes adapters (a
+    typo would otherwise train nothing of what the user meant, or, when none matches, fail
+    deep inside peft)."""
+    excluded = tower_excluded(model, cfg)
+    names = [
+        n for n, _ in model.named_modules() if not (excluded and re.fullmatch(VISION_TOWER, n))
+    ]
     missing = [
         t for t in cfg.target_modules if not any(n == t or n.endswith(f".{t}") for n in names)
     ]
     if missing:
-        leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_linear(m)})
+        leaves = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_linear(m) and n in names}
+        )
+        where = "outside its vision tower (model.lora.vision_tower is off) " if excluded else ""
         raise UserError(
             f"model.lora.target_modules: {', '.join(missing)} match no module of the model "
-            f"(its linear layers are named {', '.join(leaves) or 'nothing'})"
+            f"{where}(its linear layers{' there' if excluded else ''} are named "
+            f"{', '.join(leaves) or 'nothing'})"
         )
 
 
 def check_targets_of(model_dir: Path, cfg: LoraConfig) -> None:
     """`check_targets` on the model at `model_dir`, built on the meta device (no weights
     read): a run refuses a bad `model.lora` before it writes anything."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from rftpipe.engines.models import auto_class
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        check_targets(AutoModelForCausalLM.from_config(config), cfg)
+        check_targets(auto_class(model_dir).from_config(config), cfg)
 
 
 def _is_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.Linear)
 
 
-def _peft_config(cfg: LoraConfig, **extra: Any) -> Any:
-    """peft's LoraConfig for `cfg`: the one the model is built with and the one exported."""
+def _peft_config(cfg: LoraConfig, vision: bool, **extra: Any) -> Any:
+    """peft's LoraConfig for `cfg`: the one the model is built with and the one exported.
+    `vision`: the model's vision tower gets no adapters (`tower_excluded`)."""
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(
@@ -68,6 +94,7 @@ def _peft_config(cfg: LoraConfig, **extra: Any) -> Any:
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=sorted(cfg.target_modules),
+        exclude_modules=VISION_TOWER if vision else None,
         bias="none",
         **extra,
     )
@@ -86,7 +113,7 @@ def apply_lora(
     from peft import get_peft_model
 
     check_targets(model, cfg)
-    peft_cfg = _peft_config(cfg)
+    peft_cfg = _peft_config(cfg, tower_excluded(model, cfg))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(run_seed, 0, f"lora/{role}", 0))
         return cast(torch.nn.Module, get_peft_model(cast(Any, model), peft_cfg))
@@ -157,16 +184,21 @@ def save_adapter(
     cfg: LoraConfig,
     base_model: str,
     target: Path,
+    *,
+    vision: bool = False,
 ) -> None:
     """Write the adapters to `target` in peft's format (adapter_config.json and
     adapter_model.safetensors), which `peft.PeftModel.from_pretrained` and vLLM's LoRA
-    requests load."""
+    requests load. `vision`: the policy is a vision-language model (its config then
+    excludes the tower unless `cfg.vision_tower`, as the adapters were made)."""
     from safetensors.torch import save_file
 
     target.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to("cpu").contiguous() for k, v in adapter_weights(weights).items()}
     save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
-    peft_cfg = _peft_config(cfg, base_model_name_or_path=base_model)
+    peft_cfg = _peft_config(
+        cfg, vision and not cfg.vision_tower, base_model_name_or_path=base_model
+    )
     config = peft_cfg.to_dict()
     # Sets are not JSON; peft writes its own config the same way.
     config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}

@@ -392,14 +392,20 @@ def is_vision_model(model_dir: Path) -> bool:
     return "vision_config" in config and "image_token_id" in config
 
 
+def auto_class(path: Path) -> Any:
+    """The transformers auto class of the policy at `path`: image-text-to-text for a model
+    with a vision tower, else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
+
+
 def load_causal_lm(path: Path, dtype: str) -> PreTrainedModel:
     """The policy's weights: a causal LM, or a vision-language model (its text model, LM
     head and vision tower) for a model directory with a vision tower."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
-    model = auto.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = auto_class(path).from_pretrained(path, dtype=getattr(torch, dtype))
     model.config.use_cache = False
     return model
 

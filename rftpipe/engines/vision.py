@@ -324,7 +324,15 @@ def rope_inputs(
     return {"image_grid_thw": grid, "mm_token_type_ids": mm, "position_ids": position_ids}
 
 
+def hf_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside `module` (a peft model's base model, or itself)."""
+    base = getattr(module, "get_base_model", None)
+    return base() if callable(base) else module
+
+
 def _vl_model(model: Any) -> Any:
-    """The `Qwen2VLModel` inside a conditional-generation model (or the model itself)."""
+    """The `Qwen2VLModel` inside a conditional-generation model (or the model itself),
+    through a peft model around either."""
+    model = hf_model(model)
     inner = getattr(model, "model", None)
     return inner if hasattr(inner, "get_rope_index") else model

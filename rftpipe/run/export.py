@@ -41,12 +41,13 @@ def _export_lora(rt: Runtime, cfg: LoraConfig) -> None:
     (RUN/export_merged). The base weights are `model.path`'s, which the adapter config
     names."""
     base = str(rt.model_dir)
+    vision = rt.vision is not None
 
     _export_once(
         rt,
         rt.run.root / "export",
         rt.train_engine.rollout_weights,
-        write=lambda tmp, state: lora.save_adapter(state, cfg, base, tmp),
+        write=lambda tmp, state: lora.save_adapter(state, cfg, base, tmp, vision=vision),
     )
     if cfg.export_merged:
         _export_once(
@@ -60,7 +61,7 @@ def _export_lora(rt: Runtime, cfg: LoraConfig) -> None:
             rt,
             rt.run.root / "export_ema",
             ema.full_params,
-            write=lambda tmp, state: lora.save_adapter(state, cfg, base, tmp),
+            write=lambda tmp, state: lora.save_adapter(state, cfg, base, tmp, vision=vision),
         )
 
 

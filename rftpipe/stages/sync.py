@@ -30,6 +30,7 @@ def run(
     via: Path | None,
     lora_cfg: LoraConfig | None = None,
     lora_dir: Path | None = None,
+    vision: bool = False,
 ) -> None:
     """After this, samples from `engine` are drawn from the step-`version` weights.
 
@@ -50,7 +51,9 @@ def run(
         assert parent is not None, "vLLM takes LoRA adapters from a directory"
         target = parent / f"lora-v{version}"
         if dist.is_main:
-            _publish(target, lambda tmp: lora.save_adapter(weights, lora_cfg, "", tmp))
+            _publish(
+                target, lambda tmp: lora.save_adapter(weights, lora_cfg, "", tmp, vision=vision)
+            )
         dist.barrier()
         engine.update_adapter(target, version)
         return
@@ -129,4 +132,5 @@ def sync_weights(rt: Runtime, version: int) -> None:
         via,
         rt.cfg.model.lora,
         lora_dir=rt.run.root / "sync",
+        vision=rt.vision is not None,
     )

@@ -34,7 +34,7 @@ from rftpipe.engines.train.forward import (
     build_micro_batch,
     root_forward_logprobs,
 )
-from rftpipe.engines.vision import VisionInputs, rope_inputs
+from rftpipe.engines.vision import VisionInputs, hf_model, rope_inputs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -239,12 +239,6 @@ def vision_response_logprobs(
         entropy_grad,
         chunk,
     )
-
-
-def hf_model(module: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside `module` (a peft model's base model, or itself)."""
-    base = getattr(module, "get_base_model", None)
-    return base() if callable(base) else module
 
 
 @contextlib.contextmanager
