@@ -127,7 +127,9 @@ class LoraConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     path: str = "builtin:smollm2-135m-instruct"
-    """Policy weights: a local HF directory, or `builtin:smollm2-135m-instruct` / `builtin:tiny`."""
+    """Policy weights: a local HF directory, or `builtin:smollm2-135m-instruct`; for tests,
+    the random-init `builtin:tiny` (text), `builtin:tiny-vl` (Qwen2-VL) or
+    `builtin:tiny-vl25` (Qwen2.5-VL)."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype for training and rollout."""

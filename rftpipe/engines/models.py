@@ -107,6 +107,8 @@ def resolve_model_path(spec: str, field: str = "model.path") -> Path:
         return prepare_tiny()
     if spec == TINY_VL:
         return prepare_tiny_vl()
+    if spec == TINY_VL25:
+        return prepare_tiny_vl("qwen2_5_vl")
     path = Path(spec).expanduser()
     if not (path / "config.json").exists():
         raise UserError(f"{field}: '{spec}' is not a local HF model directory (no config.json)")
@@ -237,15 +239,31 @@ TINY_VL_PIXELS = (56 * 56, 112 * 112)
 """`builtin:tiny-vl`'s default (min_pixels, max_pixels): 4 to 16 image tokens an image."""
 
 
-def prepare_tiny_vl() -> Path:
+TINY_VL25 = "builtin:tiny-vl25"
+"""A tiny random-init Qwen2.5-VL (`prepare_tiny_vl("qwen2_5_vl")`): the tower's windowed
+attention, gated MLP and RMSNorm, beside `builtin:tiny-vl`'s Qwen2-VL."""
+
+
+def prepare_tiny_vl(family: str = "qwen2_vl") -> Path:
     """A seeded random-init Qwen2-VL (13.6M parameters: a 4-layer text model of width
     384 and a 4-block vision tower of width 256), the tiny tokenizer with the vision tokens
-    and a chat template that renders image parts, and its image processor's config."""
-    final = cache_root() / "tiny-vl-v1"
+    and a chat template that renders image parts, and its image processor's config.
+
+    `family="qwen2_5_vl"`: the same text model under a Qwen2.5-VL tower of the same width
+    and depth (a gated MLP whose layers share the text model's `gate_proj`/`up_proj`/
+    `down_proj` names; windowed attention over 2x2 merged patches, full attention in
+    blocks 1 and 3)."""
+    name = {"qwen2_vl": "tiny-vl-v1", "qwen2_5_vl": "tiny-vl25-v1"}[family]
+    final = cache_root() / name
     if (final / "config.json").exists():
         return final
     import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -270,17 +288,26 @@ def prepare_tiny_vl() -> Path:
         tie_word_embeddings=True,
         **special,
     )
-    vision = dict(
-        depth=4,
-        embed_dim=256,
-        hidden_size=384,  # the merger projects into the text model's width
-        num_heads=4,
-        mlp_ratio=4,
-        patch_size=14,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-    )
-    config = Qwen2VLConfig(
+    common = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, depth=4)
+    vision: dict[str, Any]
+    config_cls: Any
+    model_cls: Any
+    if family == "qwen2_vl":
+        vision = dict(embed_dim=256, hidden_size=384, num_heads=4, mlp_ratio=4, **common)
+        config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    else:
+        vision = dict(
+            hidden_size=256,
+            out_hidden_size=384,  # the merger projects into the text model's width
+            intermediate_size=512,
+            num_heads=4,
+            # 56 px: windows of 2x2 merged patches, so a 112 px image has 4 of them.
+            window_size=56,
+            fullatt_block_indexes=[1, 3],
+            **common,
+        )
+        config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    config = config_cls(
         text_config=text,
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
@@ -291,9 +318,9 @@ def prepare_tiny_vl() -> Path:
         **special,
     )
     torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(config)
+    model = model_cls(config)
     processor = Qwen2VLImageProcessorPil(min_pixels=TINY_VL_PIXELS[0], max_pixels=TINY_VL_PIXELS[1])
-    tmp = final.with_name(f".tmp-tiny-vl-v1-{os.getpid()}")
+    tmp = final.with_name(f".tmp-{name}-{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     processor.save_pretrained(tmp)
@@ -421,8 +448,12 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["prepare-tiny-vl"]:
         print(prepare_tiny_vl())
         return 0
+    if argv[:1] == ["prepare-tiny-vl25"]:
+        print(prepare_tiny_vl("qwen2_5_vl"))
+        return 0
     print(
-        "usage: python -m rftpipe.engines.models prepare-default|prepare-tiny|prepare-tiny-vl",
+        "usage: python -m rftpipe.engines.models "
+        "prepare-default|prepare-tiny|prepare-tiny-vl|prepare-tiny-vl25",
         file=sys.stderr,
     )
     return 2

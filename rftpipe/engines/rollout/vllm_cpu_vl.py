@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _TV_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 _ARCH = "Qwen2VLForConditionalGeneration"
+_ARCH_25 = "Qwen2_5_VLForConditionalGeneration"
 _done = False
 
 
@@ -61,51 +62,75 @@ def serve_qwen2_vl_without_torchvision() -> None:
         sys.modules[_TV_MODULE] = shim
 
     from transformers import AutoTokenizer
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
     from vllm import ModelRegistry
-    from vllm.model_executor.models import qwen2_vl
+    from vllm.model_executor.models import qwen2_5_vl, qwen2_vl
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
-    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):  # type: ignore[misc]
-        """Qwen2VLProcessor with the PIL image processor and no video processor."""
+    def image_only(processor: type) -> type:
+        """`processor` (Qwen2-VL's or Qwen2.5-VL's) with the PIL image processor and no
+        video processor."""
 
-        @classmethod
-        def from_pretrained(cls, path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-            image_kwargs = {
-                k: kwargs[k] for k in ("min_pixels", "max_pixels", "size") if k in kwargs
-            }
-            tokenizer = kwargs.get("tokenizer") or AutoTokenizer.from_pretrained(path)
-            return cls(
-                image_processor=pil.Qwen2VLImageProcessorPil.from_pretrained(path, **image_kwargs),
-                tokenizer=tokenizer,
-                video_processor=None,
-            )
+        class ImageOnlyProcessor(processor):  # type: ignore[misc, valid-type]
+            @classmethod
+            def from_pretrained(cls, path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+                image_kwargs = {
+                    k: kwargs[k] for k in ("min_pixels", "max_pixels", "size") if k in kwargs
+                }
+                tokenizer = kwargs.get("tokenizer") or AutoTokenizer.from_pretrained(path)
+                return cls(
+                    image_processor=pil.Qwen2VLImageProcessorPil.from_pretrained(
+                        path, **image_kwargs
+                    ),
+                    tokenizer=tokenizer,
+                    video_processor=None,
+                )
 
-        def check_argument_for_proper_class(self, name: str, arg: Any) -> Any:
-            if name == "video_processor" and arg is None:
-                return None
-            return super().check_argument_for_proper_class(name, arg)
+            def check_argument_for_proper_class(self, name: str, arg: Any) -> Any:
+                if name == "video_processor" and arg is None:
+                    return None
+                return super().check_argument_for_proper_class(name, arg)
 
-    class ImageOnlyInfo(qwen2_vl.Qwen2VLProcessingInfo):  # type: ignore[misc]
-        def get_hf_processor(self, **kwargs: object) -> Any:
-            return self.ctx.get_hf_processor(ImageOnlyQwen2VLProcessor, **kwargs)
+        return ImageOnlyProcessor
 
-        def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-            return {"image": None}
+    # Per architecture: vLLM's model, processing info, multimodal processor and dummy
+    # inputs, and the transformers processor the info builds.
+    families = {
+        _ARCH: (
+            qwen2_vl.Qwen2VLForConditionalGeneration,
+            qwen2_vl.Qwen2VLProcessingInfo,
+            qwen2_vl.Qwen2VLMultiModalProcessor,
+            qwen2_vl.Qwen2VLDummyInputsBuilder,
+            Qwen2VLProcessor,
+        ),
+        _ARCH_25: (
+            qwen2_5_vl.Qwen2_5_VLForConditionalGeneration,
+            qwen2_5_vl.Qwen2_5_VLProcessingInfo,
+            qwen2_5_vl.Qwen2_5_VLMultiModalProcessor,
+            qwen2_5_vl.Qwen2_5_VLDummyInputsBuilder,
+            Qwen2_5_VLProcessor,
+        ),
+    }
+    for arch, (model_cls, info_cls, mm_processor, dummy, hf_processor) in families.items():
+        processor_cls = image_only(hf_processor)
 
-        def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Any:
-            return {"image": self.get_max_image_tokens()}
+        class ImageOnlyInfo(info_cls):  # type: ignore[misc, valid-type]
+            def get_hf_processor(self, _cls: type = processor_cls, **kwargs: object) -> Any:
+                return self.ctx.get_hf_processor(_cls, **kwargs)
 
-    @MULTIMODAL_REGISTRY.register_processor(
-        qwen2_vl.Qwen2VLMultiModalProcessor,
-        info=ImageOnlyInfo,
-        dummy_inputs=qwen2_vl.Qwen2VLDummyInputsBuilder,
-    )
-    class ImageOnlyQwen2VL(qwen2_vl.Qwen2VLForConditionalGeneration):  # type: ignore[misc]
-        """vLLM's Qwen2-VL, its processing images only (no torchvision)."""
+            def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+                return {"image": None}
 
-    # A class (not vLLM's lazy "module:class") is inspected in this process, where the
-    # module of (1) is now importable; vLLM inspects lazy entries in a fresh interpreter.
-    ModelRegistry.register_model(_ARCH, ImageOnlyQwen2VL)
+            def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Any:
+                return {"image": self.get_max_image_tokens()}
+
+        # vLLM's model, its processing images only (no torchvision). A class (not vLLM's
+        # lazy "module:class") is inspected in this process, where the module of (1) is
+        # now importable; vLLM inspects lazy entries in a fresh interpreter.
+        served = MULTIMODAL_REGISTRY.register_processor(
+            mm_processor, info=ImageOnlyInfo, dummy_inputs=dummy
+        )(type(f"ImageOnly{arch}", (model_cls,), {}))
+        ModelRegistry.register_model(arch, served)
     _done = True
-    log.info("vLLM: %s served without torchvision (images only)", _ARCH)
+    log.info("vLLM: %s served without torchvision (images only)", ", ".join(families))
