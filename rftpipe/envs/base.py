@@ -31,7 +31,9 @@ class Task:
 
     prompt_id: int
     messages: list[dict[str, Any]]
-    """The dataset prompt as chat messages (`{"role", "content"}`)."""
+    """The dataset prompt as chat messages (`{"role", "content"}`). An image prompt's
+    content is a list of parts, its images as `{"type": "image"}` (no pixels): `reset`
+    returns them in place, in order, for the policy to see the images."""
     answer: str | None = None
     """The reference answer, if the dataset has one."""
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -107,17 +109,30 @@ async def _awaited(aw: Awaitable[T]) -> T:
 # ----------------------------------------------------------------------------- checks
 
 
-def message_problem(messages: Any, roles: frozenset[str] = OBSERVATION_ROLES) -> str | None:
-    """Why `messages` is not a list of chat messages with string `content` and a role in
-    `roles` (None: it is)."""
+def message_problem(
+    messages: Any, roles: frozenset[str] = OBSERVATION_ROLES, parts: bool = False
+) -> str | None:
+    """Why `messages` is not a list of chat messages with string `content` (or, with
+    `parts`, a list of typed content parts: a task's image parts) and a role in `roles`
+    (None: it is)."""
     if not isinstance(messages, list):
         return f"{_describe(messages)}, not a list of {{role, content}} messages"
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("content"), str):
-            return f"message {i} {_describe(m)}, not a {{role, content}} message with str content"
+        content = m.get("content") if isinstance(m, Mapping) else None
+        typed = parts and isinstance(content, list) and all(_is_part(c) for c in content)
+        if not (isinstance(content, str) or typed):
+            kind = "str or content-part list" if parts else "str"
+            return (
+                f"message {i} {_describe(m)}, not a {{role, content}} message with {kind} content"
+            )
         if m.get("role") not in roles:
             return f"message {i} has role {m.get('role')!r}, not one of {sorted(roles)}"
     return None
+
+
+def _is_part(part: Any) -> bool:
+    """A chat content part: a mapping with a string `type` (`text`, `image`, ...)."""
+    return isinstance(part, Mapping) and isinstance(part.get("type"), str)
 
 
 def checked_step_result(obj: Any, env_name: str, where: str) -> StepResult:
@@ -176,7 +191,10 @@ def checked_reset(
             f"{FIELD}: {env_name}.reset returned {_describe(obj)}, not (messages, info) ({where})"
         )
     messages, info = obj
-    if (problem := message_problem(messages, OBSERVATION_ROLES | {"assistant"})) is not None:
+    # A task's image parts come back in its messages (`Task.messages`); observations are
+    # text only.
+    roles = OBSERVATION_ROLES | {"assistant"}
+    if (problem := message_problem(messages, roles, parts=True)) is not None:
         raise UserError(f"{FIELD}: {env_name}.reset returned messages {problem} ({where})")
     if not isinstance(info, Mapping):
         raise UserError(

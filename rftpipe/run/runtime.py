@@ -144,12 +144,6 @@ def build(
     prompts, held_out = split_held_out(
         cfg.data, cfg.eval, load_prompts(cfg.data, tokenizer, vision), tokenizer
     )
-    if cfg.rollout.env is not None and (p := next((p for p in prompts.prompts if p.images), None)):
-        # An environment re-templates the conversation from its own (text) messages.
-        raise UserError(
-            f"rollout.env: prompt {p.prompt_id} has images; multi-turn episodes take text "
-            "prompts only so far"
-        )
     check_coverage(cfg.reward, prompts.data_sources())
     check_round_size(cfg, len(prompts))
     # Before any model loads, so a bad PTX file fails in seconds.

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 from rftpipe.config.schema import EnvConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt
+from rftpipe.engines.vision import VisionEncoder, VisionInputs
 from rftpipe.envs.base import (
     Environment,
     StepResult,
@@ -95,6 +96,9 @@ class Episode:
     """Its place in the stage's row-major order: the engine's name for its kept KV cache.
     Not (prompt id, sample): a step that straddles an epoch boundary may hold a prompt
     twice, and its two episodes are two caches."""
+    vision: VisionInputs | None = None
+    """An image prompt's images as the engine takes them, over `prompt_ids` (whose image
+    pads are expanded to the images' token counts); None for a text prompt."""
 
 
 def turn_columns(e: Episode) -> dict[str, Any]:
@@ -144,6 +148,9 @@ class EpisodeInputs:
     """The sample indices whose every turn is the greedy continuation (`engine.greedy_rows`,
     no draws, so no turn seeds), run turn by turn with the others: held-out evaluation's
     greedy episode (-1), ReMax's baseline episode (`cfg.n`)."""
+    encoder: VisionEncoder | None = None
+    """A vision-language policy's image encoding: an image prompt's episode holds its
+    images' tokens and every turn's engine call sees them (None: a text policy)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +175,7 @@ def run(
     cfg, env_cfg = inp.cfg, inp.env_cfg
     samples = range(cfg.n) if inp.samples is None else inp.samples
     eos = _eos_ids(tokenizer, cfg)
+    images = _EpisodeImages(inp.encoder, env_cfg)
     by_call: list[list[Episode]] = []
     clock = _Clock()
     try:
@@ -183,6 +191,9 @@ def run(
                             if row is None
                             else _restore(env_cfg, tokenizer, make_env, p, k, seed, row)
                         )
+                    if row is None:
+                        images.expand(e)
+                    e.vision = images.of(e)
                     e.slot = sum(len(c) for c in by_call)
                     e.greedy = k in inp.greedy_samples
                     by_call[-1].append(e)
@@ -195,7 +206,7 @@ def run(
                 break
             events().write("turn_begin", step=inp.step, stage=inp.stage, turn=turn)
             for call_eps in by_call:
-                _turn(inp, engine, tokenizer, eos, call_eps, turn, clock)
+                _turn(inp, engine, tokenizer, eos, call_eps, turn, clock, images)
                 fault("episode_mid_turn")
             fault("episode_before_turn_commit")
             log.commit(turn + 1, episodes)
@@ -229,6 +240,7 @@ def _turn(
     episodes: list[Episode],
     turn: int,
     clock: _Clock,
+    images: _EpisodeImages,
 ) -> None:
     """Turn `turn` of one call's running episodes: one engine call, then each environment."""
     cfg, env_cfg = inp.cfg, inp.env_cfg
@@ -252,11 +264,15 @@ def _turn(
             [_turn_seed(inp, e, turn) for e, _ in sampled],
             [lim for _, lim in sampled],
             keys=[_key(e) for e, _ in sampled],
+            # An engine that keeps each episode's cache took the images with its first turn.
+            vision=_vision([e for e, _ in sampled], turn == 0 or not engine.continues_turns),
         )
         got.update({e.slot: out for (e, _), out in zip(sampled, outs, strict=True)})
     if greedy:
         outs = engine.greedy_rows(
-            [e.prompt_ids + e.response for e, _ in greedy], [lim for _, lim in greedy]
+            [e.prompt_ids + e.response for e, _ in greedy],
+            [lim for _, lim in greedy],
+            vision=_vision([e for e, _ in greedy], True),
         )
         got.update({e.slot: out for (e, _), out in zip(greedy, outs, strict=True)})
     outs = [got[e.slot] for e, _ in go]
@@ -269,13 +285,65 @@ def _turn(
     with clock:
         answers = step_all(pairs)
     for (e, action, stopped), answer in zip(acted, answers, strict=True):
-        _answered(env_cfg, tokenizer, e, action, stopped, answer, turn, inp.step)
+        _answered(env_cfg, tokenizer, e, action, stopped, answer, turn, inp.step, images)
     engine.end_episodes([_key(e) for e in live if e.status is not None])
 
 
 def _key(e: Episode) -> int:
     """An episode's name to the engine (see `Episode.slot`)."""
     return e.slot
+
+
+def _vision(rows: Sequence[Episode], send: bool) -> list[VisionInputs | None] | None:
+    """The rows' images for an engine call (None: none has images, or not `send`)."""
+    if not send or all(e.vision is None for e in rows):
+        return None
+    return [e.vision for e in rows]
+
+
+class _EpisodeImages:
+    """An image prompt's episode's images: its reset prompt's image pads checked against
+    the prompt's images and expanded to their token counts, and the `VisionInputs` over
+    it (built once per (prompt, prompt ids): a group's episodes share them)."""
+
+    def __init__(self, encoder: VisionEncoder | None, env_cfg: EnvConfig) -> None:
+        self.encoder = encoder
+        self.env_cfg = env_cfg
+        self._inputs: dict[tuple[int, tuple[int, ...]], VisionInputs] = {}
+
+    def of(self, e: Episode) -> VisionInputs | None:
+        if self.encoder is None or not e.prompt.images:
+            return None
+        key = (id(e.prompt), tuple(e.prompt_ids))
+        if key not in self._inputs:
+            self._inputs[key] = self.encoder.inputs(e.prompt.images, e.prompt_ids)
+        return self._inputs[key]
+
+    def expand(self, e: Episode) -> None:
+        """A reset episode's `prompt_ids` with each image's pad repeated once per image
+        token; exit 2 when the reset messages place another number of images than the
+        prompt has."""
+        enc = self.encoder
+        if enc is None or not e.prompt.images:
+            return
+        pads = e.prompt_ids.count(enc.image_token_id)
+        if pads != len(e.prompt.images):
+            raise UserError(
+                f"rollout.env.path {self.env_cfg.path}: reset of prompt_id "
+                f"{e.prompt.prompt_id} sample_idx {e.sample_idx} gave messages with {pads} "
+                f"image parts for the prompt's {len(e.prompt.images)} images; keep the "
+                "task's messages' image parts, in order"
+            )
+        counts = iter([enc.image_tokens(im.size) for im in e.prompt.images])
+        e.prompt_ids = enc.expand(e.prompt_ids, counts)
+
+    def check_observation(self, ids: Sequence[int], where: str) -> None:
+        """Exit 2 on an observation that shows images (not supported yet)."""
+        if self.encoder is not None and self.encoder.image_token_id in ids:
+            raise UserError(
+                f"rollout.env.path {self.env_cfg.path}: the observation of {where} holds an "
+                "image; environments answer with text only so far"
+            )
 
 
 def _turn_seed(inp: EpisodeInputs, e: Episode, turn: int) -> int:
@@ -298,6 +366,7 @@ def _replay(inp: EpisodeInputs, engine: Any, episodes: list[Episode]) -> None:
             [_turn_seed(inp, e, turn) for e in rows],
             [0] * len(rows),
             keys=[_key(e) for e in rows],
+            vision=_vision(rows, turn == 0),
         )
     engine.end_episodes([_key(e) for e in episodes if e.status is not None])
 
@@ -440,6 +509,7 @@ def _answered(
     answer: Any,
     turn: int,
     step: int,
+    images: _EpisodeImages,
 ) -> None:
     """Take the environment's answer to turn `turn` (or the exception its step raised):
     append its observation's tokens, or end the episode."""
@@ -475,6 +545,7 @@ def _answered(
         e.status = "max_turns"
         return
     env_ids, text = _observation_tokens(tokenizer, e, action, result, stopped, env_cfg)
+    images.check_observation(env_ids, where)
     if len(e.response) + len(env_ids) >= env_cfg.max_total_tokens:
         e.status = "truncated"
         return

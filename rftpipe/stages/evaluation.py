@@ -177,6 +177,7 @@ def _episode_table(
         calls=calls,
         samples=[-1, *range(inp.eval.samples)],
         greedy_samples=frozenset({-1}),
+        encoder=inp.encoder,
     )
     out = episodes.run(ep_inp, engine, tokenizer, env_maker(env), Unlogged())
     cols: dict[str, list] = {name: [] for name in EVAL_EPISODE_SCHEMA.names}

@@ -183,6 +183,7 @@ def _episode_table(
         # ReMax's baseline: one greedy episode per prompt, after its samples.
         samples=[*range(cfg.n), cfg.n] if inp.baseline else None,
         greedy_samples=frozenset({cfg.n}) if inp.baseline else frozenset(),
+        encoder=inp.encoder,
     )
     log: episodes.TurnLog = turns.log(inp, engine, tokenizer) if turns else Unlogged()
     out = episodes.run(ep_inp, engine, tokenizer, env_maker(env), log)
@@ -294,6 +295,8 @@ class _StoreLog:
         t, step = self.turns, self.inp.step
         name = t.name(k)
         table = episode_rows(self.inp, self.engine, self.tokenizer, finished)
+        if self.inp.encoder is not None:
+            table = with_image_refs(table, self.inp.prompts)
         meta = {
             "rftpipe.schema_version": schema_version(table.column_names),
             "rftpipe.stage": name,
@@ -346,10 +349,12 @@ class RolloutStage(NoSideEffects):
             encoder=rt.vision,
         )
         turns = TurnStore(rt.store, rt.dist, self.name)
+        if rt.vision is not None:
+            # The images are durable before any shard that references them is written (a
+            # multi-turn stage's turn shards too).
+            store_images(rt.run.root, plan.mine)
         table = run(rt.cfg.rollout, rt.rollout_engine, rt.tokenizer, inp, turns)
         if rt.vision is not None:
-            # The images are durable before the shard that references them is written.
-            store_images(rt.run.root, plan.mine)
             table = with_image_refs(table, plan.mine)
         extra: dict[str, object] = {"sampler": plan.sampler, "prompt_ids": plan.global_ids}
         if rt.cfg.rollout.env is not None:
