@@ -443,13 +443,20 @@ def test_multi_turn_image_episodes_on_vllm_agree_with_the_trainer(
     mixed: Path, tmp_path: Path
 ) -> None:
     """vLLM (which keeps no cache between turns) gets each image episode's images with
-    every turn's request; its logprobs over 3-turn episodes agree with the trainer's."""
+    every turn's request; its logprobs over 3-turn episodes agree with the trainer's.
+    Held-out evaluation runs greedy and sampled image episodes too."""
     run = tmp_path / "run"
-    steps = vl_run(mixed, *BASE[1:], *EPISODES, "rollout.engine=vllm")
-    out = submit(run, *steps, env=TESTS_ON_PATH)
+    held_out = ("eval.size=8", "eval.holdout_fraction=0.4", "eval.samples=1", "eval.metric=env")
+    steps = vl_run(mixed, *BASE[1:], *EPISODES, *held_out, "rollout.engine=vllm")
+    out = submit(run, *steps, "data.prompts_per_step=2", env=TESTS_ON_PATH)
     assert out.returncode == 0, out.stderr[-3000:]
     t = trajectories(run).to_pylist()
     assert {r["num_turns"] for r in t if r["images"]} == {3}
+    for step in (0, 2):
+        rows = eval_rows(run, step).to_pylist()
+        pictured = [(r["mode"], r["num_turns"]) for r in rows if r["images"]]
+        assert {"greedy", "sampled"} == {m for m, _ in pictured}
+        assert {n for _, n in pictured} == {3}
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     diffs = [m["rollout/logprob_abs_diff_max"] for m in metrics if m.get("step", 0) >= 1]
     assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
