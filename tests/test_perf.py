@@ -17,6 +17,24 @@ from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.observe import perf
 
 
+def test_a_vision_models_shape_leaves_its_tower_out_also_under_lora(tiny_vl: Path) -> None:
+    """builtin:tiny-vl's shape counts its text model alone; with LoRA adapters (on the
+    text model) it adds exactly the adapters' parameters, the tower still left out."""
+    from rftpipe.config.schema import LoraConfig
+    from rftpipe.engines import lora
+
+    model = load_causal_lm(tiny_vl, "float32")
+    shape = perf.model_shape(model)
+    tower = sum(p.numel() for p in model.model.visual.parameters())
+    embeddings = model.get_input_embeddings().weight.numel()  # tied with the head
+    total = sum(p.numel() for p in model.parameters())
+    assert shape.non_embedding_params == total - tower - embeddings
+    peft = lora.apply_lora(model, LoraConfig(r=4), 0, "actor")
+    adapters = sum(p.numel() for n, p in peft.named_parameters() if ".lora_" in n)
+    assert adapters > 0
+    assert perf.model_shape(peft).non_embedding_params == shape.non_embedding_params + adapters
+
+
 def test_tiny_model_flops_by_hand() -> None:
     model = load_causal_lm(prepare_tiny(), "float32")
     shape = perf.model_shape(model)

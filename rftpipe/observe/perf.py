@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 import torch
 
 from rftpipe.engines.models import as_causal_lm
+from rftpipe.engines.vision import hf_model
 
 #: Dense peak TFLOP/s of one GPU by compute type: half of NVIDIA's datasheet figure "with
 #: sparsity" for the tensor-core types, the plain figure for fp32 without TF32. Keyed by a
@@ -68,9 +69,10 @@ def model_shape(model: torch.nn.Module) -> ModelShape:
     model = _hf_model(model)
     lm = as_causal_lm(model)
     # A vision-language model: the text model's shape. Its vision tower runs on image
-    # patches, not on the sequence's tokens, so it is left out (MFU then undercounts).
+    # patches, not on the sequence's tokens, so it is left out (MFU then undercounts); a
+    # peft model's tower is its base model's.
     cfg = lm.config.get_text_config()
-    tower = getattr(getattr(model, "model", None), "visual", None)
+    tower = getattr(getattr(hf_model(model), "model", None), "visual", None)
     skipped = {
         id(p)
         for m in (lm.get_input_embeddings(), lm.get_output_embeddings(), tower)
