@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from rftpipe.errors import UserError
 
@@ -244,7 +244,7 @@ TINY_VL25 = "builtin:tiny-vl25"
 attention, gated MLP and RMSNorm, beside `builtin:tiny-vl`'s Qwen2-VL."""
 
 
-def prepare_tiny_vl(family: str = "qwen2_vl") -> Path:
+def prepare_tiny_vl(family: Literal["qwen2_vl", "qwen2_5_vl"] = "qwen2_vl") -> Path:
     """A seeded random-init Qwen2-VL (13.6M parameters: a 4-layer text model of width
     384 and a 4-block vision tower of width 256), the tiny tokenizer with the vision tokens
     and a chat template that renders image parts, and its image processor's config.
