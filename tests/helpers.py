@@ -202,6 +202,23 @@ def two_ranks_then_one(tmp_path: Path, *overrides: str) -> tuple[Path, Path]:
     return switched, killed
 
 
+def kill_mid_turn_and_resume(
+    ref: Path, run: Path, steps: tuple[str, ...], env: dict, skip: int, resumed: list
+) -> None:
+    """Kill `run` at its `skip`+1-th `episode_mid_turn` fault point, resume it, and assert
+    it resumed `resumed` ((step, committed turns) per resume) and equals the uninterrupted
+    `ref` bitwise: trajectories and final weights."""
+    faulted = {**env, "RFTPIPE_FAULT": "episode_mid_turn", "RFTPIPE_FAULT_SKIP": str(skip)}
+    assert submit(run, *steps, env=faulted).returncode != 0
+    out = submit(run, *steps, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = [(e["step"], e["turns"]) for e in events(run) if e["event"] == "resume_turns"]
+    assert got == resumed, got
+    assert trajectories(run).equals(trajectories(ref))
+    a, b = final_weights(run), final_weights(ref)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def exit_rank() -> None:
     """End a multi-process test worker: wait for every rank, then leave without interpreter
     teardown. Torch's gloo threads (and DeepSpeed's) can abort a rank whose peer has already

@@ -18,6 +18,7 @@ from helpers import (
     episode_prompts,
     events,
     final_weights,
+    kill_mid_turn_and_resume,
     submit,
     trajectories,
 )
@@ -264,15 +265,7 @@ def test_sigkill_mid_turn_3_resumes_on_replayed_kv_caches_bitwise(tmp_path: Path
     ref, run = tmp_path / "ref", tmp_path / "killed"
     assert submit(ref, *steps, env=ENV_PATH).returncode == 0
     # Step 1 is 3 turns of 4 calls; step 2's third turn is hit 21 after 8 more.
-    env = {**ENV_PATH, "RFTPIPE_FAULT": "episode_mid_turn", "RFTPIPE_FAULT_SKIP": "21"}
-    assert submit(run, *steps, env=env).returncode != 0
-    out = submit(run, *steps, env=ENV_PATH)
-    assert out.returncode == 0, out.stderr[-3000:]
-    resumed = [(e["step"], e["turns"]) for e in events(run) if e["event"] == "resume_turns"]
-    assert resumed == [(2, 2)], resumed
-    assert trajectories(run).equals(trajectories(ref))
-    a, b = final_weights(run), final_weights(ref)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    kill_mid_turn_and_resume(ref, run, steps, ENV_PATH, skip=21, resumed=[(2, 2)])
 
 
 class _Snapshots:

@@ -29,6 +29,7 @@ from helpers import (
     eval_rows,
     events,
     final_weights,
+    kill_mid_turn_and_resume,
     stage_history,
     submit,
     trajectories,
@@ -405,15 +406,7 @@ def test_multi_turn_episodes_on_image_prompts_resume_bitwise(mixed: Path, tmp_pa
     diffs = [m["rollout/logprob_abs_diff_max"] for m in metrics if m.get("step", 0) >= 1]
     assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
     # Step 2's third turn (4 calls a turn) is hit 21 after step 1's 3 turns and 8 more.
-    env = {**TESTS_ON_PATH, "RFTPIPE_FAULT": "episode_mid_turn", "RFTPIPE_FAULT_SKIP": "21"}
-    assert submit(run, *steps, env=env).returncode != 0
-    out = submit(run, *steps, env=TESTS_ON_PATH)
-    assert out.returncode == 0, out.stderr[-3000:]
-    resumed = [(e["step"], e["turns"]) for e in events(run) if e["event"] == "resume_turns"]
-    assert resumed == [(2, 2)], resumed
-    assert trajectories(run).equals(trajectories(ref))
-    a, b = final_weights(run), final_weights(ref)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    kill_mid_turn_and_resume(ref, run, steps, TESTS_ON_PATH, skip=21, resumed=[(2, 2)])
 
 
 @pytest.mark.parametrize(
