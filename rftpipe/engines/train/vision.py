@@ -257,27 +257,14 @@ def rows_forward(module: torch.nn.Module) -> Iterator[None]:
 
     def forward(
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        mm_token_type_ids: torch.Tensor,
-        pixel_values: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        image_index: torch.Tensor | None = None,
         use_cache: bool = False,
         logits_to_keep: int = 0,
+        **rows: torch.Tensor,
     ) -> Any:
+        """`rows`: `rows_hidden`'s keyword arguments (`VisionMicroBatch.image_inputs`)."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        hidden = rows_hidden(
-            model.model,
-            input_ids,
-            attention_mask,
-            position_ids,
-            mm_token_type_ids,
-            pixel_values,
-            image_grid_thw,
-            image_index,
-        )
+        hidden = rows_hidden(model.model, input_ids, **rows)
         kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         # A ModelOutput (a dict) as the model's own: DeepSpeed hooks the output's tensors.
         return CausalLMOutputWithPast(logits=as_causal_lm(model).get_output_embeddings()(kept))
