@@ -59,7 +59,8 @@ import torch
 
 import jobs.submit  # noqa: F401
 import rftpipe.run.worker  # noqa: F401
-from rftpipe import loop, perf  # noqa: F401
+from rftpipe.observe import perf  # noqa: F401
+from rftpipe.run import loop  # noqa: F401
 
 cuda = torch.cuda.is_available()
 print(f"torch {torch.__version__}, CUDA: {cuda}", end="")
