@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -826,3 +828,149 @@ def test_overlong_reward_reference(length: int, penalty: float, expected: float)
     (outcome,) = component.score([_length_sample(length)], fail_fast=True)
     assert outcome is not None and outcome.status == "ok"
     assert math.isclose(outcome.value, expected, rel_tol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Defaults against verl's
+# ---------------------------------------------------------------------------------------------
+# verl's values, read in volcengine/verl at b178a3c (2026-01-29): verl/trainer/ppo/core_algos.py
+# (compute_policy_loss_clip_cov, compute_policy_loss_kl_cov,
+# compute_optimal_token_baseline_advantage, compute_policy_loss_vanilla) and
+# verl/workers/config/actor.py (PolicyLossConfig, ActorConfig). Each case below runs our
+# variant with the settings a verl run has (our defaults unless stated) and expects the
+# number verl's code gives, evaluated here by hand.
+
+# (family, variant, setting) -> verl's default for it. A default of ours that differs must
+# have its row, with both values and the reason, in docs/algorithms.md's "Defaults against
+# verl's" table.
+VERL_DEFAULTS: dict[tuple[str, str, str], float | None] = {
+    # ActorConfig.clip_ratio_low / clip_ratio_high / clip_ratio_c (the dual clip)
+    ("policy_loss", "ppo_clip", "clip_low"): 0.2,
+    ("policy_loss", "ppo_clip", "clip_high"): 0.2,
+    ("policy_loss", "ppo_clip", "dual_clip"): 3.0,
+    # compute_policy_loss_clip_cov reads clip_ratio_low / _high but has no dual clip
+    ("policy_loss", "clip_cov", "clip_low"): 0.2,
+    ("policy_loss", "clip_cov", "clip_high"): 0.2,
+    ("policy_loss", "clip_cov", "dual_clip"): None,
+    ("policy_loss", "clip_cov", "ratio"): 2e-4,  # PolicyLossConfig.clip_cov_ratio
+    ("policy_loss", "clip_cov", "lb"): 1.0,
+    ("policy_loss", "clip_cov", "ub"): 5.0,
+    ("policy_loss", "kl_cov", "ratio"): 2e-4,  # PolicyLossConfig.kl_cov_ratio
+    ("policy_loss", "kl_cov", "coef"): 0.1,  # PolicyLossConfig.ppo_kl_coef
+    ("policy_loss", "sapo", "tau_pos"): 1.0,  # ActorConfig.tau_pos / tau_neg
+    ("policy_loss", "sapo", "tau_neg"): 1.05,
+    ("advantage", "grpo", "eps"): 1e-6,  # compute_grpo_outcome_advantage's epsilon
+    ("advantage", "grpo_passk", "eps"): 1e-6,
+    ("advantage", "optimal_token_baseline", "eps"): 1e-8,
+}
+
+
+def _our_default(family: str, name: str, key: str) -> Any:
+    registry = POLICY_LOSSES if family == "policy_loss" else ADVANTAGE_ESTIMATORS
+    return getattr(registry[name].settings(), key)
+
+
+def _verl_table_rows() -> dict[str, str]:
+    """``name.key`` -> its row of docs/algorithms.md's "Defaults against verl's" table."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "algorithms.md").read_text()
+    section = text.split("### Defaults against verl's", 1)
+    assert len(section) == 2, "docs/algorithms.md has no '### Defaults against verl's' section"
+    body = section[1].split("\n#", 1)[0]
+    rows = {}
+    for line in body.splitlines():
+        if m := re.match(r"\| `([\w.]+)` \|", line):
+            rows[m.group(1)] = line
+    return rows
+
+
+@pytest.mark.parametrize(("family", "name", "key"), sorted(VERL_DEFAULTS))
+def test_defaults_that_differ_from_verl_are_documented(family: str, name: str, key: str) -> None:
+    ours, verl = _our_default(family, name, key), VERL_DEFAULTS[family, name, key]
+    row = _verl_table_rows().get(f"{name}.{key}")
+    if ours == verl:
+        assert row is None or "equal" in row, f"{name}.{key}: documented as different"
+        return
+    assert row is not None, f"{name}.{key}: {ours} here, {verl} in verl, and no docs row"
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == f"`{ours}`" and cells[2].startswith(f"`{verl}`"), row
+    assert len(cells) == 5 and cells[4], f"{name}.{key}: the row gives no reason"
+
+
+def test_clip_cov_defaults_give_verls_loss() -> None:
+    """verl's clip_cov has no dual clip: a token with ratio e^2 and A = -1 keeps its loss
+    -A r = e^2 (PPO's max picks the unclipped side), where a dual clip of 3 would cap it
+    at 3. Old log-probs (0, 0), new (2, 0), A = (-1, -1): both tokens have covariance 0
+    (A is constant), outside (lb, ub) = (1, 5), so no token is cut. Token-mean: verl gives
+    (e^2 + 1) / 2 = 4.19."""
+    logprobs = torch.tensor([[2.0, 0.0]], dtype=F64, requires_grad=True)
+    old = torch.zeros(1, 2, dtype=F64)
+    adv = torch.full((1, 2), -1.0, dtype=F64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    out = policy_loss(logprobs, old, adv, mask, POLICY_LOSSES["clip_cov"].settings())
+    _assert_ragged(out.loss.detach(), mask, [[math.exp(2.0), 1.0]])
+    mean = aggregate(out.loss, mask, "token-mean").item()
+    assert math.isclose(mean, (math.exp(2.0) + 1.0) / 2, rel_tol=1e-12)
+    assert not out.dual_clipped.any()
+
+
+@pytest.mark.parametrize(
+    ("coef", "verl_source"),
+    [
+        (0.1, "PolicyLossConfig.ppo_kl_coef (verl's config default)"),
+        (None, "recipe/entropy/7b_kl_cov.sh ppo_kl_coef=1 (our default)"),
+    ],
+)
+def test_kl_cov_gives_verls_loss(coef: float | None, verl_source: str) -> None:
+    """verl's compute_policy_loss_kl_cov: -A r on every token, + ppo_kl_coef |log r| on the
+    top max(1, int(2e-4 n)) = 1 token by covariance of A and the new log pi. Batch of
+    `penalise_top`: log pi = (-0.4, -2.2, -1.5, -2.0), A = (3, -3, 0, 0), covariances
+    (3.375, 2.025, 0, 0): token 0 (log r = 0.1) is penalised. Token-mean over 4 tokens."""
+    c = LOSS_CASES["kl_cov"]["penalise_top"]
+    logprobs, old, adv, mask, _ = _loss_inputs(c)
+    own = {} if coef is None else {"coef": coef}
+    out = policy_loss(logprobs, old, adv, mask, POLICY_LOSSES["kl_cov"].settings(**own))
+    beta = 1.0 if coef is None else coef
+    per_token = [-3 * math.exp(0.1) + beta * 0.1, 3 * math.exp(-0.2), 0.0, 0.0]
+    _assert_ragged(out.loss.detach(), mask, [per_token])
+    mean = aggregate(out.loss, mask, "token-mean").item()
+    assert math.isclose(mean, sum(per_token) / 4, rel_tol=1e-12), verl_source
+
+
+# Two samples of one group, rewards (1, 0), both 2 tokens long (so verl's handle_zero_tail
+# does not matter): pi = (0.5, 0.25) and (0.5, 0.5), sum pi^2 = (0.5, 0.25) and (0.3, 0.5).
+# w = 1 - 2 pi + sum pi^2 = (0.5, 0.75) and (0.3, 0.5); W (cumulative) = (0.5, 1.25) and
+# (0.3, 0.8). verl: B_t = sum_i G_it W_it / (sum_i W_it + epsilon), epsilon 1e-8.
+OTB_VERL_B = [(1 * 0.5 + 0 * 0.3) / (0.8 + 1e-8), (1 * 1.25 + 0 * 0.8) / (2.05 + 1e-8)]
+
+
+def test_optimal_token_baseline_defaults_give_verls_advantages() -> None:
+    lengths = [2, 2]
+    mask = _mask(lengths)
+    inputs = AdvantageInputs(
+        rewards=torch.tensor([1.0, 0.0], dtype=F64),
+        group_index=torch.tensor([0, 0]),
+        response_mask=mask,
+        logprobs=_pad([[math.log(0.5), math.log(0.25)], [math.log(0.5)] * 2], lengths),
+        sum_pi_squared=_pad([[0.5, 0.25], [0.3, 0.5]], lengths),
+    )
+    adv = compute_advantages(ADVANTAGE_ESTIMATORS["optimal_token_baseline"].settings(), inputs)
+    b0, b1 = OTB_VERL_B
+    _assert_ragged(adv, mask, [[1 - b0, 1 - b1], [-b0, -b1]])
+
+
+def test_optimal_token_baseline_tail_is_verls_handle_zero_tail() -> None:
+    """Where one sample runs alone our baseline is 0: verl's handle_zero_tail=True (the
+    default of its multi-turn variant; its single-turn one defaults to False, whose baseline
+    there is G W / (W + epsilon), about G). The `proxy` case: lengths (2, 1), rewards (1, 0),
+    no sum pi^2 (our lower bound pi^2 for it). Sample 0's token 1 runs alone."""
+    lengths = [2, 1]
+    mask = _mask(lengths)
+    inputs = AdvantageInputs(
+        rewards=torch.tensor([1.0, 0.0], dtype=F64),
+        group_index=torch.tensor([0, 0]),
+        response_mask=mask,
+        logprobs=_pad(OTB_LP, lengths),
+    )
+    adv = compute_advantages(ADVANTAGE_ESTIMATORS["optimal_token_baseline"].settings(), inputs)
+    b0 = 0.25 / (0.5 + 1e-8)  # W = 0.25 for both samples at t = 0
+    _assert_ragged(adv, mask, [[1 - b0, 1.0], [-b0]])

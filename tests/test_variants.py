@@ -56,6 +56,7 @@ from rftpipe.algos.variants import (
     K2Settings,
     KLCovSettings,
     NoCorrectionSettings,
+    OptimalTokenBaselineSettings,
     PolicyLossSettings,
     PPOClipSettings,
     SAPOSettings,
@@ -465,3 +466,42 @@ def test_resuming_the_old_run_sees_no_config_change(tmp_path: Path) -> None:
     assert cfg.train.policy_loss == SAPOSettings(tau_pos=1.2)
     with pytest.raises(UserError, match=r"train\.policy_loss\.tau_pos changed"):
         resolve_config(parse_args(["--run-dir", str(run), "train.policy_loss.tau_pos=1.3"]), run)
+
+
+@pytest.mark.parametrize(
+    ("old_text", "new_text", "want"),
+    [
+        # the flat layout: dual_clip 4.0 in the fixture, 3.0 (the old default) here
+        (
+            "  policy_loss: sapo\n  clip_low: 0.2\n  clip_high: 0.2\n  dual_clip: 4.0\n",
+            "  policy_loss: clip_cov\n  clip_low: 0.2\n  clip_high: 0.2\n  dual_clip: 3.0\n",
+            ("train", "policy_loss", ClipCovSettings(dual_clip=3.0)),
+        ),
+        # the variant layout as written before 2026-11-27, every setting spelled out
+        (
+            "  policy_loss: sapo\n",
+            "  policy_loss: {type: clip_cov, clip_low: 0.2, clip_high: 0.2, dual_clip: 3.0,"
+            " ratio: 0.0002, lb: 1.0, ub: 5.0}\n",
+            ("train", "policy_loss", ClipCovSettings(dual_clip=3.0)),
+        ),
+        (
+            "  estimator: grpo\n",
+            "  estimator: optimal_token_baseline\n",
+            ("advantage", "estimator", OptimalTokenBaselineSettings(eps=1e-6)),
+        ),
+    ],
+)
+def test_changed_verl_defaults_leave_a_started_run_as_it_was(
+    tmp_path: Path, old_text: str, new_text: str, want: tuple[str, str, Any]
+) -> None:
+    """clip_cov's dual clip (3.0 -> off) and the optimal token baseline's eps (1e-6 -> 1e-8)
+    took verl's defaults: a run started before resumes with the values it was started
+    with, and the resume check sees no change."""
+    run = tmp_path / "run"
+    run.mkdir()
+    text = (OLD_RUN / "config.yaml").read_text()
+    assert old_text in text
+    (run / "config.yaml").write_text(text.replace(old_text, new_text))
+    cfg = resolve_config(parse_args(["--run-dir", str(run)]), run)
+    section, key, settings = want
+    assert getattr(getattr(cfg, section), key) == settings

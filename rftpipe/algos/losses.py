@@ -411,7 +411,8 @@ def clip_cov_loss(
     covariance lies in ``(lb, ub)``, a share ``ratio`` of the valid
     tokens get no gradient; this stops the covariance-driven entropy collapse. The paper
     picks them at random; we take the highest-covariance ones so the step is deterministic
-    (resumes are bitwise). The PPO part is :func:`ppo_clip_loss`, dual clip included.
+    (resumes are bitwise). The PPO part is :func:`ppo_clip_loss`, whose dual clip is off
+    here unless set (verl's clip_cov has none).
     """
     # ClipCovSettings derives from PPOClipSettings: its clip range and dual clip are PPO's.
     out = ppo_clip_loss(logprobs, old_logprobs, advantages, mask, settings)

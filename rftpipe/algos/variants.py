@@ -199,8 +199,9 @@ ADVANTAGE_ESTIMATORS.register(
 class OptimalTokenBaselineSettings(AdvantageSettings):
     """The optimal token baseline: a per-position baseline weighted by score energy."""
 
-    eps: float = 1e-6
-    """Added to the baseline's denominator (the summed weights of the group's samples)."""
+    eps: float = 1e-8
+    """Added to the baseline's denominator (the summed weights of the group's samples);
+    1e-8 as verl's `compute_optimal_token_baseline_advantage`."""
 
     def __post_init__(self) -> None:
         _check_non_negative("eps", self.eps)
@@ -356,8 +357,13 @@ POLICY_LOSSES.register("gpg", settings=GPGLossSettings)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ClipCovSettings(PPOClipSettings):
-    """Clip-Cov: PPO (dual clip included), plus the gradient cut on a few high-covariance
+    """Clip-Cov: PPO's clipped surrogate, plus the gradient cut on a few high-covariance
     tokens."""
+
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of tokens with negative advantage at
+    -A c (null: off). Off by default, as in verl (`compute_policy_loss_clip_cov` has no
+    dual clip); set it to bound such tokens as `ppo_clip` does."""
 
     ratio: float = 2e-4
     """Share of the valid tokens whose gradient is cut (the paper's 2e-4)."""
@@ -388,7 +394,9 @@ class KLCovSettings(PolicyLossSettings):
     paper's 2e-4)."""
 
     coef: float = 1.0
-    """Coefficient of the |log pi - log pi_old| penalty on those tokens."""
+    """Coefficient of the |log pi - log pi_old| penalty on those tokens: 1 as verl's KL-Cov
+    recipes and its loss function's own fallback (verl's `PolicyLossConfig.ppo_kl_coef`
+    default is 0.1; see docs/algorithms.md, "Defaults against verl's")."""
 
     def __post_init__(self) -> None:
         _check_share("ratio", self.ratio)
