@@ -152,3 +152,19 @@ def trl_red_mean(prompts, completions, images, **columns) -> list[float]:
 
     assert all(im.mode == "RGB" for ims in images for im in ims)
     return [float(np.asarray(ims[0])[..., 0].mean()) if ims else -1.0 for ims in images]
+
+
+_held = False
+
+
+def hold_256mib_once(sample) -> float:
+    """rftpipe signature, always 0: the first call in step 2 of each worker process fills
+    256 MiB (a block glibc maps and unmaps: its pages leave the resident set when freed),
+    holds it for 1 s and frees it, inside the score stage."""
+    global _held
+    if sample.step == 2 and not _held:
+        _held = True
+        block = b"\x01" * (256 * 2**20)  # written, so resident (calloc'd pages would not be)
+        time.sleep(1.0)
+        del block
+    return 0.0

@@ -125,6 +125,7 @@ SINGLE_TURN_METRICS = {
     *(f"perf/{s}_{k}" for s in ORDER for k in ("s", "mem_peak_gib", "mem_increment_gib")),
     *(f"perf/{k}" for k in ("checkpoint_interval", "checkpoint_s", "checkpoint_wait_s")),
     *("perf/commit_s", "perf/train_tflops", "perf/train_tokens_per_s"),
+    "perf/run_mem_peak_gib",  # 2026-11-27: the process tree's peak so far
     *(f"rollout/{k}" for k in ("response_length", "stop_frac", "reward_mean", "reward_std")),
     *(f"rollout/reward_{k}" for k in ("dense_even_tokens", "errors", "timeouts")),
     *(f"train/{k}" for k in ("clip_frac", "dual_clip_frac", "entropy", "grad_norm", "kl")),

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TINY, events
+from helpers import ROOT, TESTS_ON_PATH, TINY, events, submit
 
 from rftpipe.observe import memory
 
@@ -204,3 +204,64 @@ def test_peak_resets_to_the_current_resident_set() -> None:
     # The high-water mark restarts at what is resident now, whatever the allocator kept.
     rss = memory.rss_gib()
     assert rss is not None and abs(after - rss) < 0.01, (after, rss)
+
+
+RUN_PEAK_SNIPPET = """
+import json, resource
+from rftpipe.observe import memory
+memory.reset_peak()
+before = memory.rss_gib()
+block = b"\\x01" * (256 * 2**20)  # 256 MiB, written: resident until freed (unmapped)
+del block
+memory.reset_peak()  # the next stage's reset
+print(json.dumps({
+    "before": before,
+    "stage_peak": memory.peak_gib(),
+    "run_peak": memory.run_peak_gib(),
+    "ru_maxrss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+}))
+"""
+
+
+def test_run_peak_keeps_what_a_stage_reset_clears() -> None:
+    """256 MiB allocated and freed inside one stage: the next stage's reset clears the
+    process's high-water mark (and with it the kernel's ru_maxrss, on the kernels measured),
+    but the run's peak keeps it. A fresh process, so no earlier peak can stand in for it."""
+    out = subprocess.run(
+        [sys.executable, "-c", RUN_PEAK_SNIPPET],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+        timeout=120,
+    )
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["run_peak"] - got["before"] >= 0.24, got
+    # The stage figure after the reset no longer has it: the reason for a run figure.
+    assert got["stage_peak"] - got["before"] < 0.05, got
+
+
+@pytest.mark.slow
+def test_run_peak_sees_a_child_allocation_inside_one_stage(tmp_path: Path) -> None:
+    """A reward function in its worker process (a child of the rank process) allocates
+    256 MiB in step 2's score stage, holds it 1 s and frees it. The rank process's own
+    stage peaks cannot see it; `perf/run_mem_peak_gib`, the process tree's peak so far,
+    rises by it in step 2 and keeps it."""
+    run = tmp_path / "run"
+    out = submit(
+        run,
+        "total_steps=3",
+        "reward.workers=1",
+        "reward.functions=[dense_even_tokens, {path: reward_fns:hold_256mib_once}]",
+        "checkpoint.interval=10",
+        env=TESTS_ON_PATH,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    peak = [m["perf/run_mem_peak_gib"] for m in lines]
+    assert peak[1] - peak[0] >= 0.2, peak
+    assert peak[2] >= peak[1], peak  # the peak so far
+    score = [m["perf/score_mem_peak_gib"] for m in lines]
+    assert score[1] - score[0] < 0.1, score  # not the rank process's own memory
+    (done,) = [e for e in events(run) if e["event"] == "run_memory"]
+    assert done["perf/run_mem_peak_gib"] >= peak[2] and done["samples"] > 0, done

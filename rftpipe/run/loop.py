@@ -44,6 +44,8 @@ def train_run(
     allow_mismatch: bool,
     stop: StopFlag | NoStop | None = None,
 ) -> int:
+    # From the start: loading the model may be the run's peak.
+    memory.start_run_sampler()
     rt = runtime.build(cfg, run, dist, allow_mismatch, stop)
     last_done = rt.store.newest_complete_step(FINAL)
     if last_done > cfg.total_steps:
@@ -110,6 +112,7 @@ def train_run(
                         "perf/checkpoint_s": timings.get("checkpoint", 0.0),
                         "perf/checkpoint_wait_s": timings.get("checkpoint_wait", 0.0),
                         "perf/checkpoint_interval": rt.ckpt_schedule.interval(),
+                        **memory.run_figures(),
                     },
                     step,
                 )
@@ -191,4 +194,5 @@ def finish(rt: Runtime) -> None:
         write_summary(rt.store, rt.run.root / "eval.json")
     with memory.measured(rt.cfg.total_steps, "export"):
         export.export_policies(rt)
+    events().write("run_memory", **memory.run_event())
     rt.dist.barrier()
