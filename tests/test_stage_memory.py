@@ -8,7 +8,9 @@ increment must be set by the micro-batch, not by the step's batch, and stay put 
 run; the rollout's by its generation call (`rollout.groups_per_call` groups). The canary
 (the micro-batch set to the whole step) shows that the measurement sees the logits.
 
-Each run is a fresh process (its own resident set); the three run side by side.
+Each run is a fresh process (its own resident set); the three run side by side. The
+last tests check the run's peak (`perf/run_mem_peak_gib`), which the stage resets must not
+lose and which counts the rank's child processes.
 
 The fixed-micro-batch runs use the defaults: chunked logprobs (`train.logprob_chunk_size`)
 and the retained heap (`launch.retain_host_memory`, blocks under 16 MiB). Measured on

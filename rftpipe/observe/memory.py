@@ -52,9 +52,10 @@ _baseline: float | None = None
 SAMPLE_S = 0.2
 """Seconds between two samples of the process tree's resident set. One sample reads
 /proc/PID/task/TID/children of every thread and /proc/PID/statm of every process of the
-tree: about 0.3 ms for a process with a few threads and one child (measured 2026-11-27,
-2-core CPU machine), so under 0.2 % of a core. A child's peak shorter than this may fall
-between two samples; the rank process's own peak never does (VmHWM)."""
+tree: 0.45-0.5 ms of the thread's CPU time in a tiny run's rank process with one reward
+worker (0.031-0.034 s over 68-69 samples, 2026-11-27, 2-core CPU machine), i.e. about
+0.25 % of one core. A child's peak shorter than this may fall between two samples; the
+rank process's own peak never does (VmHWM)."""
 
 
 def _status_kib(key: str) -> int | None:
