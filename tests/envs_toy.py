@@ -150,3 +150,24 @@ class SpellsImagePad(EvenChars):
             done=False,
             info=out.info,
         )
+
+
+class ReadsAnswer(EvenChars):
+    """Reads the task's answer as an integer at `reset` (a number to guess): a row whose
+    answer is not one (e.g. "seven") makes `reset` raise."""
+
+    def reset(self, task: Task, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        self.target = int(task.answer or "")
+        return super().reset(task, seed)
+
+
+class HangsOnBadAnswer(EvenChars):
+    """Hangs in `reset` on a row whose answer is not an integer (a lookup that never
+    returns)."""
+
+    def reset(self, task: Task, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        if not (task.answer or "").isdigit():
+            import time
+
+            time.sleep(600)
+        return super().reset(task, seed)

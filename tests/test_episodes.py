@@ -3,6 +3,7 @@ through the real HF engine and chat template; the loss mask; budgets; errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +11,17 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from envs_toy import Drifts, EndsFourWays, EvenChars, Raises, Remembers, StopsOnA, WrongTypes
+from envs_toy import (
+    Drifts,
+    EndsFourWays,
+    EvenChars,
+    HangsOnBadAnswer,
+    Raises,
+    ReadsAnswer,
+    Remembers,
+    StopsOnA,
+    WrongTypes,
+)
 from helpers import (
     ROOT,
     TESTS_ON_PATH,
@@ -145,6 +156,75 @@ def test_environment_failures_follow_the_declared_policy(tiny) -> None:
     assert "\n" not in str(err.value) and "WrongTypes" in str(err.value)
 
 
+def _with_answers(tok) -> list:
+    """`episode_prompts` whose answers are "7" then "seven": `envs_toy.ReadsAnswer` cannot
+    read the second prompt's (prompt_id 11) and `HangsOnBadAnswer` hangs on it."""
+    a, b = episode_prompts(tok)
+    return [dataclasses.replace(a, answer="7"), dataclasses.replace(b, answer="seven")]
+
+
+def _reset_failures(tiny, env: EnvConfig, make_env, n: int) -> list[episodes.Episode]:
+    model, tok = tiny
+    cfg = RolloutConfig(n=n, max_new_tokens=6, env=env)
+    engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    return _episodes(cfg, engine, tok, make_env, _with_answers(tok))
+
+
+@pytest.mark.parametrize(
+    ("cls", "workers", "error"),
+    [
+        (ReadsAnswer, 0, "ValueError: invalid literal for int()"),  # the raw exception
+        (ReadsAnswer, 2, "ValueError: invalid literal for int()"),  # EnvFailed from a worker
+        (HangsOnBadAnswer, 1, "EnvTimeout: reset took over rollout.env.timeout_s=2"),
+    ],
+)
+def test_a_failing_reset_follows_the_declared_policy(
+    tiny, monkeypatch: pytest.MonkeyPatch, cls: type, workers: int, error: str
+) -> None:
+    """A reset that raises, or (in a worker) outlives `timeout_s`, is handled as a failing
+    step is: `fail` is one line naming the environment and the sample at turn 0;
+    `end_episode` ends that episode before its first turn, with the task's templated
+    prompt, no response, reward 0 and the error in `turn_infos`, while the others run."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))  # the workers import envs_toy
+    n = 1 if cls is HangsOnBadAnswer else 2  # each hang costs a timeout
+    path = f"envs_toy:{cls.__name__}"
+    for on_error in ("fail", "end_episode"):
+        env = EnvConfig(
+            path=path,
+            max_turns=2,
+            max_total_tokens=200,
+            on_error=on_error,
+            workers=workers,
+            timeout_s=2,
+        )
+        pool = EnvPool(env, workers, env.timeout_s) if workers else None
+        try:
+            make = pool.make if pool else cls
+            if on_error == "fail":
+                with pytest.raises(UserError) as err:
+                    _reset_failures(tiny, env, make, n)
+                msg = str(err.value)
+                assert "\n" not in msg and path in msg and error in msg, msg
+                assert "step 1 prompt_id 11 sample_idx 0 turn 0 (reset)" in msg, msg
+                continue
+            eps = _reset_failures(tiny, env, make, n)
+        finally:
+            if pool:
+                pool.close()
+        assert len(eps) == 2 * n
+        for e in eps[:n]:
+            assert e.status == "max_turns" and len(e.turn_offsets) == 2
+        for e in eps[n:]:
+            assert e.status == "error" and (e.prompt.prompt_id, e.prompt.answer) == (11, "seven")
+            assert e.prompt_ids == list(e.prompt.token_ids)  # the task's templated prompt
+            assert e.messages == [dict(m) for m in e.prompt.messages]
+            assert e.response == e.logprobs == e.loss_mask == e.turn_offsets == []
+            assert e.turn_rewards == [] and len(e.turn_infos) == 1
+            assert error in json.loads(e.turn_infos[0])["error"]
+            row = episodes.turn_columns(e)
+            assert (row["num_turns"], row["env_reward"], row["episode_status"]) == (0, 0.0, "error")
+
+
 def test_an_unstable_template_prefix_is_refused(tiny) -> None:
     model, tok = tiny
     shifty = load_tokenizer(prepare_tiny())
@@ -266,6 +346,72 @@ def test_sigkill_mid_turn_3_resumes_on_replayed_kv_caches_bitwise(tmp_path: Path
     assert submit(ref, *steps, env=ENV_PATH).returncode == 0
     # Step 1 is 3 turns of 4 calls; step 2's third turn is hit 21 after 8 more.
     kill_mid_turn_and_resume(ref, run, steps, ENV_PATH, skip=21, resumed=[(2, 2)])
+
+
+def _guess_run(tmp_path: Path, *overrides: str) -> tuple[str, ...]:
+    """A run of `envs_toy.ReadsAnswer` on four prompts, the second's (prompt_id 1) answer
+    "seven", which the environment cannot read at reset."""
+    data = tmp_path / "guess.jsonl"
+    answers = ["3", "seven", "5", "8"]
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"Guess my number, {i}.", "answer": a}) + "\n"
+            for i, a in enumerate(answers)
+        )
+    )
+    return (
+        "rollout.env.path=envs_toy:ReadsAnswer",
+        *RUN[1:-1],
+        "data.source=file",
+        f"data.file.path={data}",
+        *overrides,
+    )
+
+
+def test_a_failing_reset_in_a_run_exits_2_naming_the_sample(tmp_path: Path) -> None:
+    """In the rollout process (`workers=0`, where the raw exception arrives), under the
+    default `on_error=fail`: one line naming the environment and the sample, exit 2."""
+    run = tmp_path / "fail"
+    out = submit(run, *_guess_run(tmp_path, "rollout.env.workers=0", "total_steps=1"), env=ENV_PATH)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr[-3000:])
+    assert "envs_toy:ReadsAnswer failed on step 1 prompt_id 1 sample_idx 0 turn 0 (reset)" in (
+        lines[0]
+    ), lines[0]
+    assert "ValueError: invalid literal for int() with base 10: 'seven'" in lines[0], lines[0]
+    assert not (run / "stages" / "step=1" / "rollout").exists()
+
+
+@pytest.mark.slow
+def test_a_failing_reset_ends_its_episodes_and_the_run_resumes_bitwise(tmp_path: Path) -> None:
+    """`on_error=end_episode` with environment workers: the row whose reset failed is a
+    well-formed trajectory row (the templated prompt, no response, reward and advantages 0,
+    the error in `turn_infos`); the run trains on the others, and killed in step 2's
+    second turn it resumes (the ended rows restored from the committed turn) to bitwise
+    the uninterrupted run."""
+    steps = _guess_run(tmp_path, "rollout.env.on_error=end_episode", "total_steps=2")
+    ref, run = tmp_path / "ref", tmp_path / "killed"
+    out = submit(ref, *steps, env=ENV_PATH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    t = trajectories(ref).to_pandas()
+    assert len(t) == 2 * 4 * 4
+    for _, r in t.iterrows():
+        if r["prompt_id"] != 1:
+            assert r["episode_status"] == "max_turns" and r["num_turns"] == 2
+            continue
+        assert r["episode_status"] == "error" and r["num_turns"] == 0
+        assert "Guess my number, 1." in r["prompt"] and len(r["prompt_token_ids"]) > 0
+        assert r["response"] == "" and len(r["response_token_ids"]) == 0
+        assert len(r["loss_mask"]) == len(r["advantages"]) == len(r["logprobs"]) == 0
+        assert r["reward"] == r["env_reward"] == 0.0 and len(r["turn_rewards"]) == 0
+        (info,) = r["turn_infos"]
+        assert "ValueError: invalid literal for int() with base 10: 'seven'" in (
+            json.loads(info)["error"]
+        )
+    metrics = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
+    assert [m["episode/error_frac"] for m in metrics] == [0.25, 0.25]
+    # 4 calls x 2 turns a step: the 13th mid-turn point is step 2's second turn.
+    kill_mid_turn_and_resume(ref, run, steps, ENV_PATH, skip=12, resumed=[(2, 1)])
 
 
 class _Snapshots:

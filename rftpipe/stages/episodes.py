@@ -187,9 +187,9 @@ def run(
                     row = inp.resumed.get((p.prompt_id, k))
                     with clock:
                         e = (
-                            _reset(env_cfg, tokenizer, make_env, p, k, seed)
+                            _reset(env_cfg, tokenizer, make_env, p, k, seed, inp.step)
                             if row is None
-                            else _restore(env_cfg, tokenizer, make_env, p, k, seed, row)
+                            else _restore(env_cfg, tokenizer, make_env, p, k, seed, inp.step, row)
                         )
                     if row is None:
                         images.expand(e)
@@ -378,6 +378,7 @@ def _restore(
     p: Prompt,
     k: int,
     seed: int,
+    step: int,
     row: Mapping[str, Any],
 ) -> Episode:
     """An episode as a committed turn left it. A running one gets its environment back by
@@ -404,12 +405,16 @@ def _restore(
     )
     if e.status is not None:
         return e  # ended: it needs no environment any more
-    fresh = _reset(env_cfg, tokenizer, make_env, p, k, seed)
+    fresh = _reset(env_cfg, tokenizer, make_env, p, k, seed, step)
     env = fresh.env
     assert env is not None, "a reset episode has its environment"
     e.env, e.tools = env, fresh.tools
     e.text = _template(tokenizer, messages, e.tools)
     where = f"prompt_id {p.prompt_id} sample_idx {k}"
+    if fresh.status == "error":
+        # It succeeded before the restart and fails now (under `end_episode`).
+        what = json.loads(fresh.turn_infos[0])["error"]
+        raise _replay_error(env_cfg, where, "reset", f"an error ({what})")
     if fresh.messages != messages[: len(fresh.messages)]:
         raise _replay_error(env_cfg, where, "reset", "its first messages")
     if getattr(env, "replayable", True) is False:
@@ -454,7 +459,13 @@ def _reset(
     p: Prompt,
     k: int,
     seed: int,
+    step: int,
 ) -> Episode:
+    """A new episode of sample `k` of `p`, its environment reset. A reset that fails (it
+    raises, returns something malformed, or outlives `timeout_s` in a worker) is what a
+    failing step is (`_failure`): under `end_episode` the episode ends before its first
+    turn, as the task's templated prompt with no response, and the error in
+    `turn_infos`."""
     env = make_env()
     task = Task(
         prompt_id=p.prompt_id,
@@ -462,13 +473,18 @@ def _reset(
         answer=p.answer,
         metadata=dict(p.metadata),
     )
-    where = f"prompt_id {p.prompt_id} sample_idx {k}"
-    messages, info = checked_reset(call(env.reset, task, seed), env_name(env), where)
+    where = f"step {step} prompt_id {p.prompt_id} sample_idx {k} turn 0"
+    error = None
+    try:
+        messages, info = checked_reset(call(env.reset, task, seed), env_name(env), where)
+    except Exception as exc:  # the environment's failure: the declared policy decides
+        error = _failure(env_cfg, exc, f"{where} (reset)")
+        messages, info = [dict(m) for m in p.messages], {}
     # Tool schemas an environment offers go to the template's `tools=` (Hermes/Qwen
     # templates render them into the system turn; others ignore them).
     tools = info.get("tools") or None
     text = _template(tokenizer, messages, tools)
-    return Episode(
+    e = Episode(
         prompt=p,
         sample_idx=k,
         env=env,
@@ -477,6 +493,12 @@ def _reset(
         messages=[dict(m) for m in messages],
         tools=tools,
     )
+    if error is not None:
+        # No turn was taken: no turn offset or reward (the return is 0), but the error
+        # is recorded where a turn's error would be.
+        e.turn_infos.append(json.dumps({"error": error}))
+        e.status = "error"
+    return e
 
 
 def _template(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> str:
@@ -520,15 +542,7 @@ def _answered(
         assert e.env is not None, "a running episode has its environment"
         result = checked_step_result(answer, env_name(e.env), where)
     except Exception as exc:  # the environment's failure: the declared policy decides
-        # A worker's report already reads `Type: message` (the exception in the worker).
-        what = str(exc) if isinstance(exc, EnvFailed) else f"{type(exc).__name__}: {exc}"
-        if env_cfg.on_error == "fail":
-            if isinstance(exc, UserError):
-                raise
-            raise UserError(
-                f"rollout.env.path: {env_cfg.path} failed on {where}: {what} "
-                "(rollout.env.on_error=fail)"
-            ) from exc
+        what = _failure(env_cfg, exc, where)
         e.turn_rewards.append(0.0)
         e.turn_infos.append(json.dumps({"error": what}))
         e.status = "error"
@@ -554,6 +568,23 @@ def _answered(
     e.loss_mask += [0] * len(env_ids)
     e.messages += [dict(m) for m in result.observations]
     e.text = text
+
+
+def _failure(env_cfg: EnvConfig, exc: Exception, where: str) -> str:
+    """An environment call's failure (`reset` or `step` raised, returned something
+    malformed, or its worker timed out) under `rollout.env.on_error`: `fail` raises the
+    one-line UserError naming the environment and `where`; `end_episode` returns the
+    error's text for the episode's record."""
+    # A worker's report already reads `Type: message` (the exception in the worker).
+    what = str(exc) if isinstance(exc, EnvFailed) else f"{type(exc).__name__}: {exc}"
+    if env_cfg.on_error == "fail":
+        if isinstance(exc, UserError):
+            raise exc
+        raise UserError(
+            f"rollout.env.path: {env_cfg.path} failed on {where}: {what} "
+            "(rollout.env.on_error=fail)"
+        ) from exc
+    return what
 
 
 def _observation_tokens(
