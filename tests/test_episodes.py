@@ -42,6 +42,7 @@ from rftpipe.engines.train.single import SingleDeviceEngine
 from rftpipe.envs.base import Environment, Task
 from rftpipe.envs.pool import EnvPool
 from rftpipe.errors import UserError
+from rftpipe.inspect.episodes import episode_turns
 from rftpipe.stages import episodes, rollout
 
 
@@ -368,6 +369,7 @@ def _guess_run(tmp_path: Path, *overrides: str) -> tuple[str, ...]:
     )
 
 
+@pytest.mark.slow
 def test_a_failing_reset_in_a_run_exits_2_naming_the_sample(tmp_path: Path) -> None:
     """In the rollout process (`workers=0`, where the raw exception arrives), under the
     default `on_error=fail`: one line naming the environment and the sample, exit 2."""
@@ -408,6 +410,9 @@ def test_a_failing_reset_ends_its_episodes_and_the_run_resumes_bitwise(tmp_path:
         assert "ValueError: invalid literal for int() with base 10: 'seven'" in (
             json.loads(info)["error"]
         )
+        # `rftpipe inspect RUN samples` shows the error as a turn without an action.
+        _, (turn,) = episode_turns(r.to_dict())
+        assert (turn.action, turn.model_tokens, turn.info) == (None, 0, info)
     metrics = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
     assert [m["episode/error_frac"] for m in metrics] == [0.25, 0.25]
     # 4 calls x 2 turns a step: the 13th mid-turn point is step 2's second turn.

@@ -86,7 +86,9 @@ def episode_turns(r: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Turn]]:
     mask, offsets = r["loss_mask"], r["turn_offsets"]
     bounds = [*offsets, len(mask)]
     turns = []
-    for t in range(max(len(offsets), len(starts))):
+    # An episode that ended at reset has no turn but its error in `turn_infos`: shown as a
+    # turn without an action.
+    for t in range(max(len(offsets), len(starts), len(r["turn_infos"]))):
         lo, hi = (bounds[t], bounds[t + 1]) if t < len(offsets) else (len(mask), len(mask))
         span = mask[lo:hi]
         end = starts[t + 1] if t + 1 < len(starts) else len(messages)

@@ -131,7 +131,8 @@ def turn_tokens(
     for i, (offsets, rewards, mask) in enumerate(
         zip(turn_offsets, turn_rewards, loss_masks, strict=True)
     ):
-        ends = [*offsets[1:], len(mask)]
+        # No offsets: an episode ended at reset (`on_error=end_episode`), with no turn.
+        ends = [*offsets[1:], len(mask)] if offsets else []
         last = None  # the last model token so far, of this turn or an earlier one
         for t, (start, end) in enumerate(zip(offsets, ends, strict=True)):
             model = [j for j in range(start, min(end, len(mask))) if mask[j]]
