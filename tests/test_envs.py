@@ -441,7 +441,27 @@ def test_skyrl_episode_ends_at_max_turns_and_reads_a_skyrl_format_row() -> None:
     first = env.step("#### 4")
     assert not first.done and "only the final numeric answer" in first.observations[0]["content"]
     last = env.step("no answer")
-    assert last.done and last.reward == 0.0
+    # Not done: the rollout ends it as `max_turns` (the environment did not end it).
+    assert not last.done and last.reward == 0.0
+
+
+def test_skyrl_last_turn_is_done_only_when_the_environment_ends_it_itself() -> None:
+    """gsm8k_multi_turn is told our max_turns and ends every episode on its last turn; the
+    adapter asks it with that limit lifted, so a wrong last answer is not `done` (the
+    rollout counts it as `max_turns`) and a right one is, with the rewards it gives."""
+    env = make_environment(EnvConfig(path="skyrl:gsm8k_multi_turn", max_turns=2))
+    task = Task(prompt_id=1, messages=[{"role": "user", "content": "2+2?"}], answer="4")
+    for last_answer, done, reward in (("#### 5", False, 0.2 / 2), ("#### 4", True, 1.0)):
+        env.reset(task, 0)
+        first = env.step("#### 5")
+        assert not first.done and first.reward == pytest.approx(0.2 / 2)
+        last = env.step(last_answer)
+        assert (last.done, last.reward) == (done, pytest.approx(reward)), last_answer
+        assert env.env.max_turns == 2  # lifted for that step alone
+    env.close()
+    # Right on the first turn ends it there, as before.
+    env.reset(task, 0)
+    assert env.step("#### 4").done
 
 
 def test_skyrl_missing_package_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,6 +44,7 @@ from rftpipe.envs.pool import EnvPool
 from rftpipe.errors import UserError
 from rftpipe.inspect.episodes import episode_turns
 from rftpipe.stages import episodes, rollout
+from rftpipe.storage.episode_stats import EpisodeCounts
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +176,7 @@ def _reset_failures(tiny, env: EnvConfig, make_env, n: int) -> list[episodes.Epi
     ("cls", "workers", "error"),
     [
         (ReadsAnswer, 0, "ValueError: invalid literal for int()"),  # the raw exception
-        (ReadsAnswer, 2, "ValueError: invalid literal for int()"),  # EnvFailed from a worker
+        (ReadsAnswer, 1, "ValueError: invalid literal for int()"),  # EnvFailed from a worker
         (HangsOnBadAnswer, 1, "EnvTimeout: reset took over rollout.env.timeout_s=2"),
     ],
 )
@@ -224,6 +225,22 @@ def test_a_failing_reset_follows_the_declared_policy(
             assert error in json.loads(e.turn_infos[0])["error"]
             row = episodes.turn_columns(e)
             assert (row["num_turns"], row["env_reward"], row["episode_status"]) == (0, 0.0, "error")
+
+
+def test_skyrl_episodes_the_rollout_cuts_end_as_max_turns_not_done(tiny) -> None:
+    """skyrl:gsm8k_multi_turn is handed our max_turns and ends every episode on its last
+    turn itself; a model that is never right (the random tiny model) ends every episode as
+    `max_turns`, none as `done` (`episode/done_frac` was 1.0)."""
+    model, tok = tiny
+    env = EnvConfig(path="skyrl:gsm8k_multi_turn", max_turns=2, max_total_tokens=200, workers=0)
+    cfg = RolloutConfig(n=2, max_new_tokens=6, env=env)
+    engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    prompts = [dataclasses.replace(p, answer="4") for p in episode_prompts(tok)]
+    eps = _episodes(cfg, engine, tok, rollout.env_maker(env), prompts)
+    assert all(len(e.turn_offsets) == 2 and max(e.turn_rewards) < 1.0 for e in eps)
+    inp = rollout.RolloutInputs(step=1, rank=0, run_seed=0, prompts=[])
+    metrics = EpisodeCounts.of(rollout.episode_rows(inp, engine, tok, eps)).metrics()
+    assert (metrics["episode/max_turns_frac"], metrics["episode/done_frac"]) == (1.0, 0.0)
 
 
 def test_an_unstable_template_prefix_is_refused(tiny) -> None:
@@ -349,6 +366,10 @@ def test_sigkill_mid_turn_3_resumes_on_replayed_kv_caches_bitwise(tmp_path: Path
     kill_mid_turn_and_resume(ref, run, steps, ENV_PATH, skip=21, resumed=[(2, 2)])
 
 
+BAD_ANSWER = "ValueError: invalid literal for int() with base 10: 'seven'"
+"""What `envs_toy.ReadsAnswer.reset` raises on `_guess_run`'s second prompt."""
+
+
 def _guess_run(tmp_path: Path, *overrides: str) -> tuple[str, ...]:
     """A run of `envs_toy.ReadsAnswer` on four prompts, the second's (prompt_id 1) answer
     "seven", which the environment cannot read at reset."""
@@ -377,10 +398,8 @@ def test_a_failing_reset_in_a_run_exits_2_naming_the_sample(tmp_path: Path) -> N
     out = submit(run, *_guess_run(tmp_path, "rollout.env.workers=0", "total_steps=1"), env=ENV_PATH)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr[-3000:])
-    assert "envs_toy:ReadsAnswer failed on step 1 prompt_id 1 sample_idx 0 turn 0 (reset)" in (
-        lines[0]
-    ), lines[0]
-    assert "ValueError: invalid literal for int() with base 10: 'seven'" in lines[0], lines[0]
+    where = "envs_toy:ReadsAnswer failed on step 1 prompt_id 1 sample_idx 0 turn 0 (reset)"
+    assert where in lines[0] and BAD_ANSWER in lines[0], lines[0]
     assert not (run / "stages" / "step=1" / "rollout").exists()
 
 
@@ -407,9 +426,7 @@ def test_a_failing_reset_ends_its_episodes_and_the_run_resumes_bitwise(tmp_path:
         assert len(r["loss_mask"]) == len(r["advantages"]) == len(r["logprobs"]) == 0
         assert r["reward"] == r["env_reward"] == 0.0 and len(r["turn_rewards"]) == 0
         (info,) = r["turn_infos"]
-        assert "ValueError: invalid literal for int() with base 10: 'seven'" in (
-            json.loads(info)["error"]
-        )
+        assert BAD_ANSWER in json.loads(info)["error"]
         # `rftpipe inspect RUN samples` shows the error as a turn without an action.
         _, (turn,) = episode_turns(r.to_dict())
         assert (turn.action, turn.model_tokens, turn.info) == (None, 0, info)

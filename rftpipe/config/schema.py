@@ -484,9 +484,10 @@ class EnvConfig:
     model without tool support; `rftpipe.envs.tools.render_plain_tools` describes it)."""
 
     on_error: Literal["fail", "end_episode"] = "fail"
-    """What an environment that raises or returns a malformed step does: `fail` stops the
-    run (exit 2, naming the environment and the sample), `end_episode` ends that episode
-    with the reward it had so far and records the error."""
+    """What an environment whose `reset` or `step` raises, returns something malformed or
+    outlives `timeout_s` does: `fail` stops the run (exit 2, naming the environment and the
+    sample), `end_episode` ends that episode with the reward it had so far (none after a
+    failed reset: an empty response) and records the error."""
 
     keep_kv_cache: bool = True
     """`rollout.engine=hf`: keep each running episode's KV cache from one turn to the

@@ -26,7 +26,8 @@ def extras_for(task: Task, max_turns: int) -> dict[str, Any]:
     """skyrl-gym's per-row `extras` for `task`: the row's own fields (a skyrl-format row
     carries `reward_spec` and `extra_info`), else the task's answer as the ground truth;
     `max_turns` is ours, so the environment's last-turn prompt and per-turn scores agree
-    with where the rollout stops."""
+    with where the rollout stops (and `SkyRLEnvironment.step` keeps the environment from
+    calling the cut its own end)."""
     extras = dict(task.metadata)
     extras.setdefault("reward_spec", {"method": "rule", "ground_truth": task.answer})
     extras.setdefault("extra_info", {})
@@ -50,6 +51,8 @@ class SkyRLEnvironment:
         self.env_config = env_config
         self.env: Any = None
         self.where = ""
+        self.turns = 0
+        """Steps since the last reset."""
 
     def reset(self, task: Task, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         self.close()
@@ -63,14 +66,40 @@ class SkyRLEnvironment:
             extras=extras_for(task, self.max_turns),
         )
         self.where = f"prompt_id {task.prompt_id}"
+        self.turns = 0
         messages, metadata = self.env.init([dict(m) for m in task.messages])
         return [dict(m) for m in messages], dict(metadata or {})
 
     def step(self, action_text: str) -> StepResult:
         if self.env is None:
             raise RuntimeError("SkyRLEnvironment.step before reset")
-        out = self.env.step(action_text)
+        self.turns += 1
+        out = self._step_past_our_limit(action_text)
         return checked_step_result(out, f"skyrl:{self.env_id}", self.where)
+
+    def _step_past_our_limit(self, action_text: str) -> Any:
+        """The environment's step, on our last turn with its turn limit lifted by one.
+        skyrl-gym's environments end an episode themselves at the `max_turns` we hand them
+        (`done = turns >= max_turns or ...`), which would count every episode the rollout
+        cuts as `done`; lifted, `done` on the last turn says the environment ended it on its
+        own account (a right answer), and an episode it does not end is counted as
+        `max_turns` by the rollout. Only the limit we handed it is lifted (a BaseTextEnv's
+        `max_turns`), for that step alone. gsm8k_multi_turn scores the turn the same
+        either way; search and text2sql score the answer an episode ends with, which a
+        last turn they do not end lacks."""
+        text_env = importlib.import_module("skyrl_gym.envs.base_text_env").BaseTextEnv
+        env = self.env
+        if not (
+            self.turns == self.max_turns
+            and isinstance(env, text_env)
+            and env.max_turns == self.max_turns
+        ):
+            return env.step(action_text)
+        env.max_turns = self.max_turns + 1
+        try:
+            return env.step(action_text)
+        finally:
+            env.max_turns = self.max_turns
 
     def close(self) -> None:
         if self.env is not None:
