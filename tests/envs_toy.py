@@ -171,3 +171,12 @@ class HangsOnBadAnswer(EvenChars):
 
             time.sleep(600)
         return super().reset(task, seed)
+
+
+class ResetsBadly(EvenChars):
+    """Returns info that is not a dict from `reset` on a row whose answer is not an
+    integer."""
+
+    def reset(self, task: Task, seed: int) -> Any:
+        messages, info = super().reset(task, seed)
+        return messages, (info if (task.answer or "").isdigit() else "none")

@@ -19,6 +19,7 @@ from envs_toy import (
     Raises,
     ReadsAnswer,
     Remembers,
+    ResetsBadly,
     StopsOnA,
     WrongTypes,
 )
@@ -178,6 +179,7 @@ def _reset_failures(tiny, env: EnvConfig, make_env, n: int) -> list[episodes.Epi
         (ReadsAnswer, 0, "ValueError: invalid literal for int()"),  # the raw exception
         (ReadsAnswer, 1, "ValueError: invalid literal for int()"),  # EnvFailed from a worker
         (HangsOnBadAnswer, 1, "EnvTimeout: reset took over rollout.env.timeout_s=2"),
+        (ResetsBadly, 0, "ResetsBadly.reset returned info str 'none', not a dict"),
     ],
 )
 def test_a_failing_reset_follows_the_declared_policy(
@@ -206,8 +208,10 @@ def test_a_failing_reset_follows_the_declared_policy(
                 with pytest.raises(UserError) as err:
                     _reset_failures(tiny, env, make, n)
                 msg = str(err.value)
-                assert "\n" not in msg and path in msg and error in msg, msg
-                assert "step 1 prompt_id 11 sample_idx 0 turn 0 (reset)" in msg, msg
+                assert "\n" not in msg and cls.__name__ in msg and error in msg, msg
+                assert "step 1 prompt_id 11 sample_idx 0 turn 0" in msg, msg
+                if cls is not ResetsBadly:  # its check's own line names the class
+                    assert f"{path} failed on" in msg and "turn 0 (reset)" in msg, msg
                 continue
             eps = _reset_failures(tiny, env, make, n)
         finally:

@@ -474,10 +474,20 @@ def _reset(
         metadata=dict(p.metadata),
     )
     where = f"step {step} prompt_id {p.prompt_id} sample_idx {k} turn 0"
+    try:
+        answer: Any = call(env.reset, task, seed)
+    except UserError:
+        # The run's own, not this environment's (as on the step path): a config error, or
+        # a worker pool that could not rebuild another environment after a timeout.
+        raise
+    except Exception as exc:  # the environment's failure (in a worker: EnvFailed/EnvTimeout)
+        answer = exc
     error = None
     try:
-        messages, info = checked_reset(call(env.reset, task, seed), env_name(env), where)
-    except Exception as exc:  # the environment's failure: the declared policy decides
+        if isinstance(answer, BaseException):
+            raise answer
+        messages, info = checked_reset(answer, env_name(env), where)
+    except Exception as exc:  # the declared policy decides (a malformed return too)
         error = _failure(env_cfg, exc, f"{where} (reset)")
         messages, info = [dict(m) for m in p.messages], {}
     # Tool schemas an environment offers go to the template's `tools=` (Hermes/Qwen
