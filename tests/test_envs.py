@@ -27,6 +27,7 @@ from rftpipe.envs.tools import (
 )
 from rftpipe.errors import UserError
 from tests import env_fixtures as fx
+from tests import envs_skyrl_user as skyrl_user
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK = Task(prompt_id=7, messages=[{"role": "user", "content": "Guess."}], answer="5")
@@ -145,6 +146,24 @@ def test_checked_reset_refuses_what_is_not_messages_and_info() -> None:
         ("tests.env_fixtures:NoStep", "class 'tests.env_fixtures:NoStep' has no step method"),
         ("trl:tests.env_fixtures:TRLNoReset", "has no reset method"),
         ("skyrl:no_such_env", "no skyrl-gym environment 'skyrl:no_such_env' (registered: ["),
+        # ... and it says how to name one's own class.
+        ("skyrl:no_such_env", "for your own skyrl-gym class, name it 'skyrl:pkg.mod:Class'"),
+        # A skyrl-gym class named as a plain one: the hint says how to name it.
+        (
+            "tests.envs_skyrl_user:GuessNumber",
+            "has no reset method: it is a skyrl-gym environment, name it "
+            "'skyrl:tests.envs_skyrl_user:GuessNumber'",
+        ),
+        ("skyrl:tests.no_such_module:Env", "cannot import module 'tests.no_such_module'"),
+        (
+            "skyrl:tests.envs_skyrl_user:NotAnEnv",
+            "'skyrl:tests.envs_skyrl_user:NotAnEnv' is not a skyrl-gym environment (a "
+            "skyrl_gym.Env subclass such as BaseTextEnv)",
+        ),
+        (
+            "skyrl:tests.env_fixtures:GuessEnv",
+            "'skyrl:tests.env_fixtures:GuessEnv' is not a skyrl-gym environment",
+        ),
     ],
 )
 def test_loader_errors_are_one_line_naming_the_field(path: str, fragment: str) -> None:
@@ -462,6 +481,28 @@ def test_skyrl_last_turn_is_done_only_when_the_environment_ends_it_itself() -> N
     # Right on the first turn ends it there, as before.
     env.reset(task, 0)
     assert env.step("#### 4").done
+
+
+def test_a_users_own_skyrl_class_is_named_by_import_path() -> None:
+    """`skyrl:pkg.mod:Class`: a BaseTextEnv subclass outside skyrl-gym, never registered,
+    made per episode as skyrl-gym makes its own (`env_config`, the row's `extras`)."""
+    cfg = load_config(
+        RunConfig, None, ["rollout.env.path=skyrl:tests.envs_skyrl_user:GuessNumber"]
+    ).rollout.env
+    assert cfg is not None
+    env = make_environment(cfg)
+    messages, _ = env.reset(TASK, 0)  # TASK's answer, 5, is the number to guess
+    assert messages == [{"role": "system", "content": "Guess a number in [1, 50]."}, *TASK.messages]
+    steps = play(env, ["I say 9", "then 2", "it is 5"])
+    assert [s.observations for s in steps[:2]] == [
+        [{"role": "user", "content": "Lower."}],
+        [{"role": "user", "content": "Higher."}],
+    ]
+    assert steps[-1].done and steps[-1].reward == 1.0
+    assert steps[0].reward == skyrl_user.reward("I say 9", 5) > 0
+    import skyrl_gym
+
+    assert not any("GuessNumber" in str(s.entry_point) for s in skyrl_gym.registry.values())
 
 
 def test_skyrl_missing_package_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:

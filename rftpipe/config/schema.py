@@ -438,8 +438,9 @@ ToolParserName = Literal["hermes", "plain"]
 """The tool-call parsers `rollout.env.tool_parser` takes (`rftpipe.envs.tools.PARSERS`)."""
 
 #: What `rollout.env.path` may look like: a class by import path, a registered skyrl-gym
-#: environment id, or a TRL-style environment class by import path.
-_ENV_PATH = re.compile(r"^(skyrl:[^:\s]+|(trl:)?[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")
+#: environment id or a skyrl-gym environment class by import path, or a TRL-style
+#: environment class by import path.
+_ENV_PATH = re.compile(r"^(skyrl:[^:\s]+|(skyrl:|trl:)?[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -451,8 +452,11 @@ class EnvConfig:
     path: str
     """The environment: `pkg.mod:Class` (a class with `reset(task, seed)` and `step(text)`),
     `skyrl:<env_id>` (an environment registered with skyrl-gym, e.g.
-    `skyrl:gsm8k_multi_turn`) or `trl:pkg.mod:Class` (a TRL-style environment class whose
-    public methods are the tools)."""
+    `skyrl:gsm8k_multi_turn`), `skyrl:pkg.mod:Class` (one's own skyrl-gym environment
+    class, e.g. a `BaseTextEnv` subclass, imported by path in the run and in every
+    environment worker) or `trl:pkg.mod:Class` (a TRL-style environment class whose public
+    methods are the tools). A dataset row's `env_class` column, when it has one, names
+    the environment of that row's episodes instead (docs/environments.md)."""
 
     max_turns: int = 4
     """Most policy responses in one episode; the episode ends after that many even if the
@@ -501,7 +505,8 @@ class EnvConfig:
     def __post_init__(self) -> None:
         if not _ENV_PATH.match(self.path):
             raise ValueError(
-                f"path must be 'pkg.mod:Class', 'skyrl:<env_id>' or 'trl:pkg.mod:Class', "
+                "path must be 'pkg.mod:Class', 'skyrl:<env_id>', 'skyrl:pkg.mod:Class' or "
+                f"'trl:pkg.mod:Class', "
                 f"got {self.path!r}"
             )
         if self.max_turns < 1:

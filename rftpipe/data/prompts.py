@@ -47,6 +47,8 @@ class Prompt:
     """The images of the prompt's image parts, in order (empty: a text prompt)."""
     image_refs: tuple[ImageRef, ...] = ()
     """Where `images` live in the run's image store (what trajectory rows reference)."""
+    where: str = ""
+    """The dataset row as error messages name it (empty for generated prompts)."""
 
 
 class ImageTemplater(Protocol):
@@ -112,6 +114,7 @@ class PromptSet:
                     messages=tuple(dict(m) for m in messages),
                     images=images,
                     image_refs=tuple(image_ref(im.data, im.ext) for im in images),
+                    where=row.where,
                 )
             )
             self.sizes[row.source] += 1

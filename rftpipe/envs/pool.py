@@ -62,6 +62,8 @@ class _Record:
     step since with its answer."""
 
     worker: int
+    config: dict[str, Any]
+    """What `make` built it from (`_config`: the pool's environment, or a row's)."""
     task: dict[str, Any] | None = None
     seed: int = 0
     steps: list[tuple[str, Any]] = field(default_factory=list)
@@ -81,10 +83,13 @@ class EnvPool:
         self._next = 0
 
     # -- environments --------------------------------------------------------------------
-    def make(self) -> RemoteEnv:
+    def make(self, cfg: EnvConfig | None = None) -> RemoteEnv:
+        """A new environment in a worker: the pool's, or the one `cfg` names (a dataset
+        row's `env_class`, `rftpipe.envs.loader.row_env`)."""
         env_id, self._next = self._next, self._next + 1
-        self.records[env_id] = _Record(worker=env_id % len(self.workers))
-        (out,) = self.call_many([(env_id, "make", [_config(self.cfg)])])
+        config = _config(cfg or self.cfg)
+        self.records[env_id] = _Record(worker=env_id % len(self.workers), config=config)
+        (out,) = self.call_many([(env_id, "make", [config])])
         if isinstance(out, EnvFailed):
             # Building it is the config's business (the loader's one-line errors).
             raise UserError(str(out).removeprefix("UserError: "))
@@ -170,24 +175,26 @@ class EnvPool:
     def _rebuild(self, env_id: int, rec: _Record) -> None:
         worker = self.workers[rec.worker]
 
+        path = rec.config["path"]
+
         def ask(msg: list[Any]) -> Any:
             worker.send(msg)
             reply = worker.wait(self.timeout_s)
             if reply is None or reply[0] != "ok":
                 raise UserError(
-                    f"rollout.env.path {self.cfg.path}: rebuilding an environment in a new "
+                    f"rollout.env.path {path}: rebuilding an environment in a new "
                     f"worker failed at {msg[0]}: {reply[1] if reply else 'timed out'}"
                 )
             return reply[1]
 
-        ask(["make", env_id, _config(self.cfg)])
+        ask(["make", env_id, rec.config])
         if rec.task is None:
             return
         ask(["reset", env_id, rec.task, rec.seed])
         for action, recorded in rec.steps:
             if ask(["step", env_id, action]) != recorded:
                 raise UserError(
-                    f"rollout.env.path {self.cfg.path}: replaying an environment's recorded "
+                    f"rollout.env.path {path}: replaying an environment's recorded "
                     "actions in a new worker (its old one was killed on a timeout) gave "
                     "another answer: the environment is not deterministic given its seed"
                 )

@@ -1,10 +1,12 @@
-"""The skyrl-gym adapter (`rollout.env.path: skyrl:<env_id>`): an environment registered
-with skyrl-gym (`skyrl_gym.make`), made afresh for each episode because its constructor
-takes the task's ground truth (`extras.reward_spec.ground_truth`)."""
+"""The skyrl-gym adapter (`rollout.env.path: skyrl:<env_id>` or `skyrl:pkg.mod:Class`): an
+environment registered with skyrl-gym, or one's own skyrl-gym class by import path, made
+afresh for each episode by `skyrl_gym.make` because its constructor takes the task's
+ground truth (`extras.reward_spec.ground_truth`)."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from types import ModuleType
 from typing import Any
 
@@ -36,15 +38,31 @@ def extras_for(task: Task, max_turns: int) -> dict[str, Any]:
 
 
 class SkyRLEnvironment:
-    """One registered skyrl-gym environment behind our interface. skyrl-gym's `init` has
-    no seed: its environments draw nothing at random, so `seed` is unused."""
+    """One skyrl-gym environment behind our interface: the one registered as `env_id`, or
+    `user_class` (named `env_id`, its `pkg.mod:Class`). skyrl-gym's `init` has no seed: its
+    environments draw nothing at random, so `seed` is unused."""
 
-    def __init__(self, env_id: str, max_turns: int, env_config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        env_id: str,
+        max_turns: int,
+        env_config: dict[str, Any],
+        user_class: type | None = None,
+    ) -> None:
         self.skyrl_gym = import_skyrl_gym()
-        if env_id not in self.skyrl_gym.registry:
+        self.target: Any = env_id
+        """What `skyrl_gym.make` takes: the registered id, or a spec of the user's class
+        (made as skyrl-gym makes its own, without registering it in this process)."""
+        if user_class is not None:
+            _check_user_class(self.skyrl_gym, user_class, env_id)
+            self.target = self.skyrl_gym.envs.registration.EnvSpec(
+                id=env_id, entry_point=user_class
+            )
+        elif env_id not in self.skyrl_gym.registry:
             raise UserError(
                 f"{FIELD}: no skyrl-gym environment 'skyrl:{env_id}' "
-                f"(registered: {sorted(self.skyrl_gym.registry)})"
+                f"(registered: {sorted(self.skyrl_gym.registry)}); for your own skyrl-gym "
+                "class, name it 'skyrl:pkg.mod:Class'"
             )
         self.env_id = env_id
         self.max_turns = max_turns
@@ -61,7 +79,7 @@ class SkyRLEnvironment:
         from omegaconf import OmegaConf
 
         self.env = self.skyrl_gym.make(
-            self.env_id,
+            self.target,
             env_config=OmegaConf.create(self.env_config),
             extras=extras_for(task, self.max_turns),
         )
@@ -105,3 +123,23 @@ class SkyRLEnvironment:
         if self.env is not None:
             self.env.close()
             self.env = None
+
+
+def _check_user_class(skyrl_gym: ModuleType, cls: type, path: str) -> None:
+    """A one-line UserError unless `cls` is a skyrl-gym environment that `skyrl_gym.make`
+    can build (`cls(env_config=..., extras=...)`)."""
+    if not issubclass(cls, skyrl_gym.Env):
+        raise UserError(
+            f"{FIELD}: 'skyrl:{path}' is not a skyrl-gym environment (a skyrl_gym.Env "
+            "subclass such as BaseTextEnv); name a class with reset(task, seed) as "
+            f"'{path}'"
+        )
+    try:
+        inspect.signature(cls).bind(env_config=None, extras={})
+    except TypeError as exc:
+        raise UserError(
+            f"{FIELD}: 'skyrl:{path}' cannot be made as skyrl-gym makes environments, "
+            f"{cls.__name__}(env_config=..., extras=...): {exc}"
+        ) from exc
+    except ValueError:
+        pass  # a constructor without an introspectable signature: `make` tells

@@ -73,7 +73,9 @@ def train_run(
     trackers = make_trackers(rt, last_done)
     evaluate_initial(rt, ckpt_step)
     first = 0 if rt.store.is_committed(0, "eval") else 1
-    trackers.log_committed(range(first, last_done + 1), partial(step_metrics, rt.store))
+    trackers.log_committed(
+        range(first, last_done + 1), partial(step_metrics, rt.store, env=cfg.rollout.env)
+    )
     bar = progress(cfg, dist, last_done)
     t_replay = t_prev = time.perf_counter()
     try:
@@ -104,7 +106,7 @@ def train_run(
                     )
                 continue
             if dist.is_main:
-                m = step_metrics(rt.store, step)
+                m = step_metrics(rt.store, step, cfg.rollout.env)
                 trackers.log(
                     {
                         **m,

@@ -19,6 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rftpipe.config.schema import EnvConfig
+from rftpipe.envs.loader import ENV_CLASS_COLUMN, row_env
 from rftpipe.rewards.types import data_source_of
 from rftpipe.stages import ORDER, generation
 from rftpipe.storage import episode_stats
@@ -118,10 +120,36 @@ def write_summary(store: StageStore, path: Path) -> None:
     atomic_write_json(path, summary)
 
 
-def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
+def per_env_metrics(rows: Sequence[pa.Table], env: EnvConfig) -> dict[str, Any]:
+    """`episode/<env>/episodes`, `.../reward_mean` and the `episode/*` means of each
+    environment's episodes (`<env>` its `rollout.env.path` form, `row_env`), when any row
+    names its own (`env_class`); none otherwise."""
+    metadata = [[json.loads(m) for m in t.column("metadata").to_pylist()] for t in rows]
+    if not any(m.get(ENV_CLASS_COLUMN) is not None for ms in metadata for m in ms):
+        return {}
+    named = [[row_env(env, m).path for m in ms] for ms in metadata]
+    out: dict[str, Any] = {}
+    for path in sorted({p for paths in named for p in paths}):
+        mine = [
+            t.filter(pa.array([p == path for p in paths]))
+            for t, paths in zip(rows, named, strict=True)
+        ]
+        counts = episode_stats.EpisodeCounts()
+        for t in mine:
+            counts = counts.merge(episode_stats.EpisodeCounts.of(t))
+        reward = np.concatenate([t.column("reward").to_numpy() for t in mine])
+        out[f"episode/{path}/episodes"] = counts.episodes
+        out[f"episode/{path}/reward_mean"] = float(reward.mean())
+        for name, value in counts.metrics().items():
+            out[name.replace("episode/", f"episode/{path}/", 1)] = value
+    return out
+
+
+def step_metrics(store: StageStore, step: int, env: EnvConfig | None = None) -> dict[str, Any]:
     """rollout/*, advantage/*, train/*, perf/*, (multi-turn) episode/* and (when it ran)
     eval/* metrics of a committed step; step 0 has only the evaluation of the initial
-    weights."""
+    weights. With `env` (`rollout.env`), a step whose rows name their environments
+    (`env_class`) also gets `episode/<env>/*` per environment."""
     evaluated = eval_metrics(store, step) if store.is_committed(step, "eval") else {}
     if step == 0:
         return {"step": 0, **evaluated}
@@ -140,6 +168,8 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
     baseline = [COLUMN] if COLUMN in schema.names else []
     # Multi-turn steps (schema version 2) also get episode/*; version 1 reads what it did.
     episodes = episode_stats.COLUMNS if episode_stats.has_episodes(schema.names) else []
+    if episodes and env is not None:
+        episodes = [*episodes, "metadata"]  # the rows' `env_class`
     tables = [
         pq.read_table(f, columns=cols + reward_cols + status + baseline + episodes) for f in files
     ]
@@ -184,6 +214,8 @@ def step_metrics(store: StageStore, step: int) -> dict[str, Any]:
         for t in rows:
             counts = counts.merge(episode_stats.EpisodeCounts.of(t))
         out.update(counts.metrics())
+        if env is not None:
+            out.update(per_env_metrics(rows, env))
         # Rank 0's seconds waiting for environments, over the step's generation rounds.
         rounds = generation.committed_rounds(store, step, "rollout")
         out["perf/env_s"] = sum(store.manifest(step, r).get("env_s", 0.0) for r in rounds)

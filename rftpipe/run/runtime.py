@@ -28,8 +28,7 @@ from rftpipe.engines.train.base import AdaptersOffReference, TrainEngine
 from rftpipe.engines.train.critic import Critic, critic_train_config, head_seed, load_value_model
 from rftpipe.engines.train.vision import freeze_vision
 from rftpipe.engines.vision import VisionEncoder
-from rftpipe.envs.base import call
-from rftpipe.envs.loader import make_environment
+from rftpipe.envs.loader import check_environments
 from rftpipe.errors import UserError
 from rftpipe.rewards import check_coverage, resolve_all
 from rftpipe.run.preemption import NoStop, StopFlag
@@ -156,9 +155,13 @@ def build(
     if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
         preflight(cfg, model_dir)
     if cfg.rollout.env is not None:
-        # One environment built and closed here: a path that does not import, a class
-        # without step, or kwargs it does not take fail before any model loads.
-        call(make_environment(cfg.rollout.env).close)
+        # One environment of the run's and of each other a row's `env_class` names, built
+        # and closed here: a path that does not import, a class without step, kwargs it
+        # does not take or an unknown `env_class` fail before any model loads.
+        rows = [*prompts.prompts, *(held_out.prompts if held_out is not None else [])]
+        check_environments(
+            cfg.rollout.env, [(p.where or f"prompt_id {p.prompt_id}", p.metadata) for p in rows]
+        )
     if cfg.model.lora is not None:
         lora_mod.check_targets_of(model_dir, cfg.model.lora)
     model_fp = models.model_fingerprint(model_dir, ref_dir)

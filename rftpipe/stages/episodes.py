@@ -26,6 +26,10 @@ Seeds: turn t of sample k of prompt p draws from (run seed, step, stage, p, k, t
 an environment is reset with (run seed, step, stage, p, k), so an episode is the same on any
 world size and batch composition of draws.
 
+Environments: a prompt whose dataset row names an `env_class` has its episodes made by that
+environment (`rftpipe.envs.loader.row_env`), the others by `rollout.env`'s; a resumed
+episode gets its row's back, so one run mixes environments and resumes bitwise.
+
 Engine state: every turn names its rows' episodes (`Episode.slot`) to the engine, so
 one that `continues_turns` (the HF loop) keeps each episode's KV cache from turn to turn; an
 episode's is freed when it ends, and all at the end. A resumed stage replays the committed
@@ -38,6 +42,7 @@ import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from rftpipe.config.schema import EnvConfig, RolloutConfig
@@ -51,6 +56,7 @@ from rftpipe.envs.base import (
     checked_reset,
     checked_step_result,
 )
+from rftpipe.envs.loader import row_env
 from rftpipe.envs.pool import EnvFailed, env_name, step_all
 from rftpipe.errors import UserError
 from rftpipe.faults import fault
@@ -128,6 +134,13 @@ class TurnLog(Protocol):
         ...
 
 
+class EnvMaker(Protocol):
+    """What builds an episode's environment: `make_env()` the run's (`rollout.env`),
+    `make_env(cfg)` the one a dataset row's `env_class` names (`row_env`)."""
+
+    def __call__(self, cfg: EnvConfig | None = None) -> Environment: ...
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EpisodeInputs:
     cfg: RolloutConfig
@@ -166,7 +179,7 @@ def run(
     inp: EpisodeInputs,
     engine: Any,
     tokenizer: Any,
-    make_env: Callable[[], Environment],
+    make_env: EnvMaker,
     log: TurnLog,
 ) -> EpisodeOutput:
     """Every episode of this rank's calls, `cfg.n` samples of each prompt (or `samples`):
@@ -185,11 +198,12 @@ def run(
                 for k in samples:
                     seed = derive_seed(inp.run_seed, inp.step, inp.stage, f"env/{p.prompt_id}/{k}")
                     row = inp.resumed.get((p.prompt_id, k))
+                    p_env, p_make = _env_of(env_cfg, make_env, p)
                     with clock:
                         e = (
-                            _reset(env_cfg, tokenizer, make_env, p, k, seed, inp.step)
+                            _reset(p_env, tokenizer, p_make, p, k, seed, inp.step)
                             if row is None
-                            else _restore(env_cfg, tokenizer, make_env, p, k, seed, inp.step, row)
+                            else _restore(p_env, tokenizer, p_make, p, k, seed, inp.step, row)
                         )
                     if row is None:
                         images.expand(e)
@@ -217,6 +231,15 @@ def run(
                 if e.env is not None:
                     call(e.env.close)
     return EpisodeOutput(episodes=episodes, env_s=clock.seconds)
+
+
+def _env_of(
+    env_cfg: EnvConfig, make_env: EnvMaker, p: Prompt
+) -> tuple[EnvConfig, Callable[[], Environment]]:
+    """The environment of `p`'s episodes (its row's `env_class`, else the run's) and what
+    makes one."""
+    cfg = row_env(env_cfg, p.metadata, f"prompt_id {p.prompt_id}")
+    return cfg, (make_env if cfg is env_cfg else partial(make_env, cfg))
 
 
 class _Clock:
@@ -285,7 +308,8 @@ def _turn(
     with clock:
         answers = step_all(pairs)
     for (e, action, stopped), answer in zip(acted, answers, strict=True):
-        _answered(env_cfg, tokenizer, e, action, stopped, answer, turn, inp.step, images)
+        e_env = row_env(env_cfg, e.prompt.metadata)  # what errors name: the row's environment
+        _answered(e_env, tokenizer, e, action, stopped, answer, turn, inp.step, images)
     engine.end_episodes([_key(e) for e in live if e.status is not None])
 
 

@@ -4,7 +4,7 @@ estimators with a greedy baseline such as ReMax, one greedy row per prompt)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -224,11 +224,18 @@ def episode_rows(
     return pa.Table.from_pydict(cols, schema=EPISODE_SCHEMA)
 
 
-def env_maker(env: EnvConfig) -> Callable[[], Environment]:
-    """What builds an episode's environment: in this process's pool of
-    `rollout.env.workers` processes (started once, shared by the rollout and held-out
-    evaluation, closed at exit and killed with the run), or in-process with `workers: 0`."""
-    return shared_pool(env).make if env.workers else (lambda: make_environment(env))
+def env_maker(env: EnvConfig) -> episodes.EnvMaker:
+    """What builds an episode's environment (`env`'s, or the one a row's `env_class`
+    names): in this process's pool of `rollout.env.workers` processes (started once,
+    shared by the rollout and held-out evaluation, closed at exit and killed with the run),
+    or in-process with `workers: 0`."""
+    if env.workers:
+        return shared_pool(env).make
+
+    def make(cfg: EnvConfig | None = None) -> Environment:
+        return make_environment(cfg or env)
+
+    return make
 
 
 class Unlogged:
