@@ -83,6 +83,28 @@ def test_a_call_past_its_timeout_is_stopped_and_the_others_rebuilt() -> None:
         pool.close()
 
 
+@pytest.mark.slow
+def test_a_rows_environment_is_made_and_rebuilt_as_its_own() -> None:
+    """Environments a row's `env_class` names live in the pool beside its own; one rebuilt
+    after another's timeout is rebuilt as the class it was made as, not the pool's."""
+    pool = EnvPool(EnvConfig(path="envs_toy:EvenChars"), workers=1, timeout_s=2)
+    try:
+        stops = pool.make(EnvConfig(path="envs_toy:StopsOnA"))
+        hangs = pool.make(EnvConfig(path="envs_toy:HangsOnEvenSeeds"))
+        assert (stops.class_name, hangs.class_name) == ("StopsOnA", "HangsOnEvenSeeds")
+        stops.reset(TASK, 1)
+        hangs.reset(TASK, 0)  # an even seed: its second step hangs
+        assert all(isinstance(a, dict) for a in step_all([(stops, "xyz"), (hangs, "xyz")]))
+        lost, rebuilt = step_all([(hangs, "b"), (stops, "a")])
+        assert isinstance(lost, EnvTimeout)
+        # Rebuilt in the new worker as StopsOnA (replaying its first step): an `a` ends it.
+        assert _as_result(rebuilt) == StepResult(
+            observations=[], reward=1.0, done=True, info={"turn": 2}
+        )
+    finally:
+        pool.close()
+
+
 SCRIPT = """
 import os, sys
 sys.path.insert(0, {tests!r})
