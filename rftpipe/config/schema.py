@@ -506,8 +506,7 @@ class EnvConfig:
         if not _ENV_PATH.match(self.path):
             raise ValueError(
                 "path must be 'pkg.mod:Class', 'skyrl:<env_id>', 'skyrl:pkg.mod:Class' or "
-                f"'trl:pkg.mod:Class', "
-                f"got {self.path!r}"
+                f"'trl:pkg.mod:Class', got {self.path!r}"
             )
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
