@@ -42,7 +42,51 @@ def describe(run_dir: Path) -> dict:
         "finished": done >= cfg.total_steps,
         "jobs": {j: slurm.job_state(j) for j in job_ids},
         "recent_events": [e for e in events if e.get("event") in interesting][-5:],
+        "replays_to_note": replays_to_note(run),
     }
+
+
+def replays_to_note(run: RunDir) -> list[dict]:
+    """Every train step a resume replayed unlike its committed update, or on another
+    platform than it was committed on (rank 0's events, the whole log: such a run is no
+    longer bitwise an uninterrupted one, however long ago it happened)."""
+    if not run.events_path.exists():
+        return []
+    out = []
+    with open(run.events_path, encoding="utf-8") as f:
+        for line in f:
+            if '"replay"' not in line:  # parse only the few candidate lines of a long log
+                continue
+            e = json.loads(line)
+            if e.get("event") != "replay" or e.get("rank", 0) != 0:
+                continue
+            if not e["identical"] or e.get("platform_changed"):
+                out.append(
+                    {
+                        k: e.get(k)
+                        for k in ("t", "step", "identical", "max_rel_diff", "platform_changed")
+                    }
+                )
+    return out
+
+
+def replay_line(r: dict) -> str:
+    if r["identical"]:
+        how = "identical to its committed update"
+    else:
+        diff = r["max_rel_diff"]
+        what = "unknown" if diff is None else f"{diff:.3g}"
+        how = f"unlike its committed update (largest relative difference {what})"
+    changed = r["platform_changed"]
+    if changed is None:
+        platform = "the platform it was committed on is not recorded"
+    elif not changed:
+        platform = "on the platform it was committed on"
+    else:
+        platform = "on another platform: " + ", ".join(
+            f"{k} {a} -> {b}" for k, (a, b) in changed.items()
+        )
+    return f"replay: step {r['step']} replayed {how}, {platform}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"last commit: step {info['last_commit'][0]} {info['last_commit'][1]}")
     for job, st in info["jobs"].items():
         print(f"slurm job {job}: {st}")
+    for r in info["replays_to_note"][-5:]:
+        print(replay_line(r))
     for e in info["recent_events"]:
         fields = {k: v for k, v in e.items() if k not in ("t", "pid", "event")}
         print(f"event {e['event']}: {fields}")

@@ -244,6 +244,42 @@ def test_actor_old_logprobs_with_tis_exact_under_replay(tmp_path: Path) -> None:
     assert _update_metrics(run) == metrics
 
 
+def test_a_replay_on_other_cpu_kernels_is_reported(tmp_path: Path) -> None:
+    """A run killed after step 1's train commit (no checkpoint yet) and resumed on other
+    CPU kernels (`ATEN_CPU_CAPABILITY=default`, the scalar ones, as a node with another
+    CPU would pick) replays step 1 on another platform: the replay event names what
+    changed, step 1's metrics (the first the resumed process logs) carry `resume/*`, and
+    `rftpipe status` says so."""
+    run = tmp_path / "run"
+    steps = ("total_steps=1",)
+    # stage_after_commit: rollout, score, advantage, train; the 4th is step 1's train.
+    env = {"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "3"}
+    assert submit(run, *steps, env=env).returncode != 0
+    manifest = json.loads((run / "stages" / "step=1" / "train" / "MANIFEST.json").read_text())
+    recorded = manifest["platform"]
+    assert recorded["torch"] == torch.__version__ and recorded["threads"] == 1
+    if recorded["aten_cpu_capability"] == "DEFAULT":
+        pytest.skip("this machine's ATen CPU kernels are the scalar ones only")
+    out = submit(run, *steps, config=None, env={"ATEN_CPU_CAPABILITY": "default"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    replays = [e for e in events(run) if e["event"] == "replay"]
+    assert len(replays) == 1 and replays[0]["step"] == 1, replays
+    changed = {"aten_cpu_capability": [recorded["aten_cpu_capability"], "DEFAULT"]}
+    assert replays[0]["platform_changed"] == changed, replays
+    m = {x["step"]: x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert list(m) == [1]
+    assert m[1]["resume/platform_changed"] == 1.0
+    assert m[1]["resume/replay_identical"] == float(replays[0]["identical"])
+    assert m[1]["resume/replay_max_rel_diff"] == replays[0]["max_rel_diff"] < 1e-4
+    status = subprocess.run(
+        [sys.executable, "-m", "jobs.status", str(run)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert status.returncode == 0, status.stderr
+    line = [x for x in status.stdout.splitlines() if x.startswith("replay:")]
+    assert len(line) == 1 and "step 1" in line[0], status.stdout
+    assert f"aten_cpu_capability {recorded['aten_cpu_capability']} -> DEFAULT" in line[0], line
+
+
 def test_remax_greedy_baseline_rows(tmp_path: Path) -> None:
     """`advantage.estimator=remax`: the rollout commits one greedy row per prompt
     (sample_idx n, `is_baseline`), the score stage scores it, its reward is the baseline of

@@ -29,7 +29,7 @@ from rftpipe.run.driver import evaluate_initial, maybe_checkpoint, run_step
 from rftpipe.run.metrics import step_metrics, write_summary
 from rftpipe.run.preemption import NoStop, StopFlag
 from rftpipe.stages import FINAL
-from rftpipe.stages.base import Runtime
+from rftpipe.stages.base import ReplayCheck, Runtime
 from rftpipe.storage.layout import RunDir
 
 log = logging.getLogger(__name__)
@@ -115,9 +115,11 @@ def train_run(
                         "perf/checkpoint_wait_s": timings.get("checkpoint_wait", 0.0),
                         "perf/checkpoint_interval": rt.ckpt_schedule.interval(),
                         **memory.run_figures(),
+                        **resume_metrics(rt.replays),
                     },
                     step,
                 )
+                rt.replays.clear()
                 bar_update(bar, m, metrics, drift_label(cfg))
     finally:
         # A stop or an error between stages still lets a pending checkpoint commit.
@@ -128,6 +130,24 @@ def train_run(
     if bar is not None:
         bar.close()
     return 0
+
+
+def resume_metrics(checks: list[ReplayCheck]) -> dict[str, float]:
+    """The verdict on the train steps this process replayed, logged with the first step it
+    computes: `resume/replay_identical` 1 when every one equals its committed update
+    bitwise, `resume/replay_max_rel_diff` the largest relative difference of their update
+    metrics, and `resume/platform_changed` 1 when one was committed on another platform
+    (`rftpipe.observe.machine`; absent when none recorded it). Nothing without a replay."""
+    if not checks:
+        return {}
+    out = {
+        "resume/replay_identical": float(all(c.identical for c in checks)),
+        "resume/replay_max_rel_diff": max(c.max_rel_diff for c in checks),
+    }
+    known = [c.platform_changed for c in checks if c.platform_changed is not None]
+    if known:
+        out["resume/platform_changed"] = float(any(known))
+    return out
 
 
 def make_trackers(rt: Runtime, last_done: int) -> Trackers:

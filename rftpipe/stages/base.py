@@ -72,6 +72,22 @@ class Runtime:
     """The supervised examples of `train.ptx` (empty with it off)."""
     vision: VisionEncoder | None = None
     """The policy's image encoding (a vision-language model); None for a text model."""
+    replays: list[ReplayCheck] = field(default_factory=list)
+    """This process's replayed train steps against their committed metrics, in order."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplayCheck:
+    """A replayed train step against the update it committed (`rftpipe.stages.train`)."""
+
+    step: int
+    identical: bool
+    """Every update metric equal bitwise: same inputs, seeds and platform give this."""
+    max_rel_diff: float
+    """The largest |replayed - committed| / max(|replayed|, |committed|) over them."""
+    platform_changed: dict[str, list[Any]] | None
+    """Identity key -> [committed, now] where they differ (`rftpipe.observe.machine`);
+    None when the committed step recorded none (written by an older rftpipe)."""
 
 
 Rows = Callable[[], pa.Table]

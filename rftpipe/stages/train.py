@@ -36,10 +36,10 @@ from rftpipe.engines.train.forward import split_micro_batches
 from rftpipe.engines.train.ulysses import data_view
 from rftpipe.errors import UserError
 from rftpipe.faults import fault
-from rftpipe.observe import perf
+from rftpipe.observe import machine, perf
 from rftpipe.observe.events import events
 from rftpipe.stages import StageName, critic_train
-from rftpipe.stages.base import Rows, Runtime, StageOutput, StepPlan
+from rftpipe.stages.base import ReplayCheck, Rows, Runtime, StageOutput, StepPlan
 from rftpipe.stages.batching import (
     TrainInputs,
     mini_batches,
@@ -313,18 +313,48 @@ class TrainStage:
     engine_awake: bool = False
 
     def run(self, rt: Runtime, plan: StepPlan, rows: Rows) -> StageOutput:
-        return StageOutput(rows=None, extra={"metrics": self._train(rt, plan, rows)})
+        metrics = self._train(rt, plan, rows)
+        # What a replay after a restart compares its own platform with.
+        return StageOutput(
+            rows=None, extra={"metrics": metrics, "platform": machine.identity(rt.dist.world)}
+        )
 
     def replay(self, rt: Runtime, plan: StepPlan, rows: Rows, manifest: dict[str, Any]) -> None:
         rt.stop.check(rt.dist, f"step {plan.step} train replay")
         fault("train_mid_replay")
-        metrics = self._train(rt, plan, rows)
-        same = _update_metrics(metrics) == _update_metrics(manifest["metrics"])
-        events().write("replay", step=plan.step, identical=same)
-        if not same:
-            # Same inputs and seeds must give the same update; a difference means the
-            # environment changed (thread count, library version), which the user must know.
-            log.warning("replayed train step %d differs from its committed metrics", plan.step)
+        new = _update_metrics(self._train(rt, plan, rows))
+        old = _update_metrics(manifest["metrics"])
+        recorded = manifest.get("platform")
+        check = ReplayCheck(
+            step=plan.step,
+            identical=new == old,
+            max_rel_diff=max_rel_diff(new, old),
+            platform_changed=(
+                None
+                if recorded is None
+                else machine.changed(recorded, machine.identity(rt.dist.world))
+            ),
+        )
+        rt.replays.append(check)
+        events().write(
+            "replay",
+            step=plan.step,
+            identical=check.identical,
+            max_rel_diff=check.max_rel_diff,
+            platform_changed=check.platform_changed,
+        )
+        if not check.identical:
+            # Same inputs and seeds give the same update only on the same platform (CPU
+            # kernels, GPU, library versions, thread count): the user must know it changed.
+            log.warning(
+                "replayed train step %d differs from its committed metrics (largest relative "
+                "difference %.3g); the platform changed: %s",
+                plan.step,
+                check.max_rel_diff,
+                "unknown (not recorded)"
+                if check.platform_changed is None
+                else (check.platform_changed or "not in what is recorded"),
+            )
 
     def _train(self, rt: Runtime, plan: StepPlan, rows: Rows) -> dict[str, float]:
         # The previous step's checkpoint may still be reading the weights this stage updates,
@@ -367,6 +397,20 @@ class TrainStage:
 def _update_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """What the update determines (timings, under perf/, are the machine's business)."""
     return {k: v for k, v in metrics.items() if not k.startswith("perf/")}
+
+
+def max_rel_diff(new: dict[str, float], old: dict[str, float]) -> float:
+    """The largest |new - old| / max(|new|, |old|) over both dicts' keys (0 where equal, 1
+    where one side lacks the key or is 0 and the other not)."""
+    worst = 0.0
+    for k in new.keys() | old.keys():
+        a, b = new.get(k), old.get(k)
+        if a == b:
+            continue
+        if a is None or b is None:
+            return 1.0
+        worst = max(worst, abs(a - b) / max(abs(a), abs(b)))
+    return worst
 
 
 def _refuse_corrupt_late_load(rt: Runtime, exc: CorruptionError) -> None:
