@@ -276,6 +276,7 @@ def test_group_of_one_has_zero_advantage() -> None:
         assert torch.isfinite(adv).all()
 
 
+@pytest.mark.kernels
 def test_rloo_equals_scaled_dr_grpo() -> None:
     b = make_batch(7, with_kl=True, group_sizes=(4, 4, 4))
     inputs = b.inputs()
@@ -286,6 +287,7 @@ def test_rloo_equals_scaled_dr_grpo() -> None:
 
 @pytest.mark.parametrize("name", ["reinforce_pp", "reinforce_pp_baseline"])
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
+@pytest.mark.kernels
 def test_reinforce_pp_is_exact_across_ranks(name: str, gamma: float) -> None:
     b = make_batch(11, with_kl=True)
     settings = _settings(name, gamma=gamma)
@@ -542,6 +544,7 @@ def test_no_correction_is_one() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(ROLLOUT_CORRECTIONS))
+@pytest.mark.kernels
 def test_correction_weights_are_detached_and_finite(name: str) -> None:
     for dtype in (torch.float32, F64):
         old, rollout = _corr_inputs(dtype)
@@ -648,6 +651,7 @@ def test_aggregate_matches_reference(mode: AggregationName) -> None:
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.kernels
 def test_aggregate_micro_batches_sum_to_whole(mode: AggregationName) -> None:
     loss, mask = ragged_loss(seed=3)
     whole = aggregate(loss, mask, mode)
@@ -697,6 +701,7 @@ def test_aggregate_empty_batch_is_zero(mode: AggregationName) -> None:
 
 
 @pytest.mark.parametrize("chunk_rows", [4, 1024])
+@pytest.mark.kernels
 def test_entropy_matches_categorical(chunk_rows: int) -> None:
     gen = torch.Generator().manual_seed(4)
     logits = 3 * torch.randn(3, 5, 11, generator=gen, dtype=F64)
@@ -708,6 +713,7 @@ def test_entropy_matches_categorical(chunk_rows: int) -> None:
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.kernels
 def test_gather_logprobs_matches_categorical(temperature: float) -> None:
     gen = torch.Generator().manual_seed(5)
     logits = (3 * torch.randn(3, 5, 11, generator=gen, dtype=F64)).requires_grad_()
@@ -720,6 +726,7 @@ def test_gather_logprobs_matches_categorical(temperature: float) -> None:
     torch.testing.assert_close(grad, expected_grad)
 
 
+@pytest.mark.kernels
 def test_logit_utilities_upcast_half_precision() -> None:
     gen = torch.Generator().manual_seed(6)
     logits = torch.randn(2, 3, 50, generator=gen).to(torch.bfloat16)

@@ -55,6 +55,7 @@ def _rows() -> tuple[list[list[int]], list[list[int]]]:
 
 
 @pytest.mark.parametrize(("chunk", "with_bias"), [(1, False), (7, True), (64, False)])
+@pytest.mark.kernels
 def test_chunked_head_equals_full_logits(chunk: int, with_bias: bool) -> None:
     torch.manual_seed(chunk)
     head = torch.nn.Linear(16, VOCAB, bias=with_bias)
@@ -104,6 +105,7 @@ def _largest_saved(model: torch.nn.Module, fn: Callable[[], torch.Tensor]) -> in
 
 
 @pytest.mark.parametrize("path", ["grouped", "root"])
+@pytest.mark.kernels
 def test_model_forward_chunked_equals_full_and_keeps_no_logits(
     model: LlamaForCausalLM, path: str
 ) -> None:

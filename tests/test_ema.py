@@ -35,6 +35,7 @@ def test_ema_update_by_hand() -> None:
     assert ema.params["weight"] is not lin.weight  # a copy, not the live parameter
 
 
+@pytest.mark.kernels
 def test_engine_updates_after_every_optimizer_step_and_restores() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)

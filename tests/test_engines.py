@@ -34,6 +34,7 @@ def _rows():
     return prompts, responses
 
 
+@pytest.mark.kernels
 def test_shared_prefix_equals_full_forward_values_and_grads(tiny) -> None:
     model, _ = tiny
     prompts, responses = _rows()
@@ -53,6 +54,7 @@ def test_shared_prefix_equals_full_forward_values_and_grads(tiny) -> None:
         assert rel < 1e-4, (n, float(rel))
 
 
+@pytest.mark.kernels
 def test_root_forward_equals_decoder_forward(tiny) -> None:
     model, _ = tiny
     prompts, responses = _rows()
@@ -66,6 +68,7 @@ def test_root_forward_equals_decoder_forward(tiny) -> None:
     assert a[m].std() > 0.1  # the rows really differ
 
 
+@pytest.mark.kernels
 def test_rollout_logprobs_are_pre_filter_and_seeded(tiny) -> None:
     model, tok = tiny
     cfg = RolloutConfig(n=4, max_new_tokens=6, temperature=0.8, top_k=20, top_p=0.9)
@@ -85,6 +88,7 @@ def test_rollout_logprobs_are_pre_filter_and_seeded(tiny) -> None:
     assert all(x < 0 for row in a.logprobs for x in row)
 
 
+@pytest.mark.kernels
 def test_batched_groups_left_pad_and_score_like_the_trainer(tiny) -> None:
     model, tok = tiny
     cfg = RolloutConfig(n=3, max_new_tokens=5, temperature=1.0)
@@ -192,6 +196,7 @@ def test_engine_checkpoint_roundtrip_restores_weights_optimizer_and_scheduler(tm
         assert torch.equal(pa_, pb), n
 
 
+@pytest.mark.kernels
 def test_reference_role_scores_but_never_trains() -> None:
     ref = _engine("reference")
     prompts, responses = _rows()

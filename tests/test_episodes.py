@@ -113,6 +113,7 @@ def test_an_episode_is_one_token_sequence_with_the_environment_tokens_masked(tin
     assert eps[0].response != eps[1].response
 
 
+@pytest.mark.kernels
 def test_model_token_logprobs_equal_the_trainer_over_the_whole_sequence(tiny) -> None:
     model, tok = tiny
     eps = _run(tiny, EvenChars, ENV)

@@ -117,6 +117,7 @@ def test_reference_is_the_base_model_with_adapters_off() -> None:
     assert actor.compute_logprobs(prompts, responses, 1.0) == moved
 
 
+@pytest.mark.kernels
 def test_merged_weights_equal_peft_merge() -> None:
     """What SGLang and a sharded trainer's HF loop load: the transformers model's own names,
     W + alpha/r * B @ A, equal to peft's `merge_and_unload` (and so the same model)."""

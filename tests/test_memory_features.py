@@ -112,6 +112,7 @@ def test_split_micro_batches_by_rows_and_by_token_budget() -> None:
     assert split_micro_batches(TrainConfig(max_tokens_per_micro_batch=12), [], []) == []
 
 
+@pytest.mark.kernels
 def test_token_budget_micro_batches_train_like_row_micro_batches(table: pa.Table) -> None:
     """Losses are normalised by global token counts, so only the float summation order of
     the gradient accumulation changes: metrics (the grad norm too) agree to 1e-6 relative,
@@ -163,6 +164,7 @@ def _initial() -> dict[str, torch.Tensor]:
     return load_causal_lm(prepare_tiny(), "float32").state_dict()
 
 
+@pytest.mark.kernels
 def test_compute_logprobs_under_a_token_budget(table: pa.Table) -> None:
     rows = table.to_pylist()
     prompts = [r["prompt_token_ids"] for r in rows]
@@ -207,6 +209,7 @@ def _grads_and_activations(cfg: TrainConfig) -> tuple[dict, int, int]:
     return grads, mlp_calls[0], saved[0]
 
 
+@pytest.mark.kernels
 def test_gradient_checkpointing_recomputes_layers_and_keeps_gradients() -> None:
     plain, plain_calls, plain_saved = _grads_and_activations(TrainConfig())
     ckpt, ckpt_calls, ckpt_saved = _grads_and_activations(TrainConfig(gradient_checkpointing=True))
@@ -235,6 +238,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.kernels
 def test_bf16_single_engine_autocasts_and_keeps_fp32_master_weights(device: str) -> None:
     prompts, responses = _rows()
     mask = build_micro_batch(prompts, responses, pad_id=0).response_mask.to(device)
@@ -314,6 +318,7 @@ def test_prefix_forest_splits_a_prompt_met_in_two_groups() -> None:
     assert int(trees[n]) != int(trees[-1])
 
 
+@pytest.mark.kernels
 def test_grouped_rows_equal_per_row_full_forwards() -> None:
     """Unequal groups (padding) and rows out of group order, against one full forward per row."""
     model = load_causal_lm(prepare_tiny(), "float32")

@@ -137,6 +137,7 @@ def test_rows_follow_their_own_seeds_and_not_the_other_rows(engine: RolloutEngin
     assert shuffled[:5][::-1] == a
 
 
+@pytest.mark.kernels
 def test_each_row_stops_at_its_own_limit_or_an_eos(engine: RolloutEngine, model_dir: Path) -> None:
     eos = _eos(model_dir)
     limits = [1, 6, 3, 0] * 4
@@ -200,6 +201,7 @@ def played(engine: RolloutEngine, model_dir: Path) -> list[episodes.Episode]:
     return _run_episodes(engine, load_tokenizer(model_dir))
 
 
+@pytest.mark.kernels
 def test_model_token_logprobs_equal_the_trainer_over_the_whole_episode(
     played: list[episodes.Episode], model_dir: Path
 ) -> None:
@@ -218,6 +220,7 @@ def test_model_token_logprobs_equal_the_trainer_over_the_whole_episode(
     assert worst < 1e-4, worst  # fp32, as tests/test_rollout_engines.py bounds it
 
 
+@pytest.mark.kernels
 def test_an_episode_is_three_turns_with_masked_environment_tokens_and_redoes_exactly(
     engine: RolloutEngine, played: list[episodes.Episode], model_dir: Path
 ) -> None:
@@ -279,6 +282,7 @@ def test_an_episode_is_three_turns_with_masked_environment_tokens_and_redoes_exa
     ]
 
 
+@pytest.mark.kernels
 def test_hf_continued_turns_equal_the_whole_history_prefilled_again(
     engine: RolloutEngine, played: list[episodes.Episode], model_dir: Path
 ) -> None:

@@ -108,6 +108,7 @@ def test_loss_mask_drops_a_token_from_the_loss_but_not_the_input(model: torch.nn
     assert any(g is not None and g.any() for g in torch.autograd.grad(lp[0, 3], params))
 
 
+@pytest.mark.kernels
 def test_explicit_position_ids_reach_the_rotary_embedding(model: torch.nn.Module) -> None:
     """Shifting a whole row's positions by a constant leaves a rotary model's logprobs as
     they were (attention sees only relative positions), up to float error; shifting the

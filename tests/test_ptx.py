@@ -55,6 +55,7 @@ def _rl_table() -> pa.Table:
     )
 
 
+@pytest.mark.kernels
 def test_ptx_loss_is_the_completion_cross_entropy(tmp_path: Path) -> None:
     """The step's `train/ptx_loss`, computed in the first (only) update's forward, equals
     the token-mean cross-entropy of a plain `from_pretrained` forward over the completion

@@ -61,6 +61,7 @@ def _direct(texts: list[str], max_tokens: int | None = None) -> list[float]:
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.kernels
 def test_scores_equal_direct_forward(batch_size: int) -> None:
     texts, table = _texts_and_rows()
     cfg = _config(batch_size=batch_size)
@@ -76,6 +77,7 @@ def test_scores_equal_direct_forward(batch_size: int) -> None:
     assert t["reward"] == pytest.approx([d + 2 * r for d, r in zip(dense, rm, strict=True)])
 
 
+@pytest.mark.kernels
 def test_left_truncation_scale_and_shift() -> None:
     texts, table = _texts_and_rows()
     cfg = _config(batch_size=4, max_length=12, scale=-3.0, shift=0.5)
@@ -86,6 +88,7 @@ def test_left_truncation_scale_and_shift() -> None:
     assert t["reward_rm"] != pytest.approx([-3.0 * x + 0.5 for x in _direct(texts)], abs=1e-4)
 
 
+@pytest.mark.kernels
 def test_bfloat16_scores_close_to_float32() -> None:
     """The GPU option, run on the CPU: bf16 weights and compute, scores within bf16's
     rounding of the fp32 ones (and not equal to them, so the dtype was applied)."""

@@ -93,6 +93,7 @@ def test_same_seeds_same_samples_other_seeds_others(engine: RolloutEngine) -> No
         assert len({tuple(t) for t in g.tokens}) > 1  # samples of a group differ
 
 
+@pytest.mark.kernels
 def test_logprobs_are_the_trainers_logprobs_of_logits_over_t(
     engine: RolloutEngine, model_dir: Path
 ) -> None:
@@ -123,6 +124,7 @@ def test_greedy_matches_transformers_generate(engine: RolloutEngine, model_dir: 
     assert engine.greedy(PROMPTS, 8) == ref
 
 
+@pytest.mark.kernels
 def test_new_weights_reach_the_samples(engine: RolloutEngine, model_dir: Path) -> None:
     moved = load_causal_lm(model_dir, "float32")
     torch.manual_seed(1)
@@ -200,6 +202,7 @@ def _ascii_pair(groups, decode) -> str:
         ),
     ],
 )
+@pytest.mark.kernels
 def test_stop_strings_and_extra_eos_ids(name: str, model_dir: Path) -> None:
     """A response ends at the token that completes a stop string (kept) or at an extra EOS
     id (kept), finish_reason stop; its tokens are the ones the model generated, i.e. the

@@ -110,6 +110,7 @@ def test_every_policy_loss_trains(name: str, table: pa.Table) -> None:
     assert _moved(weights) > 0
 
 
+@pytest.mark.kernels
 def test_entropy_mask_trains_only_the_top_tokens(table: pa.Table) -> None:
     """`entropy_mask_top=0.5` updates the weights exactly as zeroing the advantages of the
     other half of the tokens does. One micro-batch of all rows, so the ranking is over the
@@ -142,6 +143,7 @@ def test_entropy_mask_trains_only_the_top_tokens(table: pa.Table) -> None:
     assert any(not torch.equal(w_masked[k], w_full[k]) for k in w_masked)
 
 
+@pytest.mark.kernels
 def test_dr_grpo_norm_divides_by_the_response_budget(table: pa.Table) -> None:
     """`seq-mean-token-sum-norm` (verl's agg_loss): the responses' token sums added up over
     rollout.max_new_tokens, not divided by the number of responses. Doubling the budget
@@ -155,6 +157,7 @@ def test_dr_grpo_norm_divides_by_the_response_budget(table: pa.Table) -> None:
     assert math.isclose(at_16["train/pg_loss"], summed["train/pg_loss"] * 8 / 16, rel_tol=1e-6)
 
 
+@pytest.mark.kernels
 def test_critic_seq_mean_token_sum_norm_divides_by_the_response_budget(table: pa.Table) -> None:
     """The critic's Dr. GRPO loss uses the same constant length as the actor's
     (`rollout.max_new_tokens`), not each micro-batch's padded width, so the value loss is the

@@ -179,6 +179,7 @@ def _train_step(cfg: RunConfig) -> tuple[dict[str, float], float]:
     return metrics, moved
 
 
+@pytest.mark.kernels
 def test_a_policy_loss_defined_in_a_test_trains(toy: None, tmp_path: Path) -> None:
     """Selected from YAML with its own setting, the toy loss gets exactly the settings the
     config built, and the step moves the weights; its setting visibly scales the loss."""

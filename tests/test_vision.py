@@ -50,6 +50,7 @@ def logits(model: Any, encoded: list[EncodedPrompt], pad_id: int) -> torch.Tenso
         return model(**collate(encoded, pad_id)).logits
 
 
+@pytest.mark.kernels
 def test_tiny_vl_runs_a_padded_batch_with_and_without_images(
     tiny_vl: Path, model: Any, vl_encoder: VisionEncoder, images: list[Path]
 ) -> None:
@@ -78,6 +79,7 @@ def test_tiny_vl_runs_a_padded_batch_with_and_without_images(
     assert rope_position_ids(model, collate(encoded, pad)).shape == (3, 3, batch.shape[1])
 
 
+@pytest.mark.kernels
 def test_the_image_changes_only_the_logits_after_it(
     model: Any, vl_encoder: VisionEncoder, images: list[Path]
 ) -> None:
