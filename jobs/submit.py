@@ -2,7 +2,9 @@
 [--run-dir DIR] [--nodes N] [--tasks-per-node N] [slurm options] [key=value ...]``.
 
 Creating or resuming is decided by the run directory: if it holds a config.yaml, the run
-resumes after its fingerprint check. No torch import here, so this is instant on a login node.
+resumes after its fingerprint check, unless it holds no committed work (a start refused or
+killed before its first commit): then a changed config starts it afresh
+(`rftpipe.storage.fresh_start`). No torch import here, so this is instant on a login node.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from rftpipe.config.schema import RESUME_SAFE_KEYS, RunConfig, refuse_stretched_
 from rftpipe.errors import UserError
 from rftpipe.stages import FINAL
 from rftpipe.storage.atomic import atomic_write_bytes
+from rftpipe.storage.fresh_start import committed_work, exclusive, set_aside
 from rftpipe.storage.layout import RunDir
 from rftpipe.storage.stage_store import StageStore
 
@@ -70,32 +73,51 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_config(args: argparse.Namespace, run_dir: Path) -> RunConfig:
-    """New run: config file + overrides. Resume: the run's config + overrides, fingerprint-checked."""
+def resolve_config(args: argparse.Namespace, run_dir: Path) -> tuple[RunConfig, bool]:
+    """New run: config file + overrides. Resume: the run's config + overrides, fingerprint-checked.
+
+    Also returns whether the directory starts afresh: a new run, or an earlier start that
+    committed nothing (refused or killed) given a config that a resume would refuse; nothing
+    was computed with the old one to disagree with. The same config restarts it as before."""
     saved = run_dir / "config.yaml"
     if not saved.exists():
-        return load_config(RunConfig, args.config or DEFAULT_CONFIG, args.overrides)
+        cfg = load_config(RunConfig, args.config or DEFAULT_CONFIG, args.overrides)
+        return cfg, committed_work(RunDir(run_dir)) is None
     # The run's own config may predate a field's change of type (`saved=True` migrates it);
     # a config file given on the command line is the user's and gets no such leniency.
     old = load_config(RunConfig, saved, saved=True)
     new = load_config(RunConfig, args.config or saved, args.overrides, saved=not args.config)
     changed = diff_keys(to_dict(old), to_dict(new), exclude=RESUME_SAFE_KEYS)
+    if changed and committed_work(RunDir(run_dir)) is None:
+        return new, True
     if changed and not args.allow_fingerprint_mismatch:
         raise UserError(
             f"resume: {run_dir} was started with a different config ({', '.join(changed)} changed); "
             "pass --allow-fingerprint-mismatch to resume anyway"
         )
     refuse_stretched_lr_schedule(old, new)
-    return new
+    return new, False
 
 
-def write_run_config(cfg: RunConfig, run_dir: Path) -> None:
+def write_run_config(cfg: RunConfig, run_dir: Path, fresh: bool) -> Path | None:
     """New run: RUN/config.yaml. Resume: RUN/config.next.yaml, which the worker promotes to
-    config.yaml only once its resume checks pass, so a refused resume leaves the run as it was."""
+    config.yaml only once its resume checks pass, so a refused resume leaves the run as it was.
+
+    A fresh start (see `resolve_config`) first moves an earlier start's files aside; returns
+    where (None: there were none)."""
     run = RunDir(run_dir)
     run.root.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        with exclusive(run):  # refused while a worker of this directory is live
+            if committed_work(run) is not None:
+                # A run committed since `resolve_config` looked, and has ended since.
+                raise UserError(f"run_dir: {run.root} changed while starting; submit again")
+            moved = set_aside(run)
+            atomic_write_bytes(run.config_path, dump_yaml(cfg).encode())
+        return moved
     target = run.pending_config_path if run.config_path.exists() else run.config_path
     atomic_write_bytes(target, dump_yaml(cfg).encode())
+    return None
 
 
 def slurm_available() -> bool:
@@ -155,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(
                     f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}"
                 )
-        cfg = resolve_config(args, run_dir)
+        cfg, fresh = resolve_config(args, run_dir)
         cluster = args.cluster
         if cluster == "auto":
             cluster = "slurm" if slurm_available() else "local"
@@ -177,7 +199,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if cluster == "slurm" and not args.create_only:
             slurm.require_client()  # before anything is written
-        write_run_config(cfg, run_dir)
+        moved = write_run_config(cfg, run_dir, fresh)
+        if moved is not None:
+            print(
+                f"nothing was committed in {run_dir}: starting it afresh (the earlier "
+                f"start's files are in {moved})",
+                flush=True,
+            )
         if args.create_only:
             print(f"run directory: {run_dir}")
             return 0

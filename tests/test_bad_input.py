@@ -339,8 +339,15 @@ def test_resume_that_would_stretch_a_decaying_lr_schedule(tmp_path: Path) -> Non
     """A cosine schedule spans total_steps, so extending such a run would change every
     update's LR (replays included): refused before anything is written."""
     run = tmp_path / "cos"
-    made = submit(run, "total_steps=2", "train.lr_schedule=cosine", extra=("--create-only",))
-    assert made.returncode == 0, made.stderr
+    # Killed right after its first commit: a directory that committed nothing would take
+    # any config as a new run.
+    made = submit(
+        run,
+        "total_steps=2",
+        "train.lr_schedule=cosine",
+        env={"RFTPIPE_FAULT": "stage_after_commit"},
+    )
+    assert made.returncode != 0 and (run / "stages/step=1/rollout/MANIFEST.json").exists()
     before = (run / "config.yaml").read_bytes()
     res = submit(run, "total_steps=4", config=None, extra=("--create-only",))
     _expect_error(res, "total_steps", "lr_schedule=cosine", "2 -> 4")

@@ -189,7 +189,10 @@ def test_how_hard_scoring_tries_may_change_on_resume(tmp_path: Path) -> None:
     may change on resume; the server (url) or the functions may not."""
     run = tmp_path / "run"
     base = (*remote("http://127.0.0.1:9/score"),)
-    assert submit(run, *base, extra=("--create-only",), env=ENV).returncode == 0
+    # A run killed right after its first commit (its rollout): a directory that committed
+    # nothing would take any config as a new run.
+    started = submit(run, *base, env={**ENV, "RFTPIPE_FAULT": "stage_after_commit"})
+    assert started.returncode != 0 and (run / "stages/step=1/rollout/MANIFEST.json").exists()
     changed = (
         *base,
         "reward.on_error=zero",

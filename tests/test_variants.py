@@ -461,9 +461,10 @@ def test_resuming_the_old_run_sees_no_config_change(tmp_path: Path) -> None:
     """jobs.submit's resume check compares the run's (migrated) config with the resumed one:
     unchanged, it passes; a changed variant setting is named by its new key."""
     run = tmp_path / "run"
-    run.mkdir()
-    shutil.copy(OLD_RUN / "config.yaml", run / "config.yaml")
-    cfg = resolve_config(parse_args(["--run-dir", str(run)]), run)
+    # The whole run: a directory with nothing committed would take any config afresh.
+    shutil.copytree(OLD_RUN, run)
+    cfg, fresh = resolve_config(parse_args(["--run-dir", str(run)]), run)
+    assert not fresh
     assert cfg.train.policy_loss == SAPOSettings(tau_pos=1.2)
     with pytest.raises(UserError, match=r"train\.policy_loss\.tau_pos changed"):
         resolve_config(parse_args(["--run-dir", str(run), "train.policy_loss.tau_pos=1.3"]), run)

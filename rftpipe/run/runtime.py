@@ -30,10 +30,12 @@ from rftpipe.engines.train.vision import freeze_vision
 from rftpipe.engines.vision import VisionEncoder
 from rftpipe.envs.loader import check_environments
 from rftpipe.errors import UserError
+from rftpipe.observe.events import events
 from rftpipe.rewards import check_coverage, resolve_all
 from rftpipe.run.preemption import NoStop, StopFlag
 from rftpipe.stages.base import Runtime
 from rftpipe.storage.atomic import atomic_write_json, read_json
+from rftpipe.storage.fresh_start import committed_work
 from rftpipe.storage.layout import RUN_LAYOUT_VERSION, RunDir
 from rftpipe.storage.stage_store import StageStore
 
@@ -77,10 +79,13 @@ def retain_host_memory() -> bool:
 
 def check_fingerprints(
     run: RunDir, model_fp: str, data_fp: str, allow_mismatch: bool, dist: Dist
-) -> None:
-    """Record the model/data fingerprints at first start; refuse a resume that changed them."""
+) -> bool:
+    """Refuse a resume whose model or data changed since the run's first start; returns
+    whether run.json is to be written anew: at the first start, or when an earlier start
+    recorded other fingerprints but committed nothing (it was killed, or refused later):
+    nothing was computed from its model or data, so this start's are the run's."""
     if not run.run_json.exists():
-        return
+        return True
     info = read_json(run.run_json)
     if info.get("schema_version") != RUN_LAYOUT_VERSION:
         raise UserError(
@@ -88,20 +93,30 @@ def check_fingerprints(
             f"this rftpipe writes layout {RUN_LAYOUT_VERSION}; resume it with the rftpipe "
             "that created it, or start a new run directory"
         )
-    for key, new in (("model_fingerprint", model_fp), ("data_fingerprint", data_fp)):
-        old = info.get(key)
-        if old is None or old == new:
-            continue
+    changed = [
+        key
+        for key, new in (("model_fingerprint", model_fp), ("data_fingerprint", data_fp))
+        if info.get(key) not in (None, new)
+    ]
+    if changed and committed_work(run) is None:
+        log.warning("an earlier start committed nothing: this start's %s replace it", changed)
+        if dist.is_main:
+            events().write("fingerprints_replaced", keys=changed)
+        return True
+    for key in changed:
         if not allow_mismatch:
+            new = model_fp if key == "model_fingerprint" else data_fp
             raise UserError(
                 f"resume: the {key.split('_')[0]} differs from the one this run started with "
-                f"({old[:12]} != {new[:12]}); pass --allow-fingerprint-mismatch to resume anyway"
+                f"({info[key][:12]} != {new[:12]}); pass --allow-fingerprint-mismatch to "
+                "resume anyway"
             )
         log.warning("resuming despite a changed %s (explicitly allowed)", key)
     if dist.is_main and allow_mismatch:
         atomic_write_json(
             run.run_json, {**info, "model_fingerprint": model_fp, "data_fingerprint": data_fp}
         )
+    return False
 
 
 def check_round_size(cfg: RunConfig, num_prompts: int) -> None:
@@ -165,8 +180,8 @@ def build(
     if cfg.model.lora is not None:
         lora_mod.check_targets_of(model_dir, cfg.model.lora)
     model_fp = models.model_fingerprint(model_dir, ref_dir)
-    check_fingerprints(run, model_fp, data_fingerprint(prompts, ptx), allow_mismatch, dist)
-    if dist.is_main and not run.run_json.exists():
+    anew = check_fingerprints(run, model_fp, data_fingerprint(prompts, ptx), allow_mismatch, dist)
+    if dist.is_main and anew:
         atomic_write_json(
             run.run_json,
             {

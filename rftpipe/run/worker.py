@@ -17,6 +17,7 @@ from rftpipe.config.loader import load_config
 from rftpipe.config.schema import RunConfig, refuse_stretched_lr_schedule
 from rftpipe.errors import UserError
 from rftpipe.observe.events import EventLog, events, set_event_log
+from rftpipe.storage.fresh_start import hold_live_lock
 from rftpipe.storage.layout import RunDir
 
 log = logging.getLogger("rftpipe")
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(
                 f"run_dir: {run.root} has no config.yaml (create runs with jobs.submit)"
             )
+        # Marks the directory live until this process exits (the descriptor stays open),
+        # so that no fresh start moves its files meanwhile.
+        hold_live_lock(run)
         # The run's own config, perhaps written by an older rftpipe (a requeued job never
         # passes through jobs.submit): retired values migrate.
         cfg = load_config(RunConfig, run.active_config_path(), saved=True)

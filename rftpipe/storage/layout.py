@@ -12,6 +12,8 @@ and DuckDB all read the hive key as an integer; ``K`` = rank)::
     RUN/trajectories/step=N/part-rK.parquet the published dataset (a publishing stage's shards)
     RUN/checkpoints/step=N/                see rftpipe.checkpoint.writer
     RUN/events.jsonl, RUN/metrics.jsonl    diagnostics and per-step metrics
+    RUN/superseded/TIME/                   files of an earlier start that committed nothing
+    RUN/.live.lock                         flocked (shared) by every live worker
 
 Every file is written under a temporary name, fsynced and renamed (`rftpipe.storage.atomic`);
 a stage exists only once its MANIFEST.json exists, and nothing reads a shard that no manifest
@@ -130,6 +132,16 @@ class RunDir:
     @property
     def quarantine(self) -> Path:
         return self.root / "quarantine"
+
+    @property
+    def superseded(self) -> Path:
+        """Files of earlier starts that committed nothing (`rftpipe.storage.fresh_start`)."""
+        return self.root / "superseded"
+
+    @property
+    def live_lock_path(self) -> Path:
+        """Every live worker holds a shared flock on it (`rftpipe.storage.fresh_start`)."""
+        return self.root / ".live.lock"
 
     def step_dir(self, step: int) -> Path:
         return self.stages / step_name(step)
