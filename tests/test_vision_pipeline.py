@@ -212,8 +212,9 @@ def test_a_dataset_image_gone_on_resume_exits_2_and_touches_nothing(tmp_path: Pa
     assert committed_hash(run) == before
 
 
-def _load(rows: list[dict], folder: Path, model: str = "builtin:tiny-vl") -> Any:
-    """`load_prompts` of a JSON-lines dataset of `rows` in `folder`, as a run loads it."""
+def _load(rows: list[dict], folder: Path, model: str = "builtin:tiny-vl", **data: Any) -> Any:
+    """`load_prompts` of a JSON-lines dataset of `rows` in `folder`, as a run loads it
+    (`data`: more `DataConfig` fields)."""
     from rftpipe.config.schema import DataConfig, DatasetSourceConfig
     from rftpipe.data.prompts import load_prompts
     from rftpipe.engines.models import is_vision_model, load_tokenizer, resolve_model_path
@@ -221,7 +222,7 @@ def _load(rows: list[dict], folder: Path, model: str = "builtin:tiny-vl") -> Any
 
     path = folder / "data.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    cfg = DataConfig(source="datasets", datasets=(DatasetSourceConfig(path=str(path)),))
+    cfg = DataConfig(source="datasets", datasets=(DatasetSourceConfig(path=str(path)),), **data)
     model_dir = resolve_model_path(model)
     encoder = VisionEncoder.load(model_dir) if is_vision_model(model_dir) else None
     return load_prompts(cfg, load_tokenizer(model_dir), encoder)
@@ -269,6 +270,28 @@ def test_image_prompts_for_a_text_only_model_are_refused(tiny_vl: Path, tmp_path
     ]
     with pytest.raises(UserError, match=r"row 1 of .*text-only"):
         _load(rows, tmp_path, "builtin:tiny")
+
+
+@pytest.mark.parametrize("overlong", ["error", "truncate"])
+def test_an_overlong_image_row_counts_its_image_tokens_and_offers_no_truncation(
+    tiny_vl: Path, tmp_path: Path, overlong: str
+) -> None:
+    """The text row fits in 28 tokens, the image row's 4 image tokens take it past them:
+    the refusal says they count, and never offers truncation, which would refuse it too."""
+    from rftpipe.errors import UserError
+
+    (tmp_path / "a.png").write_bytes(vision_task.picture("red", 1))
+    rows = [
+        {"prompt": "Answer.", "answer": "x", "images": []},
+        {"prompt": "<image>Answer.", "answer": "x", "images": ["a.png"]},
+    ]
+    assert len(_load(rows[:1], tmp_path, max_prompt_tokens=28).prompts) == 1
+    with pytest.raises(UserError) as err:
+        _load(rows, tmp_path, max_prompt_tokens=28, overlong=overlong)
+    line = str(err.value)
+    assert "row 1" in line and "image tokens included" in line and "> data.max_prompt" in line
+    assert "overlong=truncate" not in line and "filter|truncate" not in line, line
+    assert "data.overlong=filter" in line and "data.images.max_pixels" in line, line
 
 
 def test_the_images_enter_the_data_fingerprint_and_the_held_out_key(

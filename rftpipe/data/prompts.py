@@ -88,13 +88,8 @@ class PromptSet:
                 messages = prompt_messages(cfg.system_prompt, row.text, row.messages)
                 ids = template_prompt(tokenizer, cfg.system_prompt, row.text, messages)
             if len(ids) > cfg.max_prompt_tokens:
-                if images and cfg.overlong == "truncate":
-                    raise UserError(
-                        f"data.overlong: {row.where} has {len(ids)} tokens (image tokens "
-                        f"included) > data.max_prompt_tokens={cfg.max_prompt_tokens}, and "
-                        "truncating would cut its image tokens; set data.overlong=filter, "
-                        "or lower data.images.max_pixels"
-                    )
+                if images and cfg.overlong != "filter":
+                    raise UserError(_overlong_image_row(cfg, row, len(ids)))
                 if cfg.overlong == "error":
                     raise UserError(
                         f"data.max_prompt_tokens: prompt row {i} (id {row.prompt_id}) has "
@@ -172,6 +167,19 @@ class PromptSet:
             # fingerprint stays what it always was.
             h.update(json.dumps(self.weights).encode())
         return h.hexdigest()
+
+
+def _overlong_image_row(cfg: DataConfig, row: RawRow, n: int) -> str:
+    """An image row over `data.max_prompt_tokens`, refused under `data.overlong=error` and
+    `truncate` alike: truncation keeps a prompt's last tokens and would cut its image
+    tokens, so it is never the remedy offered."""
+    field = "data.overlong" if cfg.overlong == "truncate" else "data.max_prompt_tokens"
+    return (
+        f"{field}: {row.where} has {n} tokens, its image tokens included, > "
+        f"data.max_prompt_tokens={cfg.max_prompt_tokens}; raise data.max_prompt_tokens, lower "
+        "data.images.max_pixels or set data.overlong=filter (truncating would cut its image "
+        "tokens)"
+    )
 
 
 def _image_prompt_ids(
