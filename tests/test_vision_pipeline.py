@@ -174,26 +174,59 @@ def test_a_killed_vision_run_resumes_bitwise(reference: Path, mixed: Path, tmp_p
     assert [p.name for p in stored_images(run)] == [p.name for p in stored_images(reference)]
 
 
-def test_a_corrupt_image_is_refused_then_repaired_from_the_dataset(
-    reference: Path, mixed: Path, tmp_path: Path
+def _image_of_step(run: Path, step: int) -> Path:
+    """A stored image that the rows of `step` show."""
+    rows = trajectories(run).to_pylist()
+    return run / next(r["images"][0] for r in rows if r["step"] == step and r["images"])
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_a_corrupt_or_missing_image_is_refused_then_repaired_from_the_dataset(
+    reference: Path, mixed: Path, tmp_path: Path, damage: str
 ) -> None:
+    """Without its step-4 checkpoint the restart replays steps 3 and 4 from their rows,
+    whose images it reads: the damage is found before, named in one line."""
     run = tmp_path / "run"
     subprocess.run(["cp", "-r", str(reference), str(run)], check=True)
-    victim = stored_images(run)[0]
+    subprocess.run(["rm", "-r", str(run / "checkpoints" / "step=4")], check=True)
+    victim = _image_of_step(run, 3)
     good = victim.read_bytes()
-    victim.write_bytes(good[:-7] + b"garbage")
+    if damage == "corrupt":
+        victim.write_bytes(good[:-7] + b"garbage")
+    else:
+        victim.unlink()
     before = committed_hash(run)
     more = vl_run(mixed, *RUN[1:], "total_steps=5")
     out = submit(run, *more, config=None, env=TESTS_ON_PATH)
-    assert out.returncode == 2
-    line = out.stderr.strip().splitlines()[-1]
-    assert victim.name in line and "--repair" in line, line
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert victim.name in lines[0] and damage in lines[0] and "--repair" in lines[0], lines
     assert committed_hash(run) == before, "a refused resume touched the run"
     out = submit(run, *more, config=None, env=TESTS_ON_PATH, extra=("--repair",))
     assert out.returncode == 0, out.stderr[-3000:]
     assert victim.read_bytes() == good
     assert any(e["event"] == "repair_images" for e in events(run))
     assert (run / "stages" / "step=5" / "train" / "MANIFEST.json").exists()
+
+
+def test_verify_reports_an_image_gone_from_the_store(reference: Path, tmp_path: Path) -> None:
+    """`rftpipe inspect RUN verify` reads every committed row's `images` and names each
+    missing file with the first step and stage found referencing it."""
+    run = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(reference), str(run)], check=True)
+    rel = trajectories(run).column("images").to_pylist()[0][0]
+    first = min(r["step"] for r in trajectories(run).to_pylist() if rel in r["images"])
+    (run / rel).unlink()
+    cmd = [sys.executable, "-m", "rftpipe.inspect", str(run), "verify"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
+    assert out.returncode == 1, out.stdout + out.stderr
+    (line,) = [x for x in out.stdout.splitlines() if rel in x]
+    assert line.startswith("missing image:") and f"step {first} " in line, line
+    assert line.split()[-1].rstrip(")") in ORDER, line
+    assert "0 corrupt file(s), 1 missing image(s)" in out.stdout
+    js = subprocess.run([*cmd, "--json"], capture_output=True, text=True, cwd=ROOT, check=False)
+    (gone,) = json.loads(js.stdout)["missing_images"]
+    assert js.returncode == 1 and gone["path"] == str(run / rel) and gone["step"] == first
 
 
 def test_a_dataset_image_gone_on_resume_exits_2_and_touches_nothing(tmp_path: Path) -> None:

@@ -11,8 +11,9 @@
     rftpipe inspect RUN_DIR verify [--json]
 
 `verify` checks every committed file of the run against its manifest (every stage shard,
-every published trajectory file, every file of every committed checkpoint) and exits 1 if
-any is missing, truncated or altered. A restart checks only what it reads; this is the
+every published trajectory file, every file of every committed checkpoint, every stored
+image against its sha256 name) and that every image a committed row references is stored,
+and exits 1 if any is missing, truncated or altered. A restart checks only what it reads; this is the
 full audit, for a quiet moment or a cron job.
 
 Only committed data is read: a step counts once its trajectories are published
@@ -491,22 +492,27 @@ def _add_filters(p: argparse.ArgumentParser, default_limit: int | None) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Check every committed stage, checkpoint and stored image; print each corrupt file;
-    exit 1 if any."""
+    """Check every committed stage, checkpoint and stored image, and that every image a
+    committed row references is stored; print each corrupt file and missing image; exit 1
+    if any."""
     if not args.run_dir.is_dir():
         raise InspectError(f"no run directory at {args.run_dir}")
     audit = verify_run(args.run_dir)
     checked = {"stages": audit.stages, "checkpoints": audit.checkpoints, "images": audit.images}
     if args.json:
-        print(json.dumps({"checked": checked, "corrupt": audit.corrupt}, indent=1))
+        out = {"checked": checked, "corrupt": audit.corrupt, "missing_images": audit.missing_images}
+        print(json.dumps(out, indent=1))
     else:
         for b in audit.corrupt:
             print(f"corrupt: {b['path']} ({b['why']})")
+        for m in audit.missing_images:
+            print(f"missing image: {m['path']} (referenced by step {m['step']} {m['stage']})")
         print(
             f"checked {audit.stages} committed stages, {audit.checkpoints} checkpoints and "
-            f"{audit.images} images: {len(audit.corrupt)} corrupt file(s)"
+            f"{audit.images} images: {len(audit.corrupt)} corrupt file(s), "
+            f"{len(audit.missing_images)} missing image(s)"
         )
-    return 1 if audit.corrupt else 0
+    return 1 if audit.corrupt or audit.missing_images else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

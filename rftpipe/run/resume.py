@@ -30,7 +30,12 @@ from rftpipe.stages.chain import PIPELINE
 from rftpipe.stages.images import store_images
 from rftpipe.stages.sync import sync_weights
 from rftpipe.storage.atomic import CorruptionError, fsync_dir
-from rftpipe.storage.images import ImageRef, quarantine_corrupt_images, verify_images
+from rftpipe.storage.images import (
+    ImageRef,
+    missing_images,
+    quarantine_corrupt_images,
+    verify_images,
+)
 from rftpipe.storage.layout import RunDir, list_steps
 from rftpipe.storage.stage_store import StageStore
 
@@ -54,15 +59,20 @@ def replay_reads(store: StageStore, after: int) -> list[tuple[int, str]]:
     return out
 
 
+def restart_reads(store: StageStore, ckpt_step: int) -> list[tuple[int, str]]:
+    """(step, stage) whose rows a restart from checkpoint `ckpt_step` reads: what replay
+    reads, and the newest commit (the next stage reads its rows)."""
+    newest = store.newest_commit(chain_position)
+    todo = replay_reads(store, ckpt_step)
+    if newest is not None and newest not in todo:
+        todo.append(newest)
+    return todo
+
+
 def check_files(store: StageStore, ckpt_step: int, repair: bool) -> None:
     """Verify the newest commit and what replay reads (rank 0 only); see the module doc."""
     newest = store.newest_commit(chain_position)
-    if newest is None:
-        return
-    todo = replay_reads(store, ckpt_step)
-    if newest not in todo:
-        todo.append(newest)
-    for step, stage in todo:
+    for step, stage in restart_reads(store, ckpt_step):
         try:
             store.verify(step, stage)
         except CorruptionError as exc:
@@ -85,25 +95,40 @@ def check_files(store: StageStore, ckpt_step: int, repair: bool) -> None:
             return
 
 
-def check_images(rt: Runtime, repair: bool) -> None:
-    """Rehash the run's image store (rank 0). A corrupt image is refused, or with `repair`
-    moved to the quarantine and written again from the dataset, which still holds it (the
-    data fingerprint guarantees the same prompts): the rows that reference it stay valid."""
+def check_images(rt: Runtime, ckpt_step: int, repair: bool) -> None:
+    """Rehash the run's image store, and look for each image that the rows the restart reads
+    reference (rank 0). A corrupt or missing image is refused, or with `repair` (a corrupt
+    one moved to the quarantine first) written again from the dataset, which still holds it
+    (the data fingerprint guarantees the same prompts): the rows that reference it stay
+    valid. Older rows' images are `rftpipe inspect RUN verify`'s to check."""
     bad = verify_images(rt.run.root)
-    if not bad:
+    reads = restart_reads(rt.store, ckpt_step)
+    shards = [(s, st, f) for s, st in reads for f in rt.store.shard_files(s, st)]
+    gone = missing_images(rt.run.root, shards)
+    if not bad and not gone:
         return
     if not repair:
+        if gone:
+            raise UserError(
+                f"missing image {gone[0].path} (referenced by step {gone[0].step} "
+                f"{gone[0].stage}; {len(gone)} missing in all); rerun with --repair to write "
+                "it again from the dataset"
+            )
         raise UserError(
             f"corrupt image {bad[0].path} ({bad[0].why}; {len(bad)} in all); rerun with "
             "--repair to write it again from the dataset"
         )
     dest = rt.run.quarantine / time.strftime("%Y%m%d-%H%M%S") / "images"
-    moved = quarantine_corrupt_images(rt.run.root, dest)
-    gone = {ImageRef.parse(p.relative_to(rt.run.root).as_posix()) for p in moved}
+    moved = quarantine_corrupt_images(rt.run.root, dest) if bad else []
+    refs = {ImageRef.parse(p.relative_to(rt.run.root).as_posix()) for p in moved}
+    refs |= {m.ref for m in gone}
     prompts = [*rt.prompts.prompts, *(rt.held_out.prompts if rt.held_out else ())]
-    store_images(rt.run.root, [p for p in prompts if gone.intersection(p.image_refs)])
-    events().write("repair_images", moved=len(moved), quarantine=str(dest))
-    log.warning("--repair: rewrote %d corrupt images from the dataset", len(moved))
+    store_images(rt.run.root, [p for p in prompts if refs.intersection(p.image_refs)])
+    if left := [m for m in gone if not m.path.exists()]:
+        # The data fingerprint held, so the dataset shows every image its rows did.
+        raise UserError(f"missing image {left[0].path}: no prompt of the dataset shows it")
+    events().write("repair_images", moved=len(moved), rewritten=len(refs), quarantine=str(dest))
+    log.warning("--repair: rewrote %d corrupt or missing images from the dataset", len(refs))
 
 
 def quarantine_from(run: RunDir, step: int) -> None:
@@ -155,9 +180,10 @@ def prepare(rt: Runtime, repair: bool) -> int:
     if rt.dist.is_main:
         removed = store.clean_uncommitted(FINAL)
         done = writer.list_committed(rt.run.checkpoints)
-        check_files(store, done[-1].step if done else 0, repair)
+        ckpt_step = done[-1].step if done else 0
+        check_files(store, ckpt_step, repair)
         if rt.vision is not None:
-            check_images(rt, repair)
+            check_images(rt, ckpt_step, repair)
         newest = store.newest_commit(chain_position)
         if newest is not None and store.manifest(*newest).get("published"):
             store.publish(*newest)  # killed between its commit and its publication

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
 from rftpipe.storage.atomic import TMP_PREFIX, CorruptionError, atomic_write_bytes, fsync_dir
+from rftpipe.storage.layout import IMAGES_COLUMN
 
 IMAGES_DIR = "images"
 """The store's folder under the run directory."""
@@ -79,6 +84,43 @@ class ImageStore:
             return ref
         atomic_write_bytes(path, data)
         return ref
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MissingImage:
+    """An image that committed rows reference and the store lacks."""
+
+    ref: ImageRef
+    path: Path
+    """Where the store should hold it."""
+    step: int
+    stage: str
+    """The first committed stage found referencing it (of `step`)."""
+
+
+def shard_image_paths(shard: Path) -> list[str]:
+    """The distinct `images` entries of a Parquet shard's rows (none without the column)."""
+    if IMAGES_COLUMN not in pq.read_schema(shard).names:
+        return []
+    column = pq.read_table(shard, columns=[IMAGES_COLUMN]).column(IMAGES_COLUMN)
+    return sorted(set(pc.list_flatten(column).to_pylist()))
+
+
+def missing_images(run_root: Path, shards: Iterable[tuple[int, str, Path]]) -> list[MissingImage]:
+    """Every image that the rows of `shards` ((step, stage, shard file), in the order
+    given) reference and the store lacks, once each, with the first (step, stage) found."""
+    store = ImageStore(run_root)
+    seen: set[str] = set()
+    out = []
+    for step, stage, shard in shards:
+        for rel in shard_image_paths(shard):
+            if rel in seen:
+                continue
+            seen.add(rel)
+            ref = ImageRef.parse(rel)
+            if not store.path(ref).exists():
+                out.append(MissingImage(ref=ref, path=store.path(ref), step=step, stage=stage))
+    return out
 
 
 def stored_images(run_root: Path) -> list[Path]:

@@ -157,6 +157,11 @@ class StageStore:
             if not (copy.exists() and os.path.samefile(copy, stage_dir / info["file"])):
                 verify_shard(published, info)
 
+    def shard_files(self, step: int, stage: str) -> list[Path]:
+        """The shard files a committed stage's manifest lists, in rank order."""
+        d = self.run.stage_dir(step, stage)
+        return [d / info["file"] for info in self.manifest(step, stage)["shards"]]
+
     def read(self, step: int, stage: str, rank: int) -> pa.Table:
         """One committed shard, verified against the manifest as it is read."""
         d = self.run.stage_dir(step, stage)
