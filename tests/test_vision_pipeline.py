@@ -233,8 +233,15 @@ def test_a_dataset_image_gone_on_resume_exits_2_and_touches_nothing(tmp_path: Pa
     data = vision_task.write_mixed_dataset(tmp_path / "data", 6, 5)
     run = tmp_path / "run"
     steps = (*BASE[1:], "total_steps=1")
+    # First a start refused at load (image rows for a text-only model): it committed
+    # nothing, so the corrected command starts the directory afresh rather than being
+    # refused as a resume with a different config.
+    out = submit(run, *vl_run(data, *steps, "model.path=builtin:tiny"), env=TESTS_ON_PATH)
+    assert out.returncode == 2 and "text-only" in out.stderr, out.stderr[-3000:]
     out = submit(run, *vl_run(data, *steps), env=TESTS_ON_PATH)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "builtin:tiny-vl" in (run / "config.yaml").read_text()
+    assert [e["event"] for e in events(run)].count("start") == 1
     before = committed_hash(run)
     first = json.loads(data.read_text().splitlines()[0])["images"][0]
     (data.parent / first).unlink()
