@@ -99,7 +99,11 @@ def check_fingerprints(
         if info.get(key) not in (None, new)
     ]
     if changed and committed_work(run) is None:
-        log.warning("an earlier start committed nothing: this start's %s replace it", changed)
+        log.warning(
+            "run.json: an earlier start that committed nothing recorded another %s; "
+            "recording this start's",
+            " and ".join(changed),
+        )
         if dist.is_main:
             events().write("fingerprints_replaced", keys=changed)
         return True
