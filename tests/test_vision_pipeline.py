@@ -11,14 +11,12 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pytest
 import torch
 import vision_task
@@ -37,21 +35,13 @@ from helpers import (
 
 from rftpipe.stages import ORDER
 from rftpipe.storage.images import ImageRef, stored_images
+from tools.vision_learning import FRESH, FRESH_IN_CI, parse_spec
 
 pytestmark = pytest.mark.slow
 IMAGE_PAD = 261  # builtin:tiny-vl's <|image_pad|> id (asserted in tests/test_vision.py)
 
 
-def vl_run(data: Path, *extra: str) -> tuple[str, ...]:
-    """Overrides of configs/tiny_dense.yaml that make it a vision-language run on `data`."""
-    return (
-        "model.path=builtin:tiny-vl",
-        "data.source=datasets",
-        f"data.datasets=[{{path: {data}}}]",
-        "data.max_prompt_tokens=96",
-        "reward.functions=[{path: vision_task:colour_parity}]",
-        *extra,
-    )
+vl_run = vision_task.vision_run
 
 
 # A KL term and a critic put the reference's and the value model's forwards with images
@@ -351,65 +341,34 @@ def test_the_images_enter_the_data_fingerprint_and_the_held_out_key(
     assert first.fingerprint() != second.fingerprint()
 
 
-# The learning test. Every prompt reads "<image>Answer."; its picture is mostly red or
-# mostly blue and a response earns the share of its tokens whose parity the colour names.
-LEARN = (
-    "total_steps=12",
-    "data.prompts_per_step=8",
-    "data.max_prompt_tokens=64",
-    "rollout.n=4",
-    "rollout.max_new_tokens=4",
-    "rollout.groups_per_call=8",
-    "train.mini_batches=1",
-    "train.micro_batch_size=32",
-    "eval.size=32",
-    "eval.holdout_fraction=0.25",
-    "eval.every=12",
-    "eval.samples=4",
-    "eval.metric=colour_parity",
-    "eval.threshold=0.5",
-    "checkpoint.interval=12",
-)
-
-
-def _held_out_reward(run: Path) -> tuple[float, float, float]:
-    """(mean reward of the held-out rows after training, its standard error over problems,
-    the best mean reward a policy blind to the images can expect on those problems)."""
-    rows = eval_rows(run, 12).to_pylist()
-    per_problem: dict[int, list[float]] = {}
-    for r in rows:
-        per_problem.setdefault(r["prompt_id"], []).append(r["reward"])
-    means = [statistics.mean(v) for v in per_problem.values()]
-    red = sum(json.loads(r["metadata"])["colour"] == "red" for r in rows if r["sample_idx"] == -1)
-    # A blind policy's token is right under one colour and wrong under the other: with a
-    # share q of red problems its expected reward is q e + (1 - q)(1 - e) for some e in
-    # [0, 1], at most max(q, 1 - q).
-    q = red / len(means)
-    bound = max(q, 1 - q)
-    return statistics.mean(means), statistics.stdev(means) / len(means) ** 0.5, bound
-
-
 def test_the_policy_learns_to_use_the_image(tmp_path: Path) -> None:
-    data = vision_task.write_dataset(tmp_path / "data", 48, 24)
-    text = vision_task.write_dataset(tmp_path / "data", 48, 24, images=False)
-    vlm, control = tmp_path / "vlm", tmp_path / "control"
-    for run, path in ((vlm, data), (control, text)):
-        out = submit(run, *vl_run(path, *LEARN), env=TESTS_ON_PATH)
+    """The recipe (`vision_task.LEARN`) on one of the fresh datasets of
+    tools/vision_learning.py (seed and colour pair never used in choosing it) and on its
+    control, whose pictures carry no colour (docs/vision.md, "The learning test")."""
+    spec = parse_spec(FRESH[FRESH_IN_CI])
+    step = vision_task.final_step(vision_task.LEARN)
+    result = {}
+    for arm, informative in (("vlm", True), ("control", False)):
+        data = vision_task.write_dataset(
+            tmp_path / "data",
+            vision_task.ROWS,
+            spec["seed"],
+            colours=tuple(spec["colours"]),
+            informative=informative,
+            layout=spec["layout"],
+        )
+        out = submit(tmp_path / arm, *vl_run(data, *vision_task.LEARN), env=TESTS_ON_PATH)
         assert out.returncode == 0, out.stderr[-3000:]
-    mean, se, bound = _held_out_reward(vlm)
-    c_mean, c_se, c_bound = _held_out_reward(control)
-    print(
-        f"vlm {mean:.3f} +- {se:.3f}, control {c_mean:.3f} +- {c_se:.3f}, bounds {bound} {c_bound}"
-    )
-    # The held-out problems are balanced (the split hashes each row's content), so the
-    # bound is 1/2 on both; a failed precondition here means the split changed.
-    assert bound == c_bound == 0.5
-    assert mean > bound + 0.2, (mean, se)
-    assert abs(c_mean - c_bound) <= 2 * c_se, (c_mean, c_se)
-    # ...and the control's rows saw no images at all.
-    rows = trajectories(control)
-    assert "images" in rows.column_names and not any(rows.column("images").to_pylist())
-    assert pa.compute.sum(pa.compute.list_value_length(trajectories(vlm).column("images"))).as_py()
+        result[arm] = vision_task.held_out_reward(tmp_path / arm, step)
+    print(result)
+    vlm, control = result["vlm"], result["control"]
+    assert vlm["mean"] > vlm["bound"] + 0.2, vlm
+    assert abs(control["mean"] - control["bound"]) <= 2 * control["se"], control
+    # Both arms' rows went through the image path (the control's pictures are the same
+    # noise tinted with the pair's mean colour).
+    for arm in ("vlm", "control"):
+        images = trajectories(tmp_path / arm).column("images")
+        assert all(len(refs) == 1 for refs in images.to_pylist()), arm
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")

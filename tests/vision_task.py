@@ -1,7 +1,8 @@
 """A synthetic image task for the vision-language tests, whose reward depends on the image
-alone: every prompt reads the same ("<image>Answer."), its picture is mostly red or mostly
-blue, and a response earns the share of its tokens whose parity the colour names (even
-ids for red, odd for blue). Imported by path in the reward worker processes.
+alone: every prompt reads the same ("<image>Answer." unless told), its picture is mostly
+one colour of a pair or mostly the other (red and blue unless told), and a response earns
+the share of its tokens whose parity the colour names (even ids for the pair's first
+colour, odd for its second). Imported by path in the reward worker processes.
 
 A policy that does not see the image cannot do better than 0.5 in expectation on a
 balanced set: whatever it emits, a token's parity is right under one colour and wrong
@@ -19,37 +20,69 @@ import numpy as np
 
 PROMPT = "<image>Answer."
 COLOURS = ("red", "blue")
+# verl's layout for a new user's task: chat messages whose string content holds the
+# placeholder, the pictures in an `images` column.
+VERL_PROMPT = "<image>What colour is the image? Answer with one word."
+PALETTE: dict[str, tuple[int, int, int]] = {
+    "red": (255, 0, 0),
+    "green": (0, 255, 0),
+    "blue": (0, 0, 255),
+    "yellow": (255, 255, 0),
+    "cyan": (0, 255, 255),
+    "magenta": (255, 0, 255),
+    "orange": (255, 128, 0),
+    "purple": (128, 0, 255),
+    "teal": (0, 128, 128),
+    "white": (255, 255, 255),
+}
 
 
-def picture(colour: str, seed: int, size: int = 56) -> bytes:
-    """A noisy picture dominated by `colour`, as PNG bytes (each seed another picture)."""
+def picture(colour: str | tuple[str, ...], seed: int, size: int = 56) -> bytes:
+    """A noisy picture dominated by `colour` (a `PALETTE` name), as PNG bytes (each seed
+    another picture). A tuple of names tints it with their mean: given a pair, a picture
+    that says nothing about which of the two a row names."""
     from PIL import Image
 
+    names = (colour,) if isinstance(colour, str) else colour
+    tint = np.mean([PALETTE[c] for c in names], axis=0) / 255
     rng = np.random.default_rng(seed)
     pixels = rng.integers(0, 90, (size, size, 3), dtype=np.int64)
-    pixels[..., 0 if colour == "red" else 2] += 150 + rng.integers(0, 16)
+    pixels += np.rint(tint * (150 + rng.integers(0, 16))).astype(np.int64)
     buf = io.BytesIO()
     Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buf, format="PNG")
     return buf.getvalue()
 
 
-def write_dataset(folder: Path, rows: int, seed: int, *, images: bool = True) -> Path:
+def write_dataset(
+    folder: Path,
+    rows: int,
+    seed: int,
+    *,
+    colours: tuple[str, str] = COLOURS,
+    informative: bool = True,
+    layout: str = "plain",
+) -> Path:
     """`rows` prompts, colours alternating, as a JSON-lines file with image files beside
-    it (relative paths); `images=False` writes the same rows without an images column
-    (the text-only control: the placeholder stays plain text)."""
+    it (relative paths). `informative=False` writes the control: the same rows, each
+    picture (same noise, same seed) tinted with the pair's mean colour, so the images
+    go through the same path but carry nothing about the colour the reward asks for.
+    `layout="verl"` writes verl's chat layout with `VERL_PROMPT`; "plain" a `PROMPT`
+    string."""
     folder.mkdir(parents=True, exist_ok=True)
+    arm = "data" if informative else "control"
+    prompt: str | list[dict[str, str]] = PROMPT
+    if layout == "verl":
+        prompt = [{"role": "user", "content": VERL_PROMPT}]
     lines = []
     for i in range(rows):
-        colour = COLOURS[i % 2]
-        name = f"img{seed}_{i}.png"
-        (folder / name).write_bytes(picture(colour, seed * 100_000 + i))
-        # A distinct answer per row (never shown to the model; the reward reads `colour`)
-        # makes every row its own problem for the held-out split, images or not.
-        row = {"prompt": PROMPT, "answer": f"{colour} {i}", "colour": colour}
-        if images:
-            row["images"] = [name]
-        lines.append(json.dumps(row))
-    path = folder / ("data.jsonl" if images else "data_text.jsonl")
+        colour = colours[i % 2]
+        name = f"{arm}{seed}_{i}.png"
+        (folder / name).write_bytes(picture(colour if informative else colours, seed * 100_000 + i))
+        # A distinct answer per row (never shown to the model; the reward reads `parity`)
+        # makes every row its own problem for the held-out split.
+        row = {"prompt": prompt, "answer": f"{colour} {i}", "colour": colour, "parity": i % 2}
+        lines.append(json.dumps({**row, "images": [name]}))
+    path = folder / f"{arm}.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -68,6 +101,7 @@ def write_mixed_dataset(folder: Path, rows: int, seed: int) -> Path:
             (folder / name).write_bytes(picture(COLOURS[(i + k) % 2], seed * 100_000 + 10 * i + k))
         prompt = {0: PROMPT, 1: "<image> then <image>. Answer.", 2: "Answer."}[kind]
         row = {"prompt": prompt, "answer": f"{colour} {i}", "colour": colour if count else None}
+        row["parity"] = COLOURS.index(colour) if count else 0
         lines.append(json.dumps({**row, "images": names}))
     path = folder / "mixed.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -75,8 +109,79 @@ def write_mixed_dataset(folder: Path, rows: int, seed: int) -> Path:
 
 
 def colour_parity(sample) -> float:
-    """The share of response tokens whose parity the picture's colour names (a prompt
-    without a picture: even ids)."""
-    want = 1 if sample.metadata.get("colour") == "blue" else 0
+    """The share of response tokens whose id parity is the row's `parity` (that of the
+    picture's colour; a prompt without a picture: even ids)."""
+    want = sample.metadata.get("parity") or 0
     ids = sample.response_token_ids
     return sum(1 for t in ids if t % 2 == want) / max(1, len(ids))
+
+
+# The learning recipe (overrides of configs/tiny_dense.yaml beside `vision_run`'s), frozen:
+# tests/test_vision_pipeline.py's learning test and tools/vision_learning.py both run it.
+LEARN = (
+    "total_steps=12",
+    "data.prompts_per_step=4",
+    "rollout.n=8",
+    "rollout.max_new_tokens=1",
+    "rollout.groups_per_call=8",
+    "train.mini_batches=1",
+    "train.micro_batch_size=32",
+    "eval.size=32",
+    "eval.holdout_fraction=0.25",
+    "eval.every=12",
+    "eval.samples=4",
+    "eval.metric=colour_parity",
+    "eval.threshold=0.5",
+    "checkpoint.interval=12",
+)
+ROWS = 48
+"""Rows of a learning dataset (a quarter of them held out)."""
+
+
+def vision_run(data: Path, *extra: str) -> tuple[str, ...]:
+    """Overrides of configs/tiny_dense.yaml that make it a vision-language run on `data`
+    rewarded by `colour_parity` (this module must be importable in the run: PYTHONPATH)."""
+    return (
+        "model.path=builtin:tiny-vl",
+        "data.source=datasets",
+        f"data.datasets=[{{path: {data}}}]",
+        "data.max_prompt_tokens=96",
+        "reward.functions=[{path: vision_task:colour_parity}]",
+        *extra,
+    )
+
+
+def final_step(overrides: tuple[str, ...]) -> int:
+    """The last `total_steps` among `overrides` (the step whose evaluation `held_out_reward`
+    reads)."""
+    steps = [o.split("=", 1)[1] for o in overrides if o.startswith("total_steps=")]
+    return int(steps[-1])
+
+
+def held_out_reward(run: Path, step: int) -> dict[str, float]:
+    """A run's held-out evaluation at `step`: `mean` reward over its problems (each
+    problem's greedy and sampled responses averaged first), `se` its standard error over
+    problems, `bound` the best mean a policy blind to the images can expect on them, and
+    the problem count `problems`."""
+    import statistics
+
+    import pyarrow.parquet as pq
+
+    parts = sorted((run / "stages" / f"step={step}" / "eval").glob("part-r*.parquet"))
+    rows = [r for p in parts for r in pq.read_table(p).to_pylist()]
+    per_problem: dict[int, list[float]] = {}
+    parity: dict[int, int] = {}
+    for r in rows:
+        per_problem.setdefault(r["prompt_id"], []).append(r["reward"])
+        parity[r["prompt_id"]] = json.loads(r["metadata"])["parity"]
+    means = [statistics.mean(v) for v in per_problem.values()]
+    # A blind policy's token is right under one colour and wrong under the other: with a
+    # share q of even-parity problems its expected reward is q e + (1 - q)(1 - e) for its
+    # share e of even tokens, at most max(q, 1 - q).
+    q = sum(1 for v in parity.values() if v == 0) / len(parity)
+    return {
+        "mean": statistics.mean(means),
+        "se": statistics.stdev(means) / len(means) ** 0.5,
+        "bound": max(q, 1 - q),
+        "problems": len(means),
+    }
