@@ -6,16 +6,17 @@
 
 Runs the learning test's recipe (`LEARN` in tests/vision_task.py, plus any OVERRIDEs, as
 `python -m jobs.submit` runs of `builtin:tiny-vl`) on each dataset and on its control,
-and reports per dataset the held-out mean reward, its standard error over problems and
-the image-blind bound, and whether the two claims of docs/vision.md hold:
+and reports per dataset the held-out reward (the mean of the two colours' mean rewards,
+`vision_task.held_out_reward`), its standard error over problems and the image-blind
+value 1/2, and whether the two claims of docs/vision.md hold:
 
-- the run that sees the pictures: held-out mean > bound + 0.2;
+- the run that sees the pictures: held-out reward > 1/2 + 0.2;
 - the control (the same rows, each picture tinted with the pair's mean colour, so it
-  says nothing about the row's colour): |held-out mean - bound| <= 2 standard errors.
+  says nothing about the row's colour): |held-out reward - 1/2| <= 2 standard errors.
 
 A SPEC is `SEED:COLOUR/COLOUR` or `SEED:COLOUR/COLOUR:verl` (verl's chat layout with the
 question "What colour is the image? Answer with one word."), colours from
-`vision_task.PALETTE`. `fresh` and `tuning` name the frozen lists below: the recipe was
+`vision_task.PALETTE`. `fresh`, `tuning` and `seen` name the frozen lists below: the recipe was
 chosen on `tuning` alone, and `fresh` (seeds and colour pairs never used in choosing it)
 is what docs/vision.md reports. Exits 1 when a claim fails on some dataset.
 """
@@ -40,14 +41,25 @@ sys.path.insert(0, str(TESTS))
 import vision_task  # noqa: E402  (the task lives beside the tests that use it)
 
 TUNING = ("24:red/blue", "25:red/blue", "30:red/blue")
-"""The datasets the recipe was chosen on (never reported as fresh)."""
-FRESH = (
+"""The datasets the recipe was chosen on."""
+SEEN = (
+    *(f"{seed}:red/blue" for seed in (26, 27, 28, 29)),
     "41:green/purple",
     "42:orange/cyan",
     "43:yellow/blue",
     "44:magenta/green",
     "45:white/red",
     "46:teal/orange:verl",
+)
+"""Datasets that measured an earlier recipe (26 to 29: the one before this; 41 to 46:
+this one with 48 rows, a quarter held out): not fresh either."""
+FRESH = (
+    "51:cyan/red",
+    "52:purple/yellow",
+    "53:blue/orange",
+    "54:green/white",
+    "55:magenta/teal",
+    "56:orange/purple:verl",
 )
 """Seeds and colour pairs that no recipe was tried on before it was frozen."""
 FRESH_IN_CI = 0
@@ -80,7 +92,12 @@ def run_one(run_dir: Path, data: Path, overrides: tuple[str, ...]) -> float:
 
 
 def measure(
-    work: Path, spec: str, overrides: tuple[str, ...], pool: ThreadPoolExecutor, control: bool
+    work: Path,
+    spec: str,
+    rows: int,
+    overrides: tuple[str, ...],
+    pool: ThreadPoolExecutor,
+    control: bool,
 ) -> dict:
     """Both arms of one dataset (the control unless `control` is false): the report's row."""
     d = parse_spec(spec)
@@ -90,7 +107,7 @@ def measure(
     for arm, informative in (("vlm", True), ("control", False))[: 2 if control else 1]:
         data = vision_task.write_dataset(
             folder,
-            vision_task.ROWS,
+            rows,
             d["seed"],
             colours=(d["colours"][0], d["colours"][1]),
             informative=informative,
@@ -113,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--datasets", default="fresh", help="fresh, tuning, or SPEC,SPEC,...")
+    p.add_argument("--datasets", default="fresh", help="fresh, tuning, seen, or SPEC,SPEC,...")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (each on one thread)")
+    p.add_argument("--rows", type=int, default=vision_task.ROWS, help="rows per dataset")
     p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     p.add_argument("--work", type=Path, default=None, help="keep datasets and runs here")
     p.add_argument(
@@ -122,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("overrides", nargs="*", help="key=value on top of the recipe")
     args = p.parse_args(argv)
-    named = {"fresh": FRESH, "tuning": TUNING}
+    named = {"fresh": FRESH, "tuning": TUNING, "seen": SEEN}
     specs = named.get(args.datasets) or tuple(args.datasets.split(","))
     overrides = (*vision_task.LEARN, *args.overrides)
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
@@ -130,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         # Both arms of every dataset are queued before any result is awaited.
         with ThreadPoolExecutor(len(specs)) as outer:
             futures = [
-                outer.submit(measure, work, s, overrides, pool, not args.no_control) for s in specs
+                outer.submit(measure, work, s, args.rows, overrides, pool, not args.no_control)
+                for s in specs
             ]
             rows = [f.result() for f in futures]
     print(f"{'dataset':24} {'vlm mean':>9} {'se':>6} {'bound':>6} {'control':>8} {'se':>6} ok")
@@ -145,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.date.today().isoformat(),
         "command": "python -m tools.vision_learning " + " ".join(argv or sys.argv[1:]),
         "recipe": list(overrides),
-        "rows_per_dataset": vision_task.ROWS,
+        "rows_per_dataset": args.rows,
         "datasets": rows,
     }
     if args.out:
