@@ -62,9 +62,11 @@ def write_dataset(
     colours: tuple[str, str] = COLOURS,
     informative: bool = True,
     layout: str = "plain",
-) -> Path:
-    """`rows` prompts, colours alternating, as a JSON-lines file with image files beside
-    it (relative paths). `informative=False` writes the control: the same rows, each
+) -> tuple[Path, Path]:
+    """`rows` prompts, colours alternating, as two JSON-lines files, one per colour (the
+    pair's first colour, then its second; `vision_run` mixes them so that every step
+    draws as many prompts of each), with image files beside them (relative paths).
+    `informative=False` writes the control: the same rows, each
     picture (same noise, same seed) tinted with the pair's mean colour, so the images
     go through the same path but carry nothing about the colour the reward asks for.
     `layout="verl"` writes verl's chat layout with `VERL_PROMPT`; "plain" a `PROMPT`
@@ -74,7 +76,7 @@ def write_dataset(
     prompt: str | list[dict[str, str]] = PROMPT
     if layout == "verl":
         prompt = [{"role": "user", "content": VERL_PROMPT}]
-    lines = []
+    lines: tuple[list[str], list[str]] = ([], [])
     for i in range(rows):
         colour = colours[i % 2]
         name = f"{arm}{seed}_{i}.png"
@@ -82,10 +84,11 @@ def write_dataset(
         # A distinct answer per row (never shown to the model; the reward reads `parity`)
         # makes every row its own problem for the held-out split.
         row = {"prompt": prompt, "answer": f"{colour} {i}", "colour": colour, "parity": i % 2}
-        lines.append(json.dumps({**row, "images": [name]}))
-    path = folder / f"{arm}.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+        lines[i % 2].append(json.dumps({**row, "images": [name]}))
+    paths = (folder / f"{arm}_{colours[0]}.jsonl", folder / f"{arm}_{colours[1]}.jsonl")
+    for path, part in zip(paths, lines, strict=True):
+        path.write_text("\n".join(part) + "\n")
+    return paths
 
 
 def write_mixed_dataset(folder: Path, rows: int, seed: int) -> Path:
@@ -139,13 +142,15 @@ ROWS = 72
 """Rows of a learning dataset (half of them held out: about 18 problems of each colour)."""
 
 
-def vision_run(data: Path, *extra: str) -> tuple[str, ...]:
+def vision_run(data: Path | tuple[Path, ...], *extra: str) -> tuple[str, ...]:
     """Overrides of configs/tiny_dense.yaml that make it a vision-language run on `data`
-    rewarded by `colour_parity` (this module must be importable in the run: PYTHONPATH)."""
+    rewarded by `colour_parity` (this module must be importable in the run: PYTHONPATH).
+    Several files are mixed with equal weights: the prompt stream takes them in turn."""
+    paths = (data,) if isinstance(data, Path) else data
     return (
         "model.path=builtin:tiny-vl",
         "data.source=datasets",
-        f"data.datasets=[{{path: {data}}}]",
+        "data.datasets=[" + ", ".join(f"{{path: {p}}}" for p in paths) + "]",
         "data.max_prompt_tokens=96",
         "reward.functions=[{path: vision_task:colour_parity}]",
         *extra,
