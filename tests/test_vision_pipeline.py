@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -369,6 +370,12 @@ def test_the_policy_learns_to_use_the_image(tmp_path: Path) -> None:
     for arm in ("vlm", "control"):
         images = trajectories(tmp_path / arm).column("images")
         assert all(len(refs) == 1 for refs in images.to_pylist()), arm
+    # Every step drew 2 prompts of each colour: the two files in turn.
+    rows = trajectories(tmp_path / "vlm").to_pylist()
+    drawn = Counter(
+        (r["step"], json.loads(r["metadata"])["parity"]) for r in rows if r["sample_idx"] == 0
+    )
+    assert sorted(drawn.values()) == [2] * 2 * step, drawn
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
