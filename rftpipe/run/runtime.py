@@ -26,6 +26,7 @@ from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train import TRAIN_ENGINES
 from rftpipe.engines.train.base import AdaptersOffReference, TrainEngine
 from rftpipe.engines.train.critic import Critic, critic_train_config, head_seed, load_value_model
+from rftpipe.engines.train.forward import train_block_bytes
 from rftpipe.engines.train.vision import freeze_vision
 from rftpipe.engines.vision import VisionEncoder
 from rftpipe.envs.loader import check_environments
@@ -53,19 +54,22 @@ def configure_threads(cfg: RunConfig, dist: Dist) -> None:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 RETAINED_BLOCK_BYTES = 16 * 2**20
-"""Blocks below this come from the retained heap; larger ones are mapped and unmapped."""
+"""Blocks below this always come from the retained heap (see `retain_host_memory`)."""
 
 
-def retain_host_memory() -> bool:
-    """Make glibc malloc keep freed memory for reuse; False where the C library is not glibc.
+def retain_host_memory(block_bytes: int = RETAINED_BLOCK_BYTES) -> bool:
+    """Make glibc malloc keep freed blocks under `block_bytes` (at least
+    `RETAINED_BLOCK_BYTES`) for reuse; False where the C library is not glibc or refuses.
 
     By default glibc serves every block above its mmap threshold (which it raises as large
     blocks are freed, up to 32 MiB) with a fresh mapping and unmaps it on free, so the same
-    activation-sized tensors re-fault their pages in at every step. A fixed threshold of
-    `RETAINED_BLOCK_BYTES` and a huge trim threshold keep those in the heap. Larger blocks
-    (a chunk of logits, a full-vocabulary gradient) stay mapped per use: in the heap their
-    varying sizes fragmented it, and a train stage's resident set grew with its number of
-    micro-batches and over the run (tests/test_stage_memory.py).
+    activation-sized tensors re-fault their pages in at every step. A fixed threshold and a
+    huge trim threshold keep those in the heap. Larger blocks stay mapped per use: retained
+    without a bound (a micro-batch's full logits, whose size grows with it), their varying
+    sizes fragmented the heap, and a train stage's resident set grew with its number of
+    micro-batches and over the run (tests/test_stage_memory.py). The worker raises the bound
+    to the CPU train step's own recurring blocks once the actor is built
+    (`train_block_bytes`). May be called again to change the bound.
     """
     try:
         if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
@@ -73,8 +77,31 @@ def retain_host_memory() -> bool:
     except (ValueError, OSError):
         return False
     libc = ctypes.CDLL(None)
-    ok = libc.mallopt(_M_MMAP_THRESHOLD, RETAINED_BLOCK_BYTES) == 1
+    ok = libc.mallopt(_M_MMAP_THRESHOLD, max(RETAINED_BLOCK_BYTES, block_bytes)) == 1
     return ok and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+
+
+_ALLOCATION_SLACK = 2**20
+"""Room over a block's bytes for the padding glibc adds to an aligned request."""
+
+
+def retain_train_blocks(cfg: RunConfig, engine: TrainEngine, dist: Dist) -> None:
+    """On a CPU train device, keep the train step's recurring large blocks in the heap.
+
+    A train step frees and allocates again blocks larger than `RETAINED_BLOCK_BYTES` at
+    every step: parameter-sized gradients (SmolLM2-135M's tied embedding, 113 MB, three
+    times) and float32 logits (50 MB, five of them at `tools.bench`'s 256 response positions).
+    Mapped per use they were faulted in afresh every step: ~140k page faults, +0.25 s on a
+    1.85 s train stage on 2 cores (issue 31). Their sizes are bounded by `train_block_bytes`, so retaining
+    up to that bound reuses the same heap space step after step instead of growing it. On a
+    GPU those blocks live in device memory; the host's large blocks (checkpoint and weight
+    sync buffers) stay mapped per use.
+    """
+    if not cfg.launch.retain_host_memory or dist.device.type != "cpu":
+        return
+    bound = train_block_bytes(engine.model, cfg.train.logprob_chunk_size)
+    if not retain_host_memory(bound + _ALLOCATION_SLACK):
+        log.info("launch.retain_host_memory: the allocator kept its 16 MiB bound")
 
 
 def check_fingerprints(
@@ -196,6 +223,7 @@ def build(
             },
         )
     engine, rollout = build_actor(cfg, model_dir, dist, tokenizer)
+    retain_train_blocks(cfg, engine, dist)
     reference = build_reference(cfg, engine, ref_dir or model_dir, dist)
     return Runtime(
         cfg=cfg,

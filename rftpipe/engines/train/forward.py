@@ -161,6 +161,19 @@ def logprob_chunk_size(model: torch.nn.Module, requested: int) -> int:
     return 0
 
 
+def train_block_bytes(model: torch.nn.Module, chunk: int) -> int:
+    """The largest block a train step of `model` allocates and frees again at every step,
+    of the kinds whose size is bounded: a trainable parameter's gradient (the largest one),
+    and with `chunk` (`train.logprob_chunk_size`) one chunk's float32 logits, `chunk`
+    positions of the vocabulary (the head runs unchunked only on at most `chunk` positions,
+    so those logits are no larger). Unchunked logits grow with the micro-batch: not counted.
+    """
+    grads = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    head = as_causal_lm(model).get_output_embeddings()
+    vocab = head.weight.shape[0] if isinstance(head, torch.nn.Linear) else 0
+    return max([*grads, chunk * vocab * 4])
+
+
 def root_forward_logprobs(
     model: torch.nn.Module,
     mb: MicroBatch,
