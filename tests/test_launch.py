@@ -241,15 +241,20 @@ print(*faults)
     not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"), reason="glibc only"
 )
 def test_cpu_train_step_reuses_its_large_blocks(tmp_path) -> None:
-    """The train step's blocks above 16 MiB recur at every step: here each chunk of float32
-    logits (256 positions x SmolLM2's 49,152-token vocabulary, 50 MB; the logits, their
-    log-softmax and gradients). Mapped afresh per use they were page-faulted in at every
-    step (the +0.25 s train stage of issue 31 at SmolLM2-135M, ~140k faults per step);
-    the worker's allocator keeps blocks up to the step's largest in its heap, so a
-    repeated step faults almost no new pages."""
+    """The train step's blocks above 16 MiB recur at every step: here the embedding's
+    gradient and each chunk of float32 logits (256 positions x SmolLM2's 49,152-token
+    vocabulary), 50 MB each. Mapped per use they were page-faulted in at every step (the
+    +0.25 s train stage of issue 31 at SmolLM2-135M, ~140k faults per step); the worker's
+    allocator keeps blocks up to the largest parameter's gradient in its heap, so a
+    repeated step faults few new pages."""
     from test_stage_memory import build_wide_vocab_model
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     model = build_wide_vocab_model(tmp_path / "model")
+    # Hidden 256: the tied embedding's gradient (49,152 x 256 float32) is 50 MB too.
+    config = AutoConfig.from_pretrained(model)
+    config.hidden_size = 256
+    AutoModelForCausalLM.from_config(config).save_pretrained(model)
     overrides = [
         "data.prompts_per_step=2",
         "rollout.n=8",
@@ -258,15 +263,22 @@ def test_cpu_train_step_reuses_its_large_blocks(tmp_path) -> None:
         "train.micro_batch_size=16",  # 16 x 32 = 512 positions: two 256-position chunks
     ]
     out = subprocess.run(
-        [sys.executable, "-c", _TRAIN_FAULTS, str(ROOT / "configs" / "tiny_dense.yaml"),
-         str(model), str(tmp_path / "run"), *overrides],
+        [
+            sys.executable,
+            "-c",
+            _TRAIN_FAULTS,
+            str(ROOT / "configs" / "tiny_dense.yaml"),
+            str(model),
+            str(tmp_path / "run"),
+            *overrides,
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     faults = [int(x) for x in out.stdout.split()[-4:]]
-    # Mapped per use, every step faults its ~1.5 GB of large blocks in again (370k pages,
-    # 2026-11-27). Retained, the steps after the first reuse them: a few pages, and now and
-    # then a 50 MB block (12k pages) where the heap grows by one.
-    assert sum(faults[1:]) < 60_000, f"train steps faulted {faults} pages"
+    # Mapped per use, every step faults its ~1.7 GB of large blocks in again (418k pages a
+    # step at 11c761f, 2026-11-27). Retained, the steps after the first reuse them: a few
+    # pages, and 50 MB blocks (12k pages each) where the heap grows (up to 62k in 3 steps).
+    assert sum(faults[1:]) < 125_000, f"train steps faulted {faults} pages"

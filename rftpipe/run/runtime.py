@@ -86,21 +86,21 @@ _ALLOCATION_SLACK = 2**20
 
 
 def retain_train_blocks(cfg: RunConfig, engine: TrainEngine, dist: Dist) -> None:
-    """On a CPU train device, keep the train step's recurring large blocks in the heap.
+    """On a CPU train device, keep blocks up to the largest parameter's gradient in the heap.
 
     A train step frees and allocates again blocks larger than `RETAINED_BLOCK_BYTES` at
     every step: parameter-sized gradients (SmolLM2-135M's tied embedding, 113 MB, three
-    times) and float32 logits (50 MB, five of them at `tools.bench`'s 256 response positions).
-    Mapped per use they were faulted in afresh every step: ~140k page faults, +0.25 s on a
-    1.85 s train stage on 2 cores (issue 31). Their sizes are bounded by `train_block_bytes`, so retaining
-    up to that bound reuses the same heap space step after step instead of growing it. On a
-    GPU those blocks live in device memory; the host's large blocks (checkpoint and weight
-    sync buffers) stay mapped per use.
+    times) and float32 logits (50 MB, five of them at `tools.bench`'s 256 response
+    positions). Mapped per use they were faulted in afresh every step: ~140k page faults,
+    +0.25 s on a 1.85 s train stage on 2 cores (issue 31). The gradients recur at exactly
+    the same sizes, so the heap reuses their space step after step; blocks below them (a
+    chunk of logits, at real hidden sizes) come along. On a GPU those blocks live in device
+    memory, and the host's large blocks (checkpoint and weight-sync buffers) stay mapped
+    per use.
     """
     if not cfg.launch.retain_host_memory or dist.device.type != "cpu":
         return
-    bound = train_block_bytes(engine.model, cfg.train.logprob_chunk_size)
-    if not retain_host_memory(bound + _ALLOCATION_SLACK):
+    if not retain_host_memory(train_block_bytes(engine.model) + _ALLOCATION_SLACK):
         log.info("launch.retain_host_memory: the allocator kept its 16 MiB bound")
 
 
