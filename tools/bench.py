@@ -877,12 +877,15 @@ def bench_floor(a: argparse.Namespace) -> dict[str, Any]:
     from rftpipe.engines.models import load_causal_lm
     from rftpipe.engines.rollout.hf import HFGenerateEngine
     from rftpipe.engines.train.single import SingleDeviceEngine
+    from rftpipe.run.runtime import retain_train_blocks
     from rftpipe.seeding import derive_seed
     from rftpipe.stages.batching import pad_ragged
 
     cfg, model_dir, tok, _, order = step_prompts(a)
     model = load_causal_lm(model_dir, "float32")
     engine = SingleDeviceEngine(model, cfg.train, Dist())
+    # The worker's bound for a CPU train step's blocks (launch.retain_host_memory).
+    retain_train_blocks(cfg, engine, Dist())
     if a.child_engine == "vllm":
         from rftpipe.engines.rollout import engine_spec
         from rftpipe.engines.rollout.vllm import VLLMEngine

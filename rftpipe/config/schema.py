@@ -1389,14 +1389,13 @@ class LaunchConfig:
     retain_host_memory: bool = True
     """Keep freed host memory in the process heap for reuse instead of handing it back to
     the OS (glibc: a fixed mmap threshold, no heap trimming): blocks under 16 MiB, and on a
-    CPU train device blocks up to the train step's largest recurring one (the largest
-    parameter's gradient, or a `train.logprob_chunk_size` chunk of float32 logits). Each CPU
-    train step otherwise maps those blocks afresh and page-faults them in again: ~330k
-    faults per step for SmolLM2-135M, whose train stage took 3.5 s instead of 2.3 s on 2
-    cores; its 50 and 113 MB blocks alone cost ~140k faults and 0.25 s a step. Larger
-    blocks (unchunked logits, which grow with the micro-batch) are mapped per use: retained,
-    their varying sizes fragmented the heap, which grew with the micro-batches. No effect on
-    other C libraries."""
+    CPU train device blocks up to the largest parameter's gradient, which recurs at every
+    step at exactly its size. Each CPU train step otherwise maps those blocks afresh and
+    page-faults them in again: ~330k faults per step for SmolLM2-135M, whose train stage
+    took 3.5 s instead of 2.3 s on 2 cores; its 50 and 113 MB blocks alone cost ~140k faults
+    and 0.25 s a step. Larger blocks (unchunked logits, which grow with the micro-batch) are
+    mapped per use: retained, their varying sizes fragmented the heap, which grew with the
+    micro-batches. No effect on other C libraries."""
 
     max_requeues: int = 20
     """Slurm: how many times the job may requeue itself after a stop signal (time limit,
