@@ -7,8 +7,9 @@ a stage the high-water mark is reset to the current resident set (Linux: writing
 since that reset. Its increment is that peak's anonymous part over the post-load
 baseline, the anonymous resident set once the model and engines were built
 (`mark_baseline`). Nothing orders the stages' peaks: `launch.retain_host_memory` keeps
-freed blocks under 16 MiB in glibc's heap for reuse, but larger ones are unmapped when
-freed, so a stage after the train stage may read less than the train stage did::
+freed blocks under 16 MiB (on a CPU train device, up to the largest parameter's gradient)
+in glibc's heap for reuse, but larger ones are unmapped when freed, so a stage after the
+train stage may read less than the train stage did::
 
     from rftpipe.observe import memory
     memory.mark_baseline()
