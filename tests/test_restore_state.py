@@ -77,10 +77,13 @@ def _assert_same_weights(run: Path, reference: Path) -> None:
 
 
 def _assert_same_metrics(run: Path, reference: Path) -> None:
-    """Every deterministic per-step metric (perf/* are wall-clock times) is equal."""
+    """Every deterministic per-step metric is equal (perf/* are wall-clock times; resume/*
+    describe the restart, logged by the resumed process alone, whose replays
+    `_assert_replays_identical` checks)."""
+    skip = ("perf/", "resume/")
     for a, b in zip(_metrics(reference), _metrics(run), strict=True):
-        a = {k: v for k, v in a.items() if not k.startswith("perf/")}
-        b = {k: v for k, v in b.items() if not k.startswith("perf/")}
+        a = {k: v for k, v in a.items() if not k.startswith(skip)}
+        b = {k: v for k, v in b.items() if not k.startswith(skip)}
         assert a == b, f"step {a['step']} metrics differ"
 
 
