@@ -504,6 +504,7 @@ def test_changed_verl_defaults_leave_a_started_run_as_it_was(
     text = (OLD_RUN / "config.yaml").read_text()
     assert old_text in text
     (run / "config.yaml").write_text(text.replace(old_text, new_text))
-    cfg = resolve_config(parse_args(["--run-dir", str(run)]), run)
+    cfg, fresh = resolve_config(parse_args(["--run-dir", str(run)]), run)
+    assert not fresh  # its own config again: a restart, not a fresh start
     section, key, settings = want
     assert getattr(getattr(cfg, section), key) == settings
