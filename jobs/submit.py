@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,12 +130,6 @@ def slurm_available() -> bool:
     return out.returncode == 0 and "UP" in out.stdout
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_local(run_dir: Path, args: argparse.Namespace) -> int:
     """Run `--tasks-per-node` worker processes here and block until they end.
 
@@ -146,16 +140,24 @@ def run_local(run_dir: Path, args: argparse.Namespace) -> int:
     cmd += ["--repair"] if args.repair else []
     cmd += ["--allow-fingerprint-mismatch"] if args.allow_fingerprint_mismatch else []
     n = args.tasks_per_node
-    base = {
-        **os.environ,
-        "WORLD_SIZE": str(n),
-        "LOCAL_WORLD_SIZE": str(n),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-    }
-    procs = [
-        subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(n)
-    ]
+    with tempfile.TemporaryDirectory(prefix="rftpipe-rdzv-") as rdzv:
+        # Rank 0 publishes its store's port there (rftpipe.dist._store): no port is chosen
+        # here and bound later, which another process could take in between.
+        base = {
+            **os.environ,
+            "WORLD_SIZE": str(n),
+            "LOCAL_WORLD_SIZE": str(n),
+            "MASTER_ADDR": "127.0.0.1",
+            "RFTPIPE_RENDEZVOUS": str(Path(rdzv) / "port"),
+        }
+        procs = [
+            subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+            for r in range(n)
+        ]
+        return _wait_all(procs)
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> int:
     code = 0
     while any(p.poll() is None for p in procs):
         failed = [p.returncode for p in procs if p.returncode not in (None, 0)]

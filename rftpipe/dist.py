@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
@@ -85,10 +87,8 @@ def init_from_env(require_group: bool = False) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and not require_group:
         return Dist()
-    if world == 1 and "MASTER_ADDR" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0")
     dist = Dist(
-        rank=int(os.environ["RANK"]),
+        rank=int(os.environ.get("RANK", "0")),
         world=world,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
     )
@@ -96,8 +96,54 @@ def init_from_env(require_group: bool = False) -> Dist:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(dist.device)
-        tdist.init_process_group(backend=backend, rank=dist.rank, world_size=world)
+        tdist.init_process_group(
+            backend=backend, store=_store(dist), rank=dist.rank, world_size=world
+        )
     return dist
+
+
+def _store(dist: Dist) -> tdist.Store | None:
+    """The rendezvous store; None: torch's env:// (MASTER_ADDR and MASTER_PORT).
+
+    One rank needs no port at all. Ranks launched on this machine by `jobs.submit` (or the
+    tests' launcher) are handed RFTPIPE_RENDEZVOUS, a file path in a directory made for the
+    launch: rank 0 binds its store to a port the OS picks and publishes the port there.
+    A port chosen by the launcher and bound seconds later by rank 0 (after the imports)
+    could be taken in between by any other process on the machine, e.g. a second run."""
+    if dist.world == 1:
+        # Libraries that check for a launcher's variables (DeepSpeed) find them; none is
+        # used for a group of one.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "0")
+        return tdist.HashStore()
+    path = os.environ.get("RFTPIPE_RENDEZVOUS")
+    if not path:
+        return None
+    timeout = timedelta(seconds=_RENDEZVOUS_TIMEOUT_S)
+    if dist.rank == 0:
+        store = tdist.TCPStore(
+            "127.0.0.1", 0, dist.world, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(store.port))
+        os.replace(tmp, path)  # the others never read a half-written port
+        os.environ["MASTER_PORT"] = str(store.port)
+        return store
+    deadline = time.monotonic() + _RENDEZVOUS_TIMEOUT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {dist.rank}: rank 0 published no port in {path}")
+        time.sleep(0.05)
+    with open(path) as f:
+        port = int(f.read())
+    os.environ["MASTER_PORT"] = str(port)
+    return tdist.TCPStore("127.0.0.1", port, dist.world, is_master=False, timeout=timeout)
+
+
+# As long as torch's default for a process group's store (30 minutes): rank 0 may take
+# long to import on a loaded machine, and the others wait for it.
+_RENDEZVOUS_TIMEOUT_S = 1800
 
 
 def slurm_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -143,11 +189,3 @@ def _node_addr(node: str) -> str:
         if token.startswith("NodeAddr="):
             return token.split("=", 1)[1]
     return node
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

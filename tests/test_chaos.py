@@ -7,7 +7,6 @@ exactly once per epoch, and the event log must show every fault point was hit.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import random
 import signal
@@ -20,6 +19,7 @@ import pytest
 import torch
 from helpers import (
     ROOT,
+    STARTS_VLLM,
     TINY,
     checkpoint_tensors,
     events,
@@ -107,9 +107,7 @@ CRITIC = (
         pytest.param(
             "vllm",
             (),
-            marks=pytest.mark.skipif(
-                importlib.util.find_spec("vllm") is None, reason="vLLM not installed"
-            ),
+            marks=STARTS_VLLM,
         ),
     ],
 )

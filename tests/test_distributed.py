@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT, events, final_weights, submit, trajectories
+from helpers import ROOT, events, final_weights, rank_env, submit, trajectories
 from safetensors.torch import load_file
 
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
@@ -73,27 +72,22 @@ def test_fsdp2_matches_single_device(dp_runs: dict[int, Path], tmp_path: Path) -
 
 
 def _train_alone(table: Path, out: Path, world: int, nan_rank: int = -1) -> dict:
-    env = {
-        **os.environ,
-        "WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(29500 + world + (nan_rank + 1) * 10),
-        "PYTHONPATH": str(ROOT),
-    }
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(ROOT / "tests" / "dp_train_worker.py"),
-                str(table),
-                str(out),
-                str(nan_rank),
-            ],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-        )
-        for r in range(world)
-    ]
-    assert [p.wait(timeout=300) for p in procs] == [0] * world
+    with rank_env(world) as env:
+        env["PYTHONPATH"] = str(ROOT)
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(ROOT / "tests" / "dp_train_worker.py"),
+                    str(table),
+                    str(out),
+                    str(nan_rank),
+                ],
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            )
+            for r in range(world)
+        ]
+        assert [p.wait(timeout=300) for p in procs] == [0] * world
     return {
         "metrics": json.loads((out / "metrics.json").read_text()),
         "weights": load_file(out / "weights.safetensors"),

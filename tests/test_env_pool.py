@@ -21,6 +21,9 @@ from rftpipe.envs.pool import EnvPool, EnvTimeout, step_all
 
 TASK = Task(prompt_id=1, messages=[{"role": "user", "content": "go"}])
 
+# Timeouts of 2-3 s, and worker deaths within seconds: one at a time.
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture(autouse=True)
 def _tests_on_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -174,6 +174,7 @@ def _reset_failures(tiny, env: EnvConfig, make_env, n: int) -> list[episodes.Epi
     return _episodes(cfg, engine, tok, make_env, _with_answers(tok))
 
 
+@pytest.mark.serial  # a 2 s environment timeout: a loaded machine could trip it
 @pytest.mark.parametrize(
     ("cls", "workers", "error"),
     [

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT, count_calls
+from helpers import ROOT, count_calls, rank_env
 from safetensors.torch import load_file
 
 from rftpipe.config.schema import KLConfig, TrainConfig
@@ -348,22 +347,17 @@ def test_grouped_rows_equal_per_row_full_forwards() -> None:
 
 
 def _run_fsdp(table_path: Path, out: Path, variants: list[str], world: int = 2) -> None:
-    env = {
-        **os.environ,
-        "WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "29641",
-        "PYTHONPATH": str(ROOT),
-    }
     worker = ROOT / "tests" / "fsdp_memory_worker.py"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(table_path), str(out), *variants],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-        )
-        for r in range(world)
-    ]
-    assert [p.wait(timeout=400) for p in procs] == [0] * world
+    with rank_env(world) as env:
+        env["PYTHONPATH"] = str(ROOT)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(worker), str(table_path), str(out), *variants],
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            )
+            for r in range(world)
+        ]
+        assert [p.wait(timeout=400) for p in procs] == [0] * world
 
 
 @pytest.fixture(scope="module")

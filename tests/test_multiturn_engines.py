@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from helpers import (
+    STARTS_VLLM,
     TESTS_ON_PATH,
     OneRankLog,
     close_engine,
@@ -54,7 +55,7 @@ CFG = RolloutConfig(n=2, max_new_tokens=6, temperature=0.9, eos_token_ids=tuple(
 PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [70, 71], [90, 91, 92, 93]]
 ENGINES = [
     "hf",
-    pytest.param("vllm", marks=needs_vllm),
+    pytest.param("vllm", marks=STARTS_VLLM),
     pytest.param("sglang", marks=pytest.mark.gpu),
 ]
 
@@ -373,6 +374,7 @@ ENV_PATH = TESTS_ON_PATH
 
 @pytest.mark.slow
 @needs_vllm
+@pytest.mark.serial
 def test_a_multi_turn_run_on_vllm_finishes_with_episode_rows(tmp_path: Path) -> None:
     run = tmp_path / "run"
     out = submit(run, *RUN, env=ENV_PATH)

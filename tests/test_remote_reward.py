@@ -20,6 +20,9 @@ from rftpipe.stages import score
 
 TOKEN = "s3cret-token-value"
 
+# Timeouts of 0.3-0.5 s against a local server: one at a time.
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture(autouse=True)
 def token(monkeypatch: pytest.MonkeyPatch) -> None:

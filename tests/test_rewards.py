@@ -64,6 +64,7 @@ def test_weights_and_names() -> None:
     assert t.column("reward").to_pylist() == [0.5 * v for v in t.column("reward_a").to_pylist()]
 
 
+@pytest.mark.serial  # a 1 s timeout: a loaded machine could trip it
 def test_timeout_kills_the_worker_and_zero_counts_the_row(tmp_path: Path, monkeypatch) -> None:
     pids = tmp_path / "pids"
     monkeypatch.setenv("RFTPIPE_TEST_PIDS", str(pids))

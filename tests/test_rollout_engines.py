@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import close_engine, save_perturbed_tiny, vllm_spec
+from helpers import STARTS_VLLM, close_engine, save_perturbed_tiny, vllm_spec
 
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.dist import Dist
@@ -33,9 +32,7 @@ ENGINES = [
     "hf",
     pytest.param(
         "vllm",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("vllm") is None, reason="vLLM not installed"
-        ),
+        marks=STARTS_VLLM,
     ),
     pytest.param("sglang", marks=pytest.mark.gpu),
 ]
@@ -153,9 +150,7 @@ def test_new_weights_reach_the_samples(engine: RolloutEngine, model_dir: Path) -
     [
         pytest.param(
             "vllm",
-            marks=pytest.mark.skipif(
-                importlib.util.find_spec("vllm") is None, reason="vLLM not installed"
-            ),
+            marks=STARTS_VLLM,
         ),
         pytest.param("sglang", marks=pytest.mark.gpu),
     ],
@@ -196,9 +191,7 @@ def _ascii_pair(groups, decode) -> str:
         "hf",
         pytest.param(
             "vllm",
-            marks=pytest.mark.skipif(
-                importlib.util.find_spec("vllm") is None, reason="vLLM not installed"
-            ),
+            marks=STARTS_VLLM,
         ),
     ],
 )

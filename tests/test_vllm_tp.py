@@ -11,16 +11,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, save_perturbed_tiny, submit, trajectories
+from helpers import ROOT, rank_env, save_perturbed_tiny, submit, trajectories
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.serial,
     pytest.mark.timeout(600),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
 ]
@@ -33,26 +33,21 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_perturbed_tiny(tmp_path_factory.mktemp("perturbed"))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run_worker(model_dir: Path, out: Path, tp: int, world: int) -> dict[int, dict]:
     """`vllm_tp_worker.py` as `world` processes (one: the TP=1 reference asks for both)."""
-    base = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    base["PYTHONPATH"] = str(ROOT)
-    if world > 1:
-        base.update(WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     out.mkdir(parents=True)
-    procs = []
-    for r in range(world):
-        env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)} if world > 1 else base
-        with open(out / f"log-{r}.txt", "w") as log:
-            cmd = [sys.executable, str(WORKER), str(model_dir), str(out), str(tp)]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    codes = [p.wait(timeout=400) for p in procs]
+    with rank_env(world) as ranks:
+        base = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+        base["PYTHONPATH"] = str(ROOT)
+        if world > 1:
+            base = {**ranks, "PYTHONPATH": str(ROOT)}
+        procs = []
+        for r in range(world):
+            env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)} if world > 1 else base
+            with open(out / f"log-{r}.txt", "w") as log:
+                cmd = [sys.executable, str(WORKER), str(model_dir), str(out), str(tp)]
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        codes = [p.wait(timeout=400) for p in procs]
     if codes != [0] * world:
         tails = [(out / f"log-{r}.txt").read_text()[-3000:] for r in range(world)]
         pytest.fail(f"tp={tp} world={world} exited {codes}:\n" + "\n----\n".join(tails))
