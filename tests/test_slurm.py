@@ -22,7 +22,7 @@ from helpers import ROOT, events, final_weights, submit, trajectories
 
 from tools import slurm_local
 
-pytestmark = [pytest.mark.slurm, pytest.mark.serial, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS = ("train.backend=fsdp2", "total_steps=5")
 SLOW = "rollout=3,score=3,advantage=3,train=3"
 

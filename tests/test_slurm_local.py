@@ -17,7 +17,7 @@ import pytest
 
 from tools import slurm_local
 
-pytestmark = [pytest.mark.slurm, pytest.mark.serial, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

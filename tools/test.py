@@ -1,14 +1,19 @@
-"""The test suite in two phases, what the README's test command and `.ci/run` call.
+"""The test suite in phases: what the README's test command and `.ci/run` call.
 
     python -m tools.test                 # the whole suite (what CI runs)
     python -m tools.test --fast          # the fast tier: run it on every change
-    python -m tools.test -- -k chaos -x  # anything after `--` goes to both pytest phases
+    python -m tools.test -- -k chaos -x  # anything after `--` goes to every pytest phase
 
-Phase 1 runs every test not marked `serial` on `--workers` processes (pytest-xdist, a
-test file to a worker, so the module fixtures a file's tests compare against are built
-once). Phase 2 runs the `serial` tests one at a time: they start vLLM, use the one local
-Slurm cluster, or time out within seconds, and need the machine to themselves. The exit
-status is the first phase's failure, else the second's. docs/testing.md has the figures.
+1. The tests that can share the machine run on `--workers` processes (pytest-xdist, a
+   test file to a worker, so the module fixtures a file's tests compare against are
+   built once). Beside them, in one more process, the `slurm` tests run one at a time
+   against the one local cluster: they spend their minutes waiting for Slurm (time
+   limits, preemption, requeues), not on the CPU.
+2. Then the `serial` tests, one at a time: they start vLLM (which binds its threads to
+   the cores) or time out within seconds, and need the machine to themselves.
+
+Every phase reads one model cache (the tiny models are built once). The exit status is
+the first failing phase's. docs/testing.md has the tiers and the figures.
 """
 
 from __future__ import annotations
@@ -17,22 +22,26 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The tier that runs in minutes: every test not marked slow, and, from a file whose
-# tests are all slow, the one marked `tier1` (docs/testing.md: its coverage against the
-# whole suite's).
+# The tier that runs in minutes: every test not marked slow, and from a file whose tests
+# are all slow the one marked `tier1` (docs/testing.md: its coverage against the whole
+# suite's).
 FAST = "not slow or tier1"
 
 NO_TESTS = 5  # pytest's exit status when a selection is empty
 
 
-def _phase(name: str, args: list[str]) -> int:
+def _pytest(args: list[str], **kw: object) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pytest", *args]
-    print(f"tools.test: {name}: {' '.join(cmd[1:])}", flush=True)
-    code = subprocess.run(cmd, cwd=ROOT, check=False).returncode
+    print(f"tools.test: {' '.join(cmd[1:])}", flush=True)
+    return subprocess.Popen(cmd, cwd=ROOT, **kw)  # type: ignore[call-overload]
+
+
+def _status(code: int) -> int:
     return 0 if code == NO_TESTS else code
 
 
@@ -51,15 +60,23 @@ def main(argv: list[str] | None = None) -> int:
     if a.workers < 1:
         p.error(f"--workers must be >= 1, got {a.workers}")
     select = [f"({s})" for s in (FAST if a.fast else "", a.marks) if s]
-    base = ["-q", *a.pytest_args]
 
-    def marks(*extra: str) -> list[str]:
-        return ["-m", " and ".join([*select, *extra])]
+    def args(*marks: str) -> list[str]:
+        return ["-m", " and ".join([*select, *marks]), "-q", *a.pytest_args]
 
-    parallel = ["-n", str(a.workers), "--dist", "loadfile"] if a.workers > 1 else []
-    first = _phase("parallel phase", [*parallel, *marks("not serial"), *base])
-    second = _phase("serial phase", [*marks("serial"), *base])
-    return first or second
+    xdist = ["-n", str(a.workers), "--dist", "loadfile"] if a.workers > 1 else []
+    with tempfile.TemporaryDirectory(prefix="rftpipe-tests-") as tmp:
+        if not os.environ.get("RFTPIPE_TEST_CACHE"):
+            os.environ["RFTPIPE_TEST_CACHE"] = str(Path(tmp) / "cache")
+        slurm_log = Path(tmp) / "slurm.log"
+        with slurm_log.open("w") as sink:
+            slurm = _pytest(args("slurm"), stdout=sink, stderr=subprocess.STDOUT)
+            shared = _pytest([*xdist, *args("not serial", "not slurm")]).wait()
+            slurm.wait()
+        print("tools.test: the slurm tests (run beside the phase above):", flush=True)
+        sys.stdout.write(slurm_log.read_text())
+        serial = _pytest(args("serial", "not slurm")).wait()
+    return _status(shared) or _status(slurm.returncode) or _status(serial)
 
 
 if __name__ == "__main__":
