@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,20 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest test files first (seconds from tests/durations.json, which
+    `python -m tools.test --record` rewrites; a new file counts as short), each file's tests
+    in their own order. pytest-xdist hands files to its workers in this order, so the
+    parallel phase does not end with one long file running alone."""
+    path = ROOT / "tests" / "durations.json"
+    seconds = json.loads(path.read_text()) if path.exists() else {}
+
+    def weight(item: pytest.Item) -> float:
+        return -seconds.get(Path(item.path).relative_to(ROOT).as_posix(), 0.0)
+
+    items.sort(key=weight)  # stable: within a file, the collection order stays
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -223,6 +223,7 @@ def test_bad_fresh_input(case: str, tmp_path: Path) -> None:
     _fresh(tmp_path, *overrides, needles=needles)
 
 
+@pytest.mark.tier1
 def test_malformed_yaml(tmp_path: Path) -> None:
     cfg = _write(tmp_path, "bad.yaml", "train:\n  lr: 1e-5\n   micro_batch_size: 4\n")
     _fresh(tmp_path, config=cfg, needles=("bad.yaml", "line 3"))
@@ -232,6 +233,7 @@ def test_missing_config_file(tmp_path: Path) -> None:
     _fresh(tmp_path, config=tmp_path / "absent.yaml", needles=("absent.yaml",))
 
 
+@pytest.mark.tier1
 def test_missing_data_column(tmp_path: Path) -> None:
     data = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"question": ["1+1?", "2+2?"], "answer": ["2", "4"]}), data)

@@ -173,6 +173,7 @@ def test_chaos_resume_is_bitwise_identical(
     assert sorted(order[:20]) == list(range(20)) and sorted(order[20:]) == list(range(20))
 
 
+@pytest.mark.tier1
 def test_resume_exactly_at_epoch_boundary(tmp_path: Path) -> None:
     """20 prompts, 4 per step: step 5 ends epoch 0. Die right after its last commit."""
     ref = tmp_path / "ref"

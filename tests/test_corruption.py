@@ -99,6 +99,7 @@ def _inspect_verify(run: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
 
 
+@pytest.mark.tier1
 def test_corrupt_newest_checkpoint_falls_back_and_replays(reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(reference, run)

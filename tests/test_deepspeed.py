@@ -75,6 +75,7 @@ def test_backend_matches_single_device(single: dict, variant: str, tmp_path: Pat
     assert res["roundtrip"] == dict.fromkeys(res["roundtrip"], True), res["roundtrip"]
 
 
+@pytest.mark.tier1
 def test_zero3_bf16_mixed_precision(single: dict, tmp_path: Path) -> None:
     res = backend_workers(tmp_path, 2, "backend=deepspeed", "zero_stage=3", "param_dtype=bfloat16")
     diff = _max_abs(single["weights"], res["weights"])

@@ -131,6 +131,7 @@ def test_sharded_reference_with_uneven_rows(dp_runs: dict[int, Path], tmp_path: 
             assert torch.allclose(torch.tensor(row), want[i, : len(row)], atol=1e-5), (rank, i)
 
 
+@pytest.mark.tier1
 def test_invalid_batch_on_one_rank_is_skipped_by_all(
     dp_runs: dict[int, Path], tmp_path: Path
 ) -> None:

@@ -177,6 +177,7 @@ def test_samples_print_each_episode_turn_by_turn(run: Path) -> None:
                 assert any("RuntimeError: the environment broke" in x for x in after)
 
 
+@pytest.mark.tier1
 def test_export_and_verify_take_version_2(run: Path, tmp_path: Path) -> None:
     df = frame(run)
     out = tmp_path / "rows.csv"

@@ -116,6 +116,7 @@ def _older_layout(run: Path) -> None:
     (run / "run.json").write_text(json.dumps({"schema_version": 1}))
 
 
+@pytest.mark.tier1
 def test_any_committed_work_keeps_the_config_check(tmp_path: Path) -> None:
     """Which directories count as holding work, told by `jobs.submit` alone (it writes the
     config and exits with --create-only): the directory without a mark takes the changed

@@ -111,6 +111,7 @@ def test_pipeline_on_gpu(
         assert 0 < m["perf/mfu"] < 1, m  # the GPU's peak was found in rftpipe.observe.perf's table
 
 
+@pytest.mark.tier1
 def test_greedy_eval_runs_on_the_models_device() -> None:
     """Held-out evaluation decodes greedily on the rollout model's device (the pipeline
     test cannot reach it: it needs reasoning-gym prompts)."""

@@ -14,6 +14,7 @@ EXAMPLE = ROOT / "examples" / "gsm8k_verl"
 TESTS = Path(__file__).resolve().parent
 
 
+@pytest.mark.tier1
 def test_example_data_is_what_its_script_writes(tmp_path: Path) -> None:
     import sys
 

@@ -133,6 +133,7 @@ def test_summary_matches_pandas(run: Path) -> None:
     assert len(r.stdout.splitlines()) == 1 + STEPS
 
 
+@pytest.mark.tier1
 def test_summary_skips_uncommitted_step(mid_step_copy: Path) -> None:
     actual = summary_json(mid_step_copy)
     assert [r["step"] for r in actual] == list(range(1, STEPS))

@@ -49,6 +49,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+@pytest.mark.tier1
 def test_advantages_and_weights_move(tiny_run: Path) -> None:
     t = trajectories(tiny_run).to_pandas()
     for step, rows in t.groupby("step"):
@@ -70,6 +71,7 @@ def test_dense_reward_rises(tiny_run: Path) -> None:
     assert by_step.loc[[5, 6]].mean() > by_step.loc[[1, 2]].mean() + 0.05, by_step.to_dict()
 
 
+@pytest.mark.tier1
 def test_trajectory_schema_and_readers(tiny_run: Path) -> None:
     files = sorted((tiny_run / "trajectories").glob("step=*/part-r*.parquet"))
     assert len(files) == 6

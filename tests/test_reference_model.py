@@ -100,6 +100,7 @@ def test_a_reference_with_another_vocabulary_is_refused(tmp_path: Path) -> None:
     assert not (run / "stages").exists()
 
 
+@pytest.mark.tier1
 def test_a_missing_reference_directory_names_model_reference(tmp_path: Path) -> None:
     line = _one_line_error(submit(tmp_path / "run", *KL, f"model.reference={tmp_path}/nope"))
     assert line.startswith("rftpipe: error: model.reference:"), line

@@ -95,6 +95,7 @@ def lr_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _run_uninterrupted(tmp_path_factory.mktemp("lr") / "ref", *LR_SCHEDULE)
 
 
+@pytest.mark.tier1
 def test_lr_schedule_moves_in_the_reference_run(lr_reference: Path) -> None:
     lrs = _series(lr_reference, "train/lr")
     # First updates of steps 1..6 are updates 0, 2, ..., 10: warm-up (i+1)/4, then cosine

@@ -87,6 +87,7 @@ def test_timeouts_zeroed_and_counted(tmp_path: Path) -> None:
     assert not any(alive(int(p)) for p in pids.read_text().split())
 
 
+@pytest.mark.tier1
 def test_remote_4xx_fails_the_run_without_retry(tmp_path: Path) -> None:
     with RewardServer(Schedule(default=["400"], token=TOKEN), tmp_path / "log.jsonl") as srv:
         res = submit(

@@ -95,6 +95,7 @@ def test_sp2_lowers_per_rank_peak_memory(runs: Path) -> None:
     assert sp2 < 0.8 * sp1, (sp1, sp2)
 
 
+@pytest.mark.tier1
 def test_sp_size_must_divide_the_attention_heads() -> None:
     model = load_causal_lm(prepare_tiny(), "float32")
     with pytest.raises(UserError, match=r"train.sp_size=3 .* 4 attention heads"):

@@ -287,6 +287,7 @@ def test_signal_after_the_last_step_does_not_requeue(cluster, tmp_path: Path) ->
     assert len(_events(run, "start")) == 1 and (run / "export" / "config.json").exists()
 
 
+@pytest.mark.tier1
 def test_plain_sbatch_script(cluster, reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     out = submit(run, *STEPS, extra=("--create-only",))

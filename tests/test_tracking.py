@@ -60,6 +60,7 @@ def test_killed_run_keeps_one_wandb_run_and_every_tracker_logs_each_step_once(
     assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 4
 
 
+@pytest.mark.tier1
 @pytest.mark.parametrize(
     ("kl", "label"),
     [

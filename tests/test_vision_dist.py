@@ -106,6 +106,7 @@ def test_sharded_backend_trains_image_rows_like_single(ranks: Path, variant: str
         assert optim_tower
 
 
+@pytest.mark.tier1
 @pytest.mark.slow
 def test_critic_values_see_the_image(tiny_vl: Path, tmp_path: Path) -> None:
     """Two prompts with the same tokens and different images (and a text prompt) in one

@@ -291,6 +291,7 @@ def test_bad_image_input_is_one_line_naming_the_row(
     assert "\n" not in line and "row 2" in line and field in line and why in line, line
 
 
+@pytest.mark.tier1
 def test_image_prompts_for_a_text_only_model_are_refused(tiny_vl: Path, tmp_path: Path) -> None:
     from rftpipe.errors import UserError
 

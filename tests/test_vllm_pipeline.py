@@ -29,6 +29,7 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.tier1
 def test_grpo_with_vllm_learns_and_agrees_with_the_trainer(tmp_path: Path) -> None:
     run = tmp_path / "run"
     out = submit(run, *VLLM, "total_steps=10")

@@ -100,6 +100,7 @@ def test_tp2_gives_tp1_samples_and_greedy(runs: dict[int, dict]) -> None:
     )
 
 
+@pytest.mark.tier1
 def test_update_weights_moves_tp2_samples_like_tp1(runs: dict[int, dict]) -> None:
     """Every TP rank hands vLLM the full HF-named tensors and its loaders shard them."""
     for r in (0, 1):

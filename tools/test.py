@@ -13,16 +13,21 @@
    the cores) or time out within seconds, and need the machine to themselves.
 
 Every phase reads one model cache (the tiny models are built once). The exit status is
-the first failing phase's. docs/testing.md has the tiers and the figures.
+the first failing phase's. `--record` writes each test file's seconds to
+tests/durations.json, from which tests/conftest.py hands the longest files out first, so
+no long file starts last and runs alone. docs/testing.md has the tiers and the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FAST = "not slow or tier1"
 
 NO_TESTS = 5  # pytest's exit status when a selection is empty
+DURATIONS = ROOT / "tests" / "durations.json"
 
 
 def _pytest(args: list[str], **kw: object) -> subprocess.Popen:
@@ -45,6 +51,18 @@ def _status(code: int) -> int:
     return 0 if code == NO_TESTS else code
 
 
+def _file_seconds(reports: list[Path]) -> dict[str, float]:
+    """Seconds per test file (setup, call and teardown) from pytest's JUnit reports."""
+    out: dict[str, float] = {}
+    for report in reports:
+        if report.exists():
+            for case in ET.parse(report).iter("testcase"):
+                path = case.get("classname", "").split(".")
+                name = f"{'/'.join(p for p in path if p[:4] != 'Test')}.py"
+                out[name] = out.get(name, 0.0) + float(case.get("time", 0))
+    return {k: round(v, 1) for k, v in sorted(out.items())}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.test", description=__doc__.split("\n")[0])
     p.add_argument("--fast", action="store_true", help="the fast tier only")
@@ -54,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         default=os.cpu_count() or 1,
         help="processes of the parallel phase (default: one a core)",
     )
+    p.add_argument(
+        "--record", action="store_true", help=f"write each file's seconds to {DURATIONS.name}"
+    )
     p.add_argument("-m", dest="marks", default="", help="a further pytest -m selection")
     p.add_argument("pytest_args", nargs="*", help="passed to pytest after `--`")
     a = p.parse_args(argv)
@@ -61,14 +82,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--workers must be >= 1, got {a.workers}")
     select = [f"({s})" for s in (FAST if a.fast else "", a.marks) if s]
 
+    tmp = Path(tempfile.mkdtemp(prefix="rftpipe-tests-"))
+    reports: list[Path] = []
+
     def args(*marks: str) -> list[str]:
-        return ["-m", " and ".join([*select, *marks]), "-q", *a.pytest_args]
+        reports.append(tmp / f"phase{len(reports)}.xml")
+        selection = " and ".join([*select, *marks])
+        return ["-m", selection, "-q", f"--junitxml={reports[-1]}", *a.pytest_args]
 
     xdist = ["-n", str(a.workers), "--dist", "loadfile"] if a.workers > 1 else []
-    with tempfile.TemporaryDirectory(prefix="rftpipe-tests-") as tmp:
+    try:
         if not os.environ.get("RFTPIPE_TEST_CACHE"):
-            os.environ["RFTPIPE_TEST_CACHE"] = str(Path(tmp) / "cache")
-        slurm_log = Path(tmp) / "slurm.log"
+            os.environ["RFTPIPE_TEST_CACHE"] = str(tmp / "cache")
+        slurm_log = tmp / "slurm.log"
         with slurm_log.open("w") as sink:
             slurm = _pytest(args("slurm"), stdout=sink, stderr=subprocess.STDOUT)
             shared = _pytest([*xdist, *args("not serial", "not slurm")]).wait()
@@ -76,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         print("tools.test: the slurm tests (run beside the phase above):", flush=True)
         sys.stdout.write(slurm_log.read_text())
         serial = _pytest(args("serial", "not slurm")).wait()
+        if a.record:
+            # Files this call did not run keep their seconds.
+            known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+            merged = dict(sorted({**known, **_file_seconds(reports)}.items()))
+            DURATIONS.write_text(json.dumps(merged, indent=0) + "\n")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return _status(shared) or _status(slurm.returncode) or _status(serial)
 
 
