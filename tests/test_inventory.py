@@ -1,0 +1,27 @@
+"""The suite checks nothing less than before it was made faster (tools/test_inventory.py)."""
+
+from __future__ import annotations
+
+from helpers import ROOT
+
+from tools.test_inventory import inventory
+
+BEFORE = ROOT / "docs" / "test_inventory_before.tsv"
+
+
+def test_every_check_listed_before_the_speedup_is_still_made() -> None:
+    now = set(inventory(ROOT))
+    missing = [line for line in BEFORE.read_text().splitlines() if line and line not in now]
+    assert not missing, "\n".join(missing)
+
+
+def test_the_listing_sees_the_chaos_tests_fault_points_and_kills() -> None:
+    """The check above can fail: the listing finds what the chaos test arms and does."""
+    from rftpipe.faults import FAULT_POINTS
+
+    chaos = "tests/test_chaos.py::test_chaos_resume_is_bitwise_identical"
+    lines = [line.split("\t") for line in inventory(ROOT)]
+    armed = {value for kind, test, value in lines if kind == "fault" and test == chaos}
+    assert armed >= set(FAULT_POINTS), set(FAULT_POINTS) - armed
+    assert ["sigkill", chaos, "SIGKILL"] in lines
+    assert any(kind == "bad_input" and "test_bad_input.py" in test for kind, test, _ in lines)
