@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         return ["-m", selection, "-q", f"--junitxml={reports[-1]}", *a.pytest_args]
 
     xdist = ["-n", str(a.workers), "--dist", "loadfile"] if a.workers > 1 else []
+    slurm: subprocess.Popen | None = None
+    t0 = time.monotonic()
     try:
         if not os.environ.get("RFTPIPE_TEST_CACHE"):
             os.environ["RFTPIPE_TEST_CACHE"] = str(tmp / "cache")
@@ -98,16 +101,26 @@ def main(argv: list[str] | None = None) -> int:
         with slurm_log.open("w") as sink:
             slurm = _pytest(args("slurm"), stdout=sink, stderr=subprocess.STDOUT)
             shared = _pytest([*xdist, *args("not serial", "not slurm")]).wait()
+            t1 = time.monotonic()
             slurm.wait()
-        print("tools.test: the slurm tests (run beside the phase above):", flush=True)
+        t2 = time.monotonic()
+        print(f"tools.test: the slurm tests, run beside the shared phase ({t2 - t0:.0f} s):")
         sys.stdout.write(slurm_log.read_text())
         serial = _pytest(args("serial", "not slurm")).wait()
+        t3 = time.monotonic()
+        print(
+            f"tools.test: shared phase {t1 - t0:.0f} s, slurm tests {t2 - t0:.0f} s beside it, "
+            f"serial phase {t3 - t2:.0f} s; {t3 - t0:.0f} s in all"
+        )
         if a.record:
             # Files this call did not run keep their seconds.
             known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
             merged = dict(sorted({**known, **_file_seconds(reports)}.items()))
             DURATIONS.write_text(json.dumps(merged, indent=0) + "\n")
     finally:
+        if slurm is not None and slurm.poll() is None:  # interrupted: stop the other lane
+            slurm.terminate()
+            slurm.wait()
         shutil.rmtree(tmp, ignore_errors=True)
     return _status(shared) or _status(slurm.returncode) or _status(serial)
 
