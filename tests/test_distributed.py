@@ -39,16 +39,24 @@ def _train_metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _fsdp_run(base: Path, world: int) -> Path:
+    run = base / f"w{world}"
+    out = submit(run, *FSDP, extra=("--tasks-per-node", str(world)), timeout=500)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
 @pytest.fixture(scope="module")
-def dp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+def one_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The FSDP2 run on one rank: its committed advantages are the fixed train inputs of
+    the tests below that need no other world size."""
+    return _fsdp_run(tmp_path_factory.mktemp("dp1"), 1)
+
+
+@pytest.fixture(scope="module")
+def dp_runs(one_rank_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     base = tmp_path_factory.mktemp("dp")
-    runs = {}
-    for world in (1, 2, 4):
-        run = base / f"w{world}"
-        out = submit(run, *FSDP, extra=("--tasks-per-node", str(world)), timeout=500)
-        assert out.returncode == 0, out.stderr[-3000:]
-        runs[world] = run
-    return runs
+    return {1: one_rank_run, 2: _fsdp_run(base, 2), 4: _fsdp_run(base, 4)}
 
 
 def test_pipeline_is_world_size_independent(dp_runs: dict[int, Path]) -> None:
@@ -94,8 +102,8 @@ def _train_alone(table: Path, out: Path, world: int, nan_rank: int = -1) -> dict
     }
 
 
-def test_train_stage_alone_on_fixed_inputs(dp_runs: dict[int, Path], tmp_path: Path) -> None:
-    table = dp_runs[1] / "stages" / "step=1" / "advantage" / "part-r0.parquet"
+def test_train_stage_alone_on_fixed_inputs(one_rank_run: Path, tmp_path: Path) -> None:
+    table = one_rank_run / "stages" / "step=1" / "advantage" / "part-r0.parquet"
     res = {w: _train_alone(table, tmp_path / f"w{w}", w) for w in (1, 2, 4)}
     for w in (2, 4):
         for a, b in zip(res[1]["metrics"], res[w]["metrics"], strict=True):
@@ -112,8 +120,8 @@ def test_train_stage_alone_on_fixed_inputs(dp_runs: dict[int, Path], tmp_path: P
     assert _rel_diff(initial, res[1]["weights"]) > 1e-3  # the updates really moved the weights
 
 
-def test_sharded_reference_with_uneven_rows(dp_runs: dict[int, Path], tmp_path: Path) -> None:
-    table = dp_runs[1] / "stages" / "step=1" / "advantage" / "part-r0.parquet"
+def test_sharded_reference_with_uneven_rows(one_rank_run: Path, tmp_path: Path) -> None:
+    table = one_rank_run / "stages" / "step=1" / "advantage" / "part-r0.parquet"
     _train_alone(table, tmp_path, 2)
     model = load_causal_lm(prepare_tiny(), "float32")
     rows = pq.read_table(table).to_pylist()
@@ -132,10 +140,8 @@ def test_sharded_reference_with_uneven_rows(dp_runs: dict[int, Path], tmp_path: 
 
 
 @pytest.mark.tier1
-def test_invalid_batch_on_one_rank_is_skipped_by_all(
-    dp_runs: dict[int, Path], tmp_path: Path
-) -> None:
-    table = dp_runs[1] / "stages" / "step=1" / "advantage" / "part-r0.parquet"
+def test_invalid_batch_on_one_rank_is_skipped_by_all(one_rank_run: Path, tmp_path: Path) -> None:
+    table = one_rank_run / "stages" / "step=1" / "advantage" / "part-r0.parquet"
     res = _train_alone(table, tmp_path / "nan", 2, nan_rank=1)
     skipped = [m["train/skipped_micro_batches"] for m in res["metrics"]]
     assert all(s > 0 for s in skipped), skipped

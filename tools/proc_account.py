@@ -28,8 +28,12 @@ KINDS: list[tuple[str, str]] = [
     ("this sampler", "tools.proc_account"),
     ("run worker (rftpipe.run.worker)", "rftpipe.run.worker"),
     ("launcher (jobs.submit)", "jobs.submit"),
-    ("pytest (in-process tests)", "pytest"),
     ("rank scripts (tests/*_worker.py)", "_worker.py"),
+    ("pytest (in-process tests)", "pytest"),
+    ("pytest (in-process tests)", "exec(eval(sys.stdin.readline()))"),  # an xdist worker
+    ("the tiny models' builds", "rftpipe.engines.models"),
+    ("reward workers", "rftpipe.rewards.worker"),
+    ("tools.bench (its smoke test)", "tools.bench"),
     ("environment and reward workers", "rftpipe.envs"),
     ("Slurm daemons and commands", "slurm"),
     ("Slurm daemons and commands", "munged"),
