@@ -1,0 +1,52 @@
+"""The suite's own tools: tools/test.py's per-file seconds, tools/proc_account.py's table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import ROOT
+
+from tools import proc_account
+from tools.test import _file_seconds
+
+
+def test_file_seconds_add_up_each_files_tests(tmp_path: Path) -> None:
+    report = tmp_path / "r.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_a" name="t1" time="1.5"/>'
+        '<testcase classname="tests.test_a" name="t2" time="2.0"/>'
+        '<testcase classname="tests.test_b.TestGroup" name="t" time="0.5"/>'
+        "</testsuite></testsuites>"
+    )
+    got = _file_seconds([report, tmp_path / "a phase that wrote nothing.xml"])
+    assert got == {"tests/test_a.py": 3.5, "tests/test_b.py": 0.5}
+
+
+def test_proc_account_finds_a_busy_child_and_names_its_kind(tmp_path: Path) -> None:
+    out = tmp_path / "acct.json"
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.proc_account",
+            "--out",
+            str(out),
+            "--",
+            "bash",
+            "-c",
+            f"sleep 0.3; {sys.executable} -c '{busy}' -m pytest-lookalike",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    table = proc_account.report(out)
+    # The child spent 1 CPU s and its command line names pytest: its row says so.
+    row = next(line for line in table.splitlines() if line.startswith("| pytest"))
+    assert float(row.split("|")[3]) >= 0.8, table
