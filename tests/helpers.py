@@ -30,7 +30,7 @@ TINY = ROOT / "configs" / "tiny_dense.yaml"
 # engine binds its threads to the machine's cores and reserves its KV cache up front.
 STARTS_VLLM = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
-    pytest.mark.serial,
+    pytest.mark.vllm,
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -292,3 +293,61 @@ def test_datasets_config_checks() -> None:
     ]:
         with pytest.raises(ConfigError, match=re.escape(needle)):
             load_config(RunConfig, None, overrides)
+
+
+# A reasoning-gym task as the tiny config has it; the cache is this test's own.
+RG_SCRIPT = """
+import json, sys
+from rftpipe.config.schema import DataConfig, ReasoningGymConfig
+from rftpipe.data.sources import reasoning_gym_rows
+
+cfg = DataConfig(reasoning_gym=ReasoningGymConfig(
+    name="basic_arithmetic", size=6, seed=5, kwargs={"min_terms": 2, "max_terms": 2}))
+rows, ds = reasoning_gym_rows(cfg, 6, 5)
+imported = "reasoning_gym" in sys.modules
+score = ds.score_answer(rows[0].answer, {"answer": rows[0].answer, "metadata": rows[0].metadata})
+print(json.dumps({"imported": imported, "score": score, "rows": repr(rows)}))
+"""
+
+
+def test_generated_task_rows_are_cached_exactly_and_the_generator_built_only_to_score(
+    tmp_path: Path,
+) -> None:
+    """The first process generates the rows and keeps them in the machine's cache; the next
+    reads the same rows (tuples in their metadata included) without importing
+    reasoning-gym, which it imports to score; a corrupt cache file is generated anew."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RFTPIPE_CACHE": str(tmp_path)}
+
+    def run() -> dict:
+        out = subprocess.run(
+            [sys.executable, "-c", RG_SCRIPT], capture_output=True, text=True, env=env, check=True
+        )
+        return json.loads(out.stdout)
+
+    first = run()
+    (cached,) = (tmp_path / "data" / "reasoning_gym").iterdir()
+    second = run()
+    assert first["imported"] and not second["imported"]
+    assert second["rows"] == first["rows"] and "(2, 2)" in first["rows"]
+    assert first["score"] == second["score"] == 1.0
+    cached.write_text('{"settings": ')
+    third = run()
+    assert third["imported"] and third["rows"] == first["rows"]
+    assert json.loads(cached.read_text())["settings"]["seed"] == 5
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{1: "an int key"}, float("nan"), {"$tuple": [1]}, b"bytes"],
+    ids=["int-key", "nan", "tuple-tag", "bytes"],
+)
+def test_values_json_would_change_are_not_cached(value: object) -> None:
+    from rftpipe.data.sources import _from_json, _json_exactly
+
+    assert _json_exactly({"metadata": value}) is None
+    kept = {"m": [(1, (2, "x")), {"a": [1.5, None, True]}]}
+    text = _json_exactly(kept)
+    assert text is not None and repr(_from_json(text)) == repr(kept)

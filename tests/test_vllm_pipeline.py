@@ -18,7 +18,7 @@ from rftpipe.engines.models import load_causal_lm, prepare_tiny
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.serial,
+    pytest.mark.vllm,
     pytest.mark.timeout(900),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
 ]

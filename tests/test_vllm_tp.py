@@ -20,7 +20,7 @@ from helpers import ROOT, rank_env, save_perturbed_tiny, submit, trajectories
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.serial,
+    pytest.mark.vllm,
     pytest.mark.timeout(600),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
 ]

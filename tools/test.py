@@ -6,11 +6,13 @@
 
 1. The tests that can share the machine run on `--workers` processes (pytest-xdist, a
    test file to a worker, so the module fixtures a file's tests compare against are
-   built once). Beside them, in one more process, the `slurm` tests run one at a time
-   against the one local cluster: they spend their minutes waiting for Slurm (time
-   limits, preemption, requeues), not on the CPU.
-2. Then the `serial` tests, one at a time: they start vLLM (which binds its threads to
-   the cores) or time out within seconds, and need the machine to themselves.
+   built once). Beside them run two lanes, each one test at a time in one more process:
+   the `slurm` tests, against the one local cluster, which spend their minutes waiting
+   for Slurm (time limits, preemption, requeues), not on the CPU; and the `vllm` tests,
+   each vLLM engine binding its threads to the cores (two at once would fight over them)
+   and mostly using one of them.
+2. Then the `serial` tests, one at a time, alone: they hold timeouts of seconds that a
+   loaded machine could trip.
 
 Every phase reads one model cache (the tiny models are built once). The exit status is
 the first failing phase's. `--record` writes each test file's seconds to
@@ -39,6 +41,12 @@ ROOT = Path(__file__).resolve().parent.parent
 FAST = "not slow or tier1"
 
 NO_TESTS = 5  # pytest's exit status when a selection is empty
+
+# Each lane runs beside the shared phase, one test at a time; the serial phase runs last,
+# alone. A test with two of these marks runs where the first listed puts it.
+LANES = {"slurm": ("slurm",), "vllm": ("vllm", "not slurm")}
+SHARED = ("not slurm", "not vllm", "not serial")
+SERIAL = ("serial", "not slurm", "not vllm")
 DURATIONS = ROOT / "tests" / "durations.json"
 
 
@@ -92,24 +100,31 @@ def main(argv: list[str] | None = None) -> int:
         return ["-m", selection, "-q", f"--junitxml={reports[-1]}", *a.pytest_args]
 
     xdist = ["-n", str(a.workers), "--dist", "loadfile"] if a.workers > 1 else []
-    slurm: subprocess.Popen | None = None
+    lanes: dict[str, subprocess.Popen] = {}
     t0 = time.monotonic()
     try:
         if not os.environ.get("RFTPIPE_TEST_CACHE"):
             os.environ["RFTPIPE_TEST_CACHE"] = str(tmp / "cache")
-        slurm_log = tmp / "slurm.log"
-        with slurm_log.open("w") as sink:
-            slurm = _pytest(args("slurm"), stdout=sink, stderr=subprocess.STDOUT)
-            shared = _pytest([*xdist, *args("not serial", "not slurm")]).wait()
-            t1 = time.monotonic()
-            slurm.wait()
+        for lane, marks in LANES.items():
+            with (tmp / f"{lane}.log").open("w") as sink:
+                lanes[lane] = _pytest(args(*marks), stdout=sink, stderr=subprocess.STDOUT)
+        shared = _pytest([*xdist, *args(*SHARED)]).wait()
+        t1 = time.monotonic()
+        seconds: dict[str, float] = {}
+        while len(seconds) < len(lanes):
+            for lane, proc in lanes.items():
+                if lane not in seconds and proc.poll() is not None:
+                    seconds[lane] = time.monotonic() - t0
+            time.sleep(0.5)
+        for lane in lanes:
+            print(f"tools.test: the {lane} tests, run beside the shared phase:")
+            sys.stdout.write((tmp / f"{lane}.log").read_text())
         t2 = time.monotonic()
-        print(f"tools.test: the slurm tests, run beside the shared phase ({t2 - t0:.0f} s):")
-        sys.stdout.write(slurm_log.read_text())
-        serial = _pytest(args("serial", "not slurm")).wait()
+        serial = _pytest(args(*SERIAL)).wait()
         t3 = time.monotonic()
+        beside = ", ".join(f"{lane} lane {s:.0f} s" for lane, s in seconds.items())
         print(
-            f"tools.test: shared phase {t1 - t0:.0f} s, slurm tests {t2 - t0:.0f} s beside it, "
+            f"tools.test: shared phase {t1 - t0:.0f} s ({beside} beside it), "
             f"serial phase {t3 - t2:.0f} s; {t3 - t0:.0f} s in all"
         )
         if a.record:
@@ -118,11 +133,13 @@ def main(argv: list[str] | None = None) -> int:
             merged = dict(sorted({**known, **_file_seconds(reports)}.items()))
             DURATIONS.write_text(json.dumps(merged, indent=0) + "\n")
     finally:
-        if slurm is not None and slurm.poll() is None:  # interrupted: stop the other lane
-            slurm.terminate()
-            slurm.wait()
+        for proc in lanes.values():
+            if proc.poll() is None:  # interrupted: stop the lanes too
+                proc.terminate()
+                proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
-    return _status(shared) or _status(slurm.returncode) or _status(serial)
+    codes = [shared, *(proc.returncode for proc in lanes.values()), serial]
+    return next((c for c in map(_status, codes) if c), 0)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,11 @@ directory; HF, verl or chat columns), each validated into `RawRow`s before templ
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +16,8 @@ from typing import Any
 from rftpipe.config.schema import DataConfig, DatasetSourceConfig
 from rftpipe.data.images import VIDEO_UNSUPPORTED, VisionPrompt, vision_prompt
 from rftpipe.errors import UserError
+from rftpipe.storage.atomic import atomic_write_bytes
+from rftpipe.storage.cache import cache_dir
 
 Message = dict[str, str]
 """One chat message, {role, content}."""
@@ -38,14 +45,11 @@ class RawRow:
     """The row as error messages name it."""
 
 
-def reasoning_gym_rows(cfg: DataConfig, size: int, seed: int) -> tuple[list[RawRow], Any]:
-    import reasoning_gym
-
+def reasoning_gym_rows(
+    cfg: DataConfig, size: int, seed: int
+) -> tuple[list[RawRow], GeneratedDataset]:
     rg = cfg.reasoning_gym
-    try:
-        ds = reasoning_gym.create_dataset(rg.name, size=size, seed=seed, **rg.kwargs)
-    except Exception as exc:  # the generator validates its own kwargs
-        raise UserError(f"data.reasoning_gym: {rg.name!r} rejected its settings: {exc}") from exc
+    ds = GeneratedDataset(rg.name, size, seed, dict(rg.kwargs))
     rows = [
         RawRow(
             prompt_id=i,
@@ -54,9 +58,106 @@ def reasoning_gym_rows(cfg: DataConfig, size: int, seed: int) -> tuple[list[RawR
             metadata=e["metadata"],
             data_source=str(e["metadata"].get("source_dataset", "")),
         )
-        for i, e in enumerate(ds)
+        for i, e in enumerate(ds.entries())
     ]
     return rows, ds
+
+
+class GeneratedDataset:
+    """A reasoning-gym dataset: its entries, and its `score_answer` (the accuracy
+    verifier).
+
+    Importing reasoning_gym takes about a second of CPU (it imports every task, matplotlib
+    among their dependencies), in every process of every run, though only scoring needs it.
+    So the entries one process generates are kept in this machine's cache, under the
+    Python and reasoning-gym versions and the generator's settings, and later processes
+    read them there; the generator itself is built only when something is scored."""
+
+    def __init__(self, name: str, size: int, seed: int, kwargs: dict[str, Any]) -> None:
+        self.settings: dict[str, Any] = {"name": name, "size": size, "seed": seed, "kwargs": kwargs}
+        self._dataset: Any = None
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Each entry's question, answer and metadata, in the generator's order."""
+        path = self._cache_path()
+        with contextlib.suppress(OSError, ValueError):
+            cached = _from_json(path.read_bytes())
+            if cached["settings"] == self.settings:
+                return cached["entries"]
+        entries = [
+            {"question": e["question"], "answer": e["answer"], "metadata": e["metadata"]}
+            for e in self.dataset()
+        ]
+        text = _json_exactly({"settings": self.settings, "entries": entries})
+        if text is not None:
+            with contextlib.suppress(OSError):  # a read-only cache: the next process generates
+                atomic_write_bytes(path, text.encode())
+        return entries
+
+    def dataset(self) -> Any:
+        """reasoning-gym's own dataset object, built on first use."""
+        if self._dataset is None:
+            import reasoning_gym
+
+            rg = self.settings
+            try:
+                self._dataset = reasoning_gym.create_dataset(
+                    rg["name"], size=rg["size"], seed=rg["seed"], **rg["kwargs"]
+                )
+            except Exception as exc:  # the generator validates its own kwargs
+                raise UserError(
+                    f"data.reasoning_gym: {rg['name']!r} rejected its settings: {exc}"
+                ) from exc
+        return self._dataset
+
+    def score_answer(self, answer: str | None, entry: dict[str, Any]) -> float:
+        return float(self.dataset().score_answer(answer, entry))
+
+    def _cache_path(self) -> Path:
+        versions = [sys.version_info[:2], importlib.metadata.version("reasoning_gym")]
+        key = json.dumps([versions, self.settings], sort_keys=True, default=str)
+        name = hashlib.sha256(key.encode()).hexdigest()[:32]
+        return cache_dir("data") / "reasoning_gym" / f"{name}.json"
+
+
+_TUPLE = "$tuple"
+"""A tuple in the cache's JSON: {"$tuple": [...]} (reasoning-gym's metadata holds tuples)."""
+
+
+def _json_exactly(obj: Any) -> str | None:
+    """`obj` as JSON that `_from_json` reads back as the same values of the same types;
+    None where JSON cannot (integer keys, NaNs, numpy scalars)."""
+    try:
+        text = json.dumps(_tag_tuples(obj), allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+    return text if _same(_from_json(text), obj) else None
+
+
+def _from_json(text: str | bytes) -> Any:
+    return json.loads(text, object_hook=lambda d: tuple(d[_TUPLE]) if d.keys() == {_TUPLE} else d)
+
+
+def _tag_tuples(x: Any) -> Any:
+    if isinstance(x, tuple):
+        return {_TUPLE: [_tag_tuples(v) for v in x]}
+    if isinstance(x, list):
+        return [_tag_tuples(v) for v in x]
+    if isinstance(x, dict):
+        if _TUPLE in x:
+            raise ValueError(f"a key {_TUPLE!r} would read back as a tuple")
+        return {k: _tag_tuples(v) for k, v in x.items()}
+    return x
+
+
+def _same(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
 
 
 def file_rows(cfg: DataConfig) -> list[RawRow]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from rftpipe.errors import UserError
+from rftpipe.storage.cache import cache_dir
 
 if TYPE_CHECKING:
     import torch
@@ -94,7 +95,7 @@ def as_causal_lm(module: torch.nn.Module) -> CausalLM:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("RFTPIPE_CACHE", Path.home() / ".cache" / "rftpipe")) / "models"
+    return cache_dir("models")
 
 
 def resolve_model_path(spec: str, field: str = "model.path") -> Path:
