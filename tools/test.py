@@ -108,13 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         for lane, marks in LANES.items():
             with (tmp / f"{lane}.log").open("w") as sink:
                 lanes[lane] = _pytest(args(*marks), stdout=sink, stderr=subprocess.STDOUT)
-        shared = _pytest([*xdist, *args(*SHARED)]).wait()
-        t1 = time.monotonic()
-        seconds: dict[str, float] = {}
-        while len(seconds) < len(lanes):
-            for lane, proc in lanes.items():
-                if lane not in seconds and proc.poll() is not None:
-                    seconds[lane] = time.monotonic() - t0
+        procs = {"shared phase": _pytest([*xdist, *args(*SHARED)]), **lanes}
+        ended: dict[str, float] = {}  # seconds from the start to each one's end
+        while len(ended) < len(procs):
+            for name, proc in procs.items():
+                if name not in ended and proc.poll() is not None:
+                    ended[name] = time.monotonic() - t0
             time.sleep(0.5)
         for lane in lanes:
             print(f"tools.test: the {lane} tests, run beside the shared phase:")
@@ -122,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         t2 = time.monotonic()
         serial = _pytest(args(*SERIAL)).wait()
         t3 = time.monotonic()
-        beside = ", ".join(f"{lane} lane {s:.0f} s" for lane, s in seconds.items())
+        beside = ", ".join(f"{lane} lane {ended[lane]:.0f} s" for lane in lanes)
         print(
-            f"tools.test: shared phase {t1 - t0:.0f} s ({beside} beside it), "
+            f"tools.test: shared phase {ended['shared phase']:.0f} s ({beside} beside it), "
             f"serial phase {t3 - t2:.0f} s; {t3 - t0:.0f} s in all"
         )
         if a.record:
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.terminate()
                 proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
-    codes = [shared, *(proc.returncode for proc in lanes.values()), serial]
+    codes = [*(proc.returncode for proc in procs.values()), serial]
     return next((c for c in map(_status, codes) if c), 0)
 
 
