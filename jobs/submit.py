@@ -10,12 +10,14 @@ killed before its first commit): then a changed config starts it afresh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from jobs import slurm
@@ -130,6 +132,23 @@ def slurm_available() -> bool:
     return out.returncode == 0 and "UP" in out.stdout
 
 
+@contextlib.contextmanager
+def local_rank_env(world: int) -> Iterator[dict[str, str]]:
+    """The environment of `world` ranks on this machine, less RANK and LOCAL_RANK.
+
+    Rank 0 publishes its store's port in a rendezvous file of this launch
+    (`rftpipe.dist._store`): no port is chosen here and bound later, which another process
+    (a second run, a test beside this one) could take in between."""
+    with tempfile.TemporaryDirectory(prefix="rftpipe-rdzv-") as rdzv:
+        yield {
+            **os.environ,
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "RFTPIPE_RENDEZVOUS": str(Path(rdzv) / "port"),
+        }
+
+
 def run_local(run_dir: Path, args: argparse.Namespace) -> int:
     """Run `--tasks-per-node` worker processes here and block until they end.
 
@@ -139,20 +158,10 @@ def run_local(run_dir: Path, args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "rftpipe.run.worker", str(run_dir)]
     cmd += ["--repair"] if args.repair else []
     cmd += ["--allow-fingerprint-mismatch"] if args.allow_fingerprint_mismatch else []
-    n = args.tasks_per_node
-    with tempfile.TemporaryDirectory(prefix="rftpipe-rdzv-") as rdzv:
-        # Rank 0 publishes its store's port there (rftpipe.dist._store): no port is chosen
-        # here and bound later, which another process could take in between.
-        base = {
-            **os.environ,
-            "WORLD_SIZE": str(n),
-            "LOCAL_WORLD_SIZE": str(n),
-            "MASTER_ADDR": "127.0.0.1",
-            "RFTPIPE_RENDEZVOUS": str(Path(rdzv) / "port"),
-        }
+    with local_rank_env(args.tasks_per_node) as base:
         procs = [
             subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
-            for r in range(n)
+            for r in range(args.tasks_per_node)
         ]
         return _wait_all(procs)
 

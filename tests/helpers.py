@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import io
@@ -11,7 +10,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from jobs.submit import local_rank_env
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny_dense.yaml"
@@ -168,7 +168,6 @@ def vllm_spec(model_dir: Path):  # -> rftpipe.engines.rollout.vllm.EngineSpec
 def checkpoint_tensors(ckpt_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     """The DCP tensors of a committed checkpoint directory whose dotted names start with
     `prefix` (e.g. `critic.model.` for the value model's weights)."""
-    import tempfile
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -245,27 +244,12 @@ def exit_rank() -> None:
     os._exit(0)
 
 
-@contextlib.contextmanager
-def rank_env(world: int) -> Iterator[dict[str, str]]:
-    """The environment of `world` ranks on this machine, less RANK and LOCAL_RANK: they
-    meet through a rendezvous file of this launch (`rftpipe.dist._store`), so ranks of
-    tests running side by side never race for a port."""
-    with tempfile.TemporaryDirectory(prefix="rftpipe-rdzv-") as rdzv:
-        yield {
-            **os.environ,
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "RFTPIPE_RENDEZVOUS": str(Path(rdzv) / "port"),
-        }
-
-
 def launch_ranks(
     script: str, world: int, *args: str, timeout: float = 600, env: dict | None = None
 ) -> None:
     """`tests/<script> ARGS` as `world` gloo ranks on this machine (one thread each);
     asserts every rank exits 0."""
-    with rank_env(world) as base:
+    with local_rank_env(world) as base:
         base |= {
             # The caller's path after the checkout's and tests/ (where peft may come from).
             "PYTHONPATH": os.pathsep.join(

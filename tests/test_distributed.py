@@ -10,9 +10,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT, events, final_weights, rank_env, submit, trajectories
+from helpers import ROOT, events, final_weights, submit, trajectories
 from safetensors.torch import load_file
 
+from jobs.submit import local_rank_env
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train.forward import build_micro_batch, response_logprobs
 
@@ -80,7 +81,7 @@ def test_fsdp2_matches_single_device(dp_runs: dict[int, Path], tmp_path: Path) -
 
 
 def _train_alone(table: Path, out: Path, world: int, nan_rank: int = -1) -> dict:
-    with rank_env(world) as env:
+    with local_rank_env(world) as env:
         env["PYTHONPATH"] = str(ROOT)
         procs = [
             subprocess.Popen(

@@ -176,6 +176,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow  # tens of seconds of allocator traffic: the whole suite only
 @pytest.mark.skipif(
     not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"), reason="glibc only"
 )
@@ -237,6 +238,7 @@ print(*faults)
 """
 
 
+@pytest.mark.slow  # tens of seconds of allocator traffic: the whole suite only
 @pytest.mark.skipif(
     not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"), reason="glibc only"
 )

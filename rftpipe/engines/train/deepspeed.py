@@ -108,6 +108,13 @@ def _import_deepspeed() -> Any:
             "train.backend=deepspeed: DeepSpeed is not installed; "
             'install it with DS_BUILD_OPS=0 pip install -e ".[deepspeed]" or use train.backend=fsdp2'
         ) from exc
+    if not torch.cuda.is_available():
+        # On a CPU, DeepSpeed's communication backend JIT-compiles a shared-memory
+        # all-reduce op (`deepspeed_shm_comm`: 78 s of C++ the first time on the 2-core
+        # machine, a build check in every process after) that only its
+        # `inference_all_reduce` calls; training's collectives go through torch.distributed
+        # (gloo). DeepSpeed keeps this table for edits like this one.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return deepspeed
 
 
