@@ -1,7 +1,9 @@
-"""The suite's own tools: tools/test.py's per-file seconds, tools/proc_account.py's table."""
+"""The suite's own tools: tools/test.py's per-file seconds, tools/proc_account.py's table,
+tools/coverage_tiers.py's table."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +52,42 @@ def test_proc_account_finds_a_busy_child_and_names_its_kind(tmp_path: Path) -> N
     # The child spent 1 CPU s and its command line names pytest: its row says so.
     row = next(line for line in table.splitlines() if line.startswith("| pytest"))
     assert float(row.split("|")[3]) >= 0.8, table
+
+
+def test_coverage_tiers_table_counts_the_fast_tiers_lines_against_the_whole_suites(
+    tmp_path: Path,
+) -> None:
+    """Per package: statements, each tier's share, and the fast tier's covered lines over
+    the whole suite's (a line only the fast tier ran does not count)."""
+    from tools.coverage_tiers import package, table
+
+    def report(tier: str, files: dict[str, tuple[list[int], list[int]]]) -> None:
+        (tmp_path / tier).mkdir()
+        data = {
+            f: {"executed_lines": run, "missing_lines": missing}
+            for f, (run, missing) in files.items()
+        }
+        (tmp_path / tier / "coverage.json").write_text(json.dumps({"files": data}))
+
+    report(
+        "full",
+        {
+            "rftpipe/data/sources.py": ([1, 2, 3, 4], [5]),
+            "rftpipe/dist.py": ([1, 2], [3, 4]),
+            "jobs/submit.py": ([1], []),
+        },
+    )
+    report(
+        "fast",
+        {
+            "rftpipe/data/sources.py": ([1, 2, 5], [3, 4]),
+            "rftpipe/dist.py": ([], [1, 2, 3, 4]),
+            "jobs/submit.py": ([1], []),
+        },
+    )
+    assert package("rftpipe/engines/train/fsdp.py") == "rftpipe.engines"
+    assert package("rftpipe/dist.py") == "rftpipe" and package("jobs/submit.py") == "jobs"
+    rows = {r.split("|")[1].strip(): r for r in table(tmp_path).splitlines()[2:]}
+    assert rows["`rftpipe.data`"].split("|")[2:] == [" 5 ", " 80 % ", " 40 % ", " 50 % ", ""]
+    assert rows["`rftpipe`"].split("|")[2:] == [" 4 ", " 50 % ", " 0 % ", " 0 % ", ""]
+    assert rows["**all**"].split("|")[2:] == [" 10 ", " 70 % ", " 30 % ", " 43 % ", ""]
