@@ -86,8 +86,8 @@ def table(out: Path) -> str:
     stmts, fast = lines(out / "fast" / "coverage.json")
     more, rest = lines(out / "rest" / "coverage.json")
     full = {pkg: fast[pkg] | rest[pkg] for pkg in stmts.keys() | more.keys()}
-    for pkg, s in more.items():
-        stmts[pkg] |= s
+    for pkg, found in more.items():
+        stmts[pkg] |= found
     rows = [
         "| package | statements | whole suite | fast tier | fast / whole |",
         "|---|---:|---:|---:|---:|",
