@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
@@ -34,21 +36,33 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One model cache per test session; the tiny model is built into it once.
 
     Under pytest-xdist every worker runs this fixture: they share one cache beside their
-    base temporary directories, and the first to build a model publishes it by an atomic
-    rename (`rftpipe.engines.models._publish_dir`), which the others then read."""
+    base temporary directories (`tools.test`'s phases share RFTPIPE_TEST_CACHE). One at a
+    time under `build_lock`, the first builds a model and publishes it by an atomic rename
+    (`rftpipe.engines.models._publish_dir`); the others find it built."""
     shared = os.environ.get("RFTPIPE_TEST_CACHE")
     if not shared and os.environ.get("PYTEST_XDIST_WORKER"):
         shared = str(tmp_path_factory.getbasetemp().parent / "cache")
     cache = Path(shared) if shared else tmp_path_factory.mktemp("cache")
     cache.mkdir(parents=True, exist_ok=True)
     os.environ["RFTPIPE_CACHE"] = str(cache)
-    subprocess.run(
-        [sys.executable, "-m", "rftpipe.engines.models", "prepare-tiny"],
-        check=True,
-        capture_output=True,
-        cwd=ROOT,
-    )
+    with build_lock(cache):
+        subprocess.run(
+            [sys.executable, "-m", "rftpipe.engines.models", "prepare-tiny"],
+            check=True,
+            capture_output=True,
+            cwd=ROOT,
+        )
     return cache
+
+
+@contextlib.contextmanager
+def build_lock(cache: Path) -> Iterator[None]:
+    """Held while a model is built into the shared cache: the phases and workers that
+    start together would each build it at once (the rename keeps the cache whole
+    either way); under the lock the first builds and the others find it built."""
+    with open(cache / ".build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +72,9 @@ def tiny_vl(model_cache: Path) -> Iterator[Path]:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
-        yield prepare_tiny_vl()
+        with build_lock(model_cache):
+            path = prepare_tiny_vl()
+        yield path
 
 
 @pytest.fixture(scope="module")

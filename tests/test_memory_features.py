@@ -13,9 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT, count_calls, rank_env
+from helpers import ROOT, count_calls
 from safetensors.torch import load_file
 
+from jobs.submit import local_rank_env
 from rftpipe.config.schema import KLConfig, TrainConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
@@ -348,7 +349,7 @@ def test_grouped_rows_equal_per_row_full_forwards() -> None:
 
 def _run_fsdp(table_path: Path, out: Path, variants: list[str], world: int = 2) -> None:
     worker = ROOT / "tests" / "fsdp_memory_worker.py"
-    with rank_env(world) as env:
+    with local_rank_env(world) as env:
         env["PYTHONPATH"] = str(ROOT)
         procs = [
             subprocess.Popen(

@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, rank_env, save_perturbed_tiny, submit, trajectories
+from helpers import ROOT, save_perturbed_tiny, submit, trajectories
+
+from jobs.submit import local_rank_env
 
 pytestmark = [
     pytest.mark.slow,
@@ -36,7 +38,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run_worker(model_dir: Path, out: Path, tp: int, world: int) -> dict[int, dict]:
     """`vllm_tp_worker.py` as `world` processes (one: the TP=1 reference asks for both)."""
     out.mkdir(parents=True)
-    with rank_env(world) as ranks:
+    with local_rank_env(world) as ranks:
         base = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
         base["PYTHONPATH"] = str(ROOT)
         if world > 1:
