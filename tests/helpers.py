@@ -34,6 +34,13 @@ STARTS_VLLM = [
 ]
 
 
+def starts_vllm(test):  # (test function) -> test function
+    """`STARTS_VLLM`'s marks on a test function."""
+    for mark in STARTS_VLLM:
+        test = mark(test)
+    return test
+
+
 # Runs that import environments (and other user code) from tests/.
 TESTS_ON_PATH = {"PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 

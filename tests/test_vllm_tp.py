@@ -8,7 +8,6 @@ before and after new weights, through the engine alone and through the whole pip
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,15 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, save_perturbed_tiny, submit, trajectories
+from helpers import ROOT, STARTS_VLLM, save_perturbed_tiny, submit, trajectories
 
 from jobs.submit import local_rank_env
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.vllm,
+    *STARTS_VLLM,
     pytest.mark.timeout(600),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
 ]
 WORKER = ROOT / "tests" / "vllm_tp_worker.py"
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

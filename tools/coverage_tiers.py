@@ -23,8 +23,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from tools.test import FAST
+
 ROOT = Path(__file__).resolve().parent.parent
-FAST = "not slow or tier1"  # tools.test's --fast
 TIERS = {"fast": ["-m", FAST], "rest": ["-m", f"not ({FAST})"]}
 
 # Subprocesses print coverage.py's warnings on stderr at exit (a reward server that
