@@ -12,7 +12,8 @@
    each vLLM engine binding its threads to the cores (two at once would fight over them)
    and mostly using one of them.
 2. Then the `serial` tests, one at a time, alone: they hold timeouts of seconds that a
-   loaded machine could trip.
+   loaded machine could trip. Their pytest starts with the others and collects while
+   they run, then waits (tests/conftest.py) until they have ended.
 
 Every phase reads one model cache (the tiny models are built once). The exit status is
 the first failing phase's. `--record` writes each test file's seconds to
@@ -48,6 +49,8 @@ LANES = {"slurm": ("slurm",), "vllm": ("vllm", "not slurm")}
 SHARED = ("not slurm", "not vllm", "not serial")
 SERIAL = ("serial", "not slurm", "not vllm")
 DURATIONS = ROOT / "tests" / "durations.json"
+#: The serial phase's pytest waits, after collecting, until the file this names exists.
+GATE = "RFTPIPE_TEST_GATE"
 
 
 def _pytest(args: list[str], **kw: object) -> subprocess.Popen:
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     xdist = ["-n", str(a.workers), "--dist", "loadfile"] if a.workers > 1 else []
     lanes: dict[str, subprocess.Popen] = {}
+    started: list[subprocess.Popen] = []  # what `finally` stops if it is still running
     t0 = time.monotonic()
     try:
         if not os.environ.get("RFTPIPE_TEST_CACHE"):
@@ -108,6 +112,19 @@ def main(argv: list[str] | None = None) -> int:
         for lane, marks in LANES.items():
             with (tmp / f"{lane}.log").open("w") as sink:
                 lanes[lane] = _pytest(args(*marks), stdout=sink, stderr=subprocess.STDOUT)
+                started.append(lanes[lane])
+        # The serial phase collects now, while the others run (about 10 s of imports and
+        # assertion rewriting, on the critical path if it started afterwards), then waits
+        # in tests/conftest.py until `gate` exists.
+        gate = tmp / "serial.go"
+        with (tmp / "serial.log").open("w") as sink:
+            serial = _pytest(
+                args(*SERIAL),
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, GATE: str(gate)},
+            )
+            started.append(serial)
         procs = {"shared phase": _pytest([*xdist, *args(*SHARED)]), **lanes}
         ended: dict[str, float] = {}  # seconds from the start to each one's end
         while len(ended) < len(procs):
@@ -119,8 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tools.test: the {lane} tests, run beside the shared phase:")
             sys.stdout.write((tmp / f"{lane}.log").read_text())
         t2 = time.monotonic()
-        serial = _pytest(args(*SERIAL)).wait()
+        gate.touch()
+        serial.wait()
         t3 = time.monotonic()
+        print("tools.test: the serial tests, run after the others:")
+        sys.stdout.write((tmp / "serial.log").read_text())
         beside = ", ".join(f"{lane} lane {ended[lane]:.0f} s" for lane in lanes)
         print(
             f"tools.test: shared phase {ended['shared phase']:.0f} s ({beside} beside it), "
@@ -131,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
             known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
             merged = dict(sorted({**known, **_file_seconds(reports)}.items()))
             DURATIONS.write_text(json.dumps(merged, indent=0) + "\n")
+        codes = [proc.returncode for proc in [*procs.values(), serial]]
     finally:
-        for proc in lanes.values():
-            if proc.poll() is None:  # interrupted: stop the lanes too
+        for proc in started:
+            if proc.poll() is None:  # interrupted: stop the lanes and the serial phase too
                 proc.terminate()
                 proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
-    codes = [*(proc.returncode for proc in procs.values()), serial]
     return next((c for c in map(_status, codes) if c), 0)
 
 
