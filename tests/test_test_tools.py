@@ -1,17 +1,19 @@
-"""The suite's own tools: tools/test.py's per-file seconds, tools/proc_account.py's table,
-tools/coverage_tiers.py's table."""
+"""The suite's own tools: tools/test.py's per-file seconds and its serial phase's gate,
+tools/proc_account.py's table, tools/coverage_tiers.py's table."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from helpers import ROOT
 
 from tools import proc_account
-from tools.test import _file_seconds
+from tools.test import GATE, _file_seconds
 
 
 def test_file_seconds_add_up_each_files_tests(tmp_path: Path) -> None:
@@ -25,6 +27,36 @@ def test_file_seconds_add_up_each_files_tests(tmp_path: Path) -> None:
     )
     got = _file_seconds([report, tmp_path / "a phase that wrote nothing.xml"])
     assert got == {"tests/test_a.py": 3.5, "tests/test_b.py": 0.5}
+
+
+def test_the_serial_phase_collects_then_waits_at_its_gate(tmp_path: Path) -> None:
+    """A pytest started with the gate set collects, says so, and runs nothing until the
+    gate file exists (tools.test creates it once the other phases have ended)."""
+    gate, report = tmp_path / "go", tmp_path / "r.xml"
+    test = "tests/test_test_tools.py::test_file_seconds_add_up_each_files_tests"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
+    proc = subprocess.Popen(
+        [*cmd, f"--junitxml={report}"],
+        cwd=ROOT,
+        env={**os.environ, GATE: str(gate)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not Path(f"{gate}.waiting").exists():
+            assert proc.poll() is None, f"ran without waiting: {proc.stdout.read()}"  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "never reached the gate"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        assert proc.poll() is None and not report.exists(), "a test ran before the gate opened"
+        gate.touch()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert 'tests="1"' in report.read_text() and "1 passed" in out
 
 
 def test_proc_account_finds_a_busy_child_and_names_its_kind(tmp_path: Path) -> None:
