@@ -284,3 +284,39 @@ def test_cpu_train_step_reuses_its_large_blocks(tmp_path) -> None:
     # step at 11c761f, 2026-11-27). Retained, the steps after the first reuse them: a few
     # pages, and 50 MB blocks (12k pages each) where the heap grows (up to 62k in 3 steps).
     assert sum(faults[1:]) < 125_000, f"train steps faulted {faults} pages"
+
+
+def test_status_names_the_replays_a_resume_did_not_reproduce(tmp_path, capsys) -> None:
+    """`jobs.status RUN` lists, from rank 0's events, the replayed train steps unlike their
+    commit or on another platform, and leaves out the ones identical on the same one."""
+    import json
+
+    from jobs.status import main as status_main
+
+    run = tmp_path / "run"
+    assert submit_main(["--cluster", "local", "--create-only", "--run-dir", str(run)]) == 0
+    replays = [
+        {"step": 1, "identical": True, "max_rel_diff": 0.0, "platform_changed": {}},
+        {"step": 2, "identical": True, "max_rel_diff": 0.0, "platform_changed": {}, "rank": 1},
+        {"step": 3, "identical": False, "max_rel_diff": 2.5e-7, "platform_changed": None},
+        {
+            "step": 4,
+            "identical": True,
+            "max_rel_diff": 0.0,
+            "platform_changed": {"torch": ["2.12.0", "2.13.0"]},
+        },
+        {"step": 5, "identical": False, "max_rel_diff": None, "platform_changed": {}},
+        {"step": 6, "identical": False, "max_rel_diff": 0.1, "platform_changed": {}, "rank": 1},
+    ]
+    lines = [json.dumps({"t": i, "event": "replay", **r}) for i, r in enumerate(replays)]
+    (run / "events.jsonl").write_text("\n".join(lines) + "\n")
+    assert status_main([str(run)]) == 0
+    out = [x for x in capsys.readouterr().out.splitlines() if x.startswith("replay:")]
+    assert out == [
+        "replay: step 3 replayed unlike its committed update (largest relative difference "
+        "2.5e-07), the platform it was committed on is not recorded",
+        "replay: step 4 replayed identical to its committed update, on another platform: "
+        "torch 2.12.0 -> 2.13.0",
+        "replay: step 5 replayed unlike its committed update (largest relative difference "
+        "unknown), on the platform it was committed on",
+    ]
