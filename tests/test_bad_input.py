@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import ROOT, submit
+from helpers import NEEDS_VLLM, ROOT, submit
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent
@@ -408,7 +407,7 @@ def test_vllm_not_installed(tmp_path: Path) -> None:
     assert not (tmp_path / "new" / "run.json").exists()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+@NEEDS_VLLM
 def test_vllm_cannot_load_architecture(tmp_path: Path) -> None:
     """A causal LM transformers loads but vLLM does not (XLNet): refused before any write."""
     from transformers import XLNetConfig, XLNetLMHeadModel

