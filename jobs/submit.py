@@ -197,12 +197,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"--nodes: a local run has one node, not {args.nodes}; use --cluster slurm"
             )
         world = args.nodes * args.tasks_per_node
-        if world % cfg.train.sp_size:
-            # The workers refuse it too; here it costs no launch and writes nothing.
-            raise UserError(
-                f"train.sp_size={cfg.train.sp_size} does not divide the world size {world} "
-                "(--nodes x --tasks-per-node)"
-            )
+        # The workers refuse these too; here they cost no launch and write nothing.
+        groups = {
+            "train.sp_size": cfg.train.sp_size,
+            "rollout.inference.tensor_parallel_size": cfg.rollout.inference.tensor_parallel_size,
+        }
+        for field, size in groups.items():
+            if world % size:
+                raise UserError(
+                    f"{field}={size} does not divide the world size {world} "
+                    "(--nodes x --tasks-per-node)"
+                )
         if args.dry_run:
             if cluster != "slurm":
                 raise UserError("--dry-run: only Slurm jobs have an sbatch script")

@@ -100,7 +100,6 @@ def test_tp2_gives_tp1_samples_and_greedy(runs: dict[int, dict]) -> None:
     )
 
 
-@pytest.mark.tier1
 def test_update_weights_moves_tp2_samples_like_tp1(runs: dict[int, dict]) -> None:
     """Every TP rank hands vLLM the full HF-named tensors and its loaders shard them."""
     for r in (0, 1):
@@ -149,3 +148,27 @@ def test_pipeline_with_tp2_matches_tp1(tmp_path: Path) -> None:
     )
     print(f"pipeline: max |logprob TP=2 - TP=1| = {diff:.2e}")
     assert diff < 1e-4, diff
+
+
+@pytest.mark.tier1
+def test_a_group_size_that_does_not_divide_the_ranks_is_refused_at_submission(
+    tmp_path: Path,
+) -> None:
+    """Two ranks per engine on three ranks: `jobs.submit` refuses it in one line before it
+    launches anything, and the run directory stays empty. (The fast tier's test of this
+    file: the tests above start three vLLM processes.)"""
+    run = tmp_path / "run"
+    res = submit(
+        run,
+        "rollout.engine=vllm",
+        "train.backend=fsdp2",
+        "rollout.inference.tensor_parallel_size=2",
+        extra=("--tasks-per-node", "3"),
+    )
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert lines == [
+        "rftpipe: error: rollout.inference.tensor_parallel_size=2 does not divide the world "
+        "size 3 (--nodes x --tasks-per-node)"
+    ]
+    assert not run.exists() or not any(run.iterdir())
