@@ -179,6 +179,7 @@ FRESH_CASES = {
         ("rollout.inference.weight_sync=disk",),
         ("rollout", "weight_sync=disk", "hf"),
     ),
+    "negative_staleness": (("rollout.staleness=-1",), ("rollout", "staleness must be >= 0")),
     "group_estimator_with_one_sample": (("rollout.n=1",), ("rollout.n=1", "grpo")),
     "sequence_loss_needs_seq_mean": (
         ("train.policy_loss=geo_mean",),
@@ -277,6 +278,16 @@ def test_missing_data_file(tmp_path: Path) -> None:
 def test_resume_with_changed_config(base_run: Path, tmp_path: Path) -> None:
     _resumed(
         base_run, tmp_path, "rollout.n=8", needles=("rollout.n", "--allow-fingerprint-mismatch")
+    )
+
+
+def test_resume_with_changed_staleness(base_run: Path, tmp_path: Path) -> None:
+    """It changes which weights sample every later step (docs/async.md)."""
+    _resumed(
+        base_run,
+        tmp_path,
+        "rollout.staleness=1",
+        needles=("rollout.staleness", "--allow-fingerprint-mismatch"),
     )
 
 

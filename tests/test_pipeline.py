@@ -130,6 +130,8 @@ SINGLE_TURN_METRICS = {
     "perf/run_mem_peak_gib",  # 2026-11-27: the process tree's peak so far
     *(f"rollout/{k}" for k in ("response_length", "stop_frac", "reward_mean", "reward_std")),
     *(f"rollout/reward_{k}" for k in ("dense_even_tokens", "errors", "timeouts")),
+    # 2026-11-28: which weights sampled the step, and their lag (rollout.staleness)
+    *("rollout/weight_version", "rollout/staleness"),
     *(f"train/{k}" for k in ("clip_frac", "dual_clip_frac", "entropy", "grad_norm", "kl")),
     *(f"train/{k}" for k in ("kl_coef", "lr", "pg_loss", "ratio_mean", "tokens", "updates")),
     "train/skipped_micro_batches",

@@ -566,7 +566,16 @@ class RolloutConfig:
     """A multi-turn environment for each episode (unset: one response per sample, scored
     by `reward`). See docs/environments.md."""
 
+    staleness: int = 0
+    """k: the rollout of step s samples from the weights after train step s-1-k (the
+    initial ones while that is below 1), so the rollouts of steps s+1..s+k are generated
+    before step s trains. 0: synchronous, every step samples from the weights it trains.
+    A function of the config, not of timing: a run resumes bitwise at any k.
+    docs/async.md."""
+
     def __post_init__(self) -> None:
+        if self.staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {self.staleness}")
         if self.engine != "vllm" and self.inference.tensor_parallel_size > 1:
             raise ValueError(
                 "inference.tensor_parallel_size > 1 (ranks sharing one engine) is implemented "
@@ -1125,7 +1134,8 @@ class TrainConfig:
     recorded ones; `actor`, a no-grad forward of the actor over the step's rows in the
     advantage stage, before the step's first update (committed as column `old_logprobs`);
     `auto`, `actor` for rollout.engine vllm/sglang (whose kernels differ numerically from
-    the trainer's) and `rollout` for hf (the trainer's own module)."""
+    the trainer's) and with rollout.staleness >= 1 (the rollout's weights are older than the
+    trained ones), else `rollout` (hf: the trainer's own module)."""
 
     rollout_correction: RolloutCorrectionSettings = field(
         default_factory=NoCorrectionSettings,
@@ -1234,10 +1244,13 @@ def response_budget(rollout: RolloutConfig) -> int:
 
 
 def old_logprobs_source(train: TrainConfig, rollout: RolloutConfig) -> Literal["rollout", "actor"]:
-    """`train.old_logprobs` with `auto` resolved for `rollout.engine`."""
+    """`train.old_logprobs` with `auto` resolved: `actor` for a serving engine (its kernels
+    differ from the trainer's) and for stale rollouts (`rollout.staleness` >= 1: the
+    proximal policy of decoupled PPO is the weights being trained, not the stale ones that
+    sampled), else `rollout`."""
     if train.old_logprobs != "auto":
         return train.old_logprobs
-    return "rollout" if rollout.engine == "hf" else "actor"
+    return "rollout" if rollout.engine == "hf" and rollout.staleness == 0 else "actor"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

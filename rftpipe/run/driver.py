@@ -2,6 +2,8 @@
 
 A stage whose MANIFEST.json exists is never run again; train steps after the newest
 checkpoint are replayed from their committed advantage rows (`rftpipe.run.executor`).
+With `rollout.staleness` k >= 1 a step also generates the rollouts of step s+k, which
+sample from the weights it starts with (`rftpipe.run.staleness`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 import torch
 
 from rftpipe.checkpoint import writer
+from rftpipe.run import staleness
 from rftpipe.run.executor import execute
 from rftpipe.stages import generation, round_stage, rounds
 from rftpipe.stages.base import Runtime, Stage, StepPlan, StepState, no_rows
@@ -23,6 +26,9 @@ def run_step(rt: Runtime, step: int, timings: dict[str, float]) -> dict[str, flo
     """One PPO step; returns the train metrics (committed or replayed)."""
     state = StepState(rows=no_rows, timings=timings)
     plan = generate(rt, step, state)
+    for later in staleness.generated_in(step, rt.cfg.rollout.staleness, rt.cfg.total_steps):
+        # Before this step trains away the weights they sample from.
+        generate(rt, later, StepState(rows=no_rows, timings=timings))
     evaluate = (EVAL,) if rt.cfg.eval.due(step, rt.cfg.total_steps) else ()
     for stage in (*AFTER_GENERATION, *evaluate):
         _execute(rt, plan, stage, state)

@@ -165,13 +165,15 @@ def step_metrics(store: StageStore, step: int, env: EnvConfig | None = None) -> 
         f.name for f in schema if f.name.startswith("reward_") and pa.types.is_floating(f.type)
     ]
     status = ["reward_status"] if "reward_status" in schema.names else []
+    version = ["weight_version"] if "weight_version" in schema.names else []
     baseline = [COLUMN] if COLUMN in schema.names else []
     # Multi-turn steps (schema version 2) also get episode/*; version 1 reads what it did.
     episodes = episode_stats.COLUMNS if episode_stats.has_episodes(schema.names) else []
     if episodes and env is not None:
         episodes = [*episodes, "metadata"]  # the rows' `env_class`
     tables = [
-        pq.read_table(f, columns=cols + reward_cols + status + baseline + episodes) for f in files
+        pq.read_table(f, columns=cols + reward_cols + status + version + baseline + episodes)
+        for f in files
     ]
     # ReMax's greedy rows are the baseline, not the policy's samples: kept out of the means.
     rows = [without_baseline(t) for t in tables]
@@ -205,6 +207,14 @@ def step_metrics(store: StageStore, step: int, env: EnvConfig | None = None) -> 
     ]
     if greedy:
         out["rollout/baseline_reward_mean"] = float(np.mean(greedy))
+    versions = [
+        v for t in rows for v in (t.column("weight_version").to_pylist() if version else [])
+    ]
+    if versions:
+        # The oldest weights that sampled the step, and how many train steps they lag the
+        # ones it trains (step - 1): rollout.staleness, or less for the first steps.
+        out["rollout/weight_version"] = min(versions)
+        out["rollout/staleness"] = step - 1 - min(versions)
     if status:
         codes = [s for t in rows for s in t.column("reward_status").to_pylist()]
         out["rollout/reward_errors"] = codes.count("error")

@@ -185,8 +185,11 @@ def prepare(rt: Runtime, repair: bool) -> int:
         if rt.vision is not None:
             check_images(rt, ckpt_step, repair)
         newest = store.newest_commit(chain_position)
-        if newest is not None and store.manifest(*newest).get("published"):
-            store.publish(*newest)  # killed between its commit and its publication
+        last = store.newest_complete_step(FINAL)
+        if last and store.manifest(last, FINAL).get("published"):
+            # Killed between its commit and its publication (with rollout.staleness, later
+            # steps' generation may have committed since, so not always the newest commit).
+            store.publish(last, FINAL)
         events().write("start", removed=len(removed), last_commit=str(newest))
     rt.dist.barrier()
     step = restore(rt)

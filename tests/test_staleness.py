@@ -1,0 +1,238 @@
+"""Bounded staleness by schedule (`rollout.staleness`, k): the rollout of step s samples from
+the weights after train step s-1-k, generated in the step that starts with them.
+
+A tiny random model earns no verifier reward, so the runs use the dense synthetic reward of
+`configs/tiny_dense.yaml`. The SIGKILL sweep at k=1 is `test_chaos.py`'s `hf-stale1` case.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from helpers import TESTS_ON_PATH, events, final_weights, stage_history, submit, trajectories
+
+from rftpipe.run.staleness import generated_in, weights_of
+from rftpipe.stages import ORDER
+
+STEPS = 4
+
+
+def _run(tmp_path_factory: pytest.TempPathFactory, k: int) -> Path:
+    run = tmp_path_factory.mktemp(f"k{k}") / "run"
+    out = submit(run, f"total_steps={STEPS}", f"rollout.staleness={k}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _run(tmp_path_factory, 0)
+
+
+@pytest.fixture(scope="module")
+def stale_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _run(tmp_path_factory, 1)
+
+
+def _begins(run: Path) -> list[tuple[int, str]]:
+    return [(e["step"], e["stage"]) for e in events(run) if e["event"] == "stage_begin"]
+
+
+def _step(table: pa.Table, step: int) -> pa.Table:
+    return table.filter(pa.compute.equal(table.column("step"), step))
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 4])
+def test_every_step_is_generated_once_from_the_weights_it_is_scheduled_for(k: int) -> None:
+    """The driver's order (its own generation if not yet done, then `generated_in`), run
+    for every length: each step is generated once, no later than it trains, in the step
+    whose starting weights (those of train step g-1) are the ones `weights_of` names."""
+    for total in range(1, 9):
+        made_in: dict[int, int] = {}
+        for s in range(1, total + 1):
+            if s not in made_in:
+                made_in[s] = s
+            for later in generated_in(s, k, total):
+                assert later not in made_in, (k, total, later)
+                made_in[later] = s
+        assert sorted(made_in) == list(range(1, total + 1))
+        for step, g in made_in.items():
+            assert g <= step
+            assert weights_of(step, k) == g - 1, (k, total, step, g)
+            assert weights_of(step, k) == max(0, step - 1 - k)
+
+
+def test_synchronous_run_keeps_the_chain_of_stages(sync_run: Path) -> None:
+    """k=0 is the synchronous run: each step runs its own five stages in order, once, and
+    samples from the weights of the step before (its default, so every other test of the
+    suite runs it too)."""
+    assert _begins(sync_run) == [(s, st) for s in range(1, STEPS + 1) for st in ORDER]
+    t = trajectories(sync_run)
+    for s in range(1, STEPS + 1):
+        assert set(_step(t, s).column("weight_version").to_pylist()) == {s - 1}
+
+
+@pytest.mark.tier1
+def test_stale_rollouts_sample_the_scheduled_weights(sync_run: Path, stale_run: Path) -> None:
+    """k=1: step s's rows carry the weights of train step s-2 (0 for steps 1 and 2), step
+    s+1 is generated before step s's advantage stage, PPO's old logprobs are the actor's
+    recomputation (decoupled PPO's proximal policy), which differs from the stale sampling
+    policy, and the metrics report the lag."""
+    begins = _begins(stale_run)
+    for s in range(1, STEPS):
+        assert begins.index((s + 1, "rollout")) < begins.index((s, "advantage")), s
+    assert len(begins) == len(set(begins)) == STEPS * len(ORDER)
+
+    t = trajectories(stale_run)
+    metrics = [m for m in _metrics(stale_run) if m["step"] >= 1]
+    for s, m in zip(range(1, STEPS + 1), metrics, strict=True):
+        rows = _step(t, s)
+        assert set(rows.column("weight_version").to_pylist()) == {max(0, s - 2)}
+        assert m["rollout/staleness"] == min(1, s - 1)
+        gap = max(
+            float(np.abs(np.asarray(a) - np.asarray(b)).max())
+            for a, b in zip(
+                rows.column("old_logprobs").to_pylist(),
+                rows.column("logprobs").to_pylist(),
+                strict=True,
+            )
+        )
+        # Step 1 sampled from the weights it trains (float noise only); later steps from
+        # weights one update older.
+        assert (gap < 1e-5) if s == 1 else (gap > 1e-2), (s, gap)
+
+    # The same seeds: step 1 samples the same tokens at k=0 and k=1 (both from the initial
+    # weights), step 2 not (k=0 samples from the first update).
+    ref = trajectories(sync_run)
+    same = (
+        _step(ref, 1).column("response_token_ids").equals(_step(t, 1).column("response_token_ids"))
+    )
+    assert same
+    assert (
+        not _step(ref, 2)
+        .column("response_token_ids")
+        .equals(_step(t, 2).column("response_token_ids"))
+    )
+    # It trains: nonzero advantages, and weights that moved away from k=0's.
+    adv = np.concatenate([np.asarray(a) for a in t.column("advantages").to_pylist()])
+    assert np.abs(adv).max() > 0.1
+    wa, wb = final_weights(sync_run), final_weights(stale_run)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) > 1e-4
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_killed_right_after_a_future_rollout_commits_resumes_bitwise(tmp_path: Path) -> None:
+    """k=2: step 1 generates steps 1, 2 and 3 before it trains; kill the run right after
+    step 3's score commits (the 6th commit). The resumed run equals an uninterrupted one
+    bitwise, and no committed stage ran again (step 3's generation is not redone)."""
+    steps = (f"total_steps={STEPS}", "rollout.staleness=2")
+    ref = tmp_path / "ref"
+    assert submit(ref, *steps).returncode == 0
+    run = tmp_path / "run"
+    env = {"RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": "5"}
+    assert submit(run, *steps, env=env).returncode != 0
+    commits = [(e["step"], e["stage"]) for e in events(run) if e["event"] == "commit"]
+    assert commits == [
+        (1, "rollout"),
+        (1, "score"),
+        (2, "rollout"),
+        (2, "score"),
+        (3, "rollout"),
+        (3, "score"),
+    ]
+    out = submit(run, *steps)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for key, seq in stage_history(run).items():
+        assert seq.count("begin") == 1 and seq.count("commit") == 1, (key, seq)
+    assert trajectories(run).equals(trajectories(ref))
+    wa, wb = final_weights(ref), final_weights(run)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+#: What must compose with k >= 1 (issue 33), each killed once right after a future step's
+#: rollout commits and resumed: actor-critic PPO (its values and update read train step
+#: s-1's critic), a KL loss under the adaptive controller (its coefficient, train step s-1's),
+#: and multi-turn episodes committed turn by turn.
+COMPOSED = {
+    "critic": ("advantage.estimator=gae", "critic.lr=1e-3", "critic.warmup_steps=1"),
+    "kl_adaptive": ("kl.mode=loss", "kl.coef=0.1", "kl.controller=adaptive"),
+    "episodes": (
+        "rollout.env.path=envs_toy:EvenChars",
+        "rollout.env.max_turns=2",
+        "rollout.env.max_total_tokens=96",
+        "reward.functions=[]",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(COMPOSED))
+def test_composes_with_stale_rollouts_and_resumes_bitwise(case: str, tmp_path: Path) -> None:
+    steps = ("total_steps=3", "rollout.staleness=1", *COMPOSED[case])
+    ref = tmp_path / "ref"
+    out = submit(ref, *steps, env=TESTS_ON_PATH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    t = trajectories(ref)
+    for s in (1, 2, 3):
+        assert set(_step(t, s).column("weight_version").to_pylist()) == {max(0, s - 2)}
+    assert "old_logprobs" in t.column_names
+    if case == "critic":
+        assert "values" in t.column_names
+    # Killed right after step 3's rollout commits, inside step 2 (after step 1's seven
+    # commits, and each committed turn of an episode run's).
+    commits = [(e["step"], e["stage"]) for e in events(ref) if e["event"] == "commit"]
+    skip = commits.index((3, "rollout"))
+    assert commits.index((2, "advantage")) > skip > commits.index((1, "sync"))
+    run = tmp_path / "run"
+    env = {**TESTS_ON_PATH, "RFTPIPE_FAULT": "stage_after_commit", "RFTPIPE_FAULT_SKIP": str(skip)}
+    assert submit(run, *steps, env=env).returncode != 0
+    commits = [(e["step"], e["stage"]) for e in events(run) if e["event"] == "commit"]
+    assert commits[-1] == (3, "rollout"), commits
+    out = submit(run, *steps, env=TESTS_ON_PATH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for key, seq in stage_history(run).items():
+        # An episode's turns (`rollout.tN`) commit inside the rollout stage, without a begin.
+        assert seq.count("commit") == 1, (key, seq)
+        assert seq.count("begin") == (key[1] in ORDER), (key, seq)
+    assert trajectories(run).equals(t)
+    wa, wb = final_weights(ref), final_weights(run)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+def test_one_and_two_trainer_ranks_agree_at_k1(tmp_path: Path) -> None:
+    """FSDP2 on 1 and 2 ranks at k=1: the same samples and rewards, final weights within
+    1e-5 relative (the reduction order differs), as the synchronous run's
+    `test_distributed.py::test_pipeline_is_world_size_independent`."""
+    runs = {}
+    for world in (1, 2):
+        run = tmp_path / f"w{world}"
+        out = submit(
+            run,
+            "train.backend=fsdp2",
+            "total_steps=3",
+            "rollout.staleness=1",
+            "data.prompts_per_step=8",
+            "rollout.groups_per_call=2",
+            extra=("--tasks-per-node", str(world)),
+            timeout=500,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[world] = run
+    cols = ["prompt_id", "sample_idx", "response_token_ids", "reward", "weight_version"]
+    a, b = trajectories(runs[1]), trajectories(runs[2])
+    assert a.select(cols).equals(b.select(cols))
+    assert set(b.column("rank").to_pylist()) == {0, 1}
+    wa, wb = final_weights(runs[1]), final_weights(runs[2])
+    num = sum(float((wa[k] - wb[k]).pow(2).sum()) for k in wa) ** 0.5
+    den = sum(float(wa[k].pow(2).sum()) for k in wa) ** 0.5
+    assert num / den < 1e-5, num / den
