@@ -236,3 +236,23 @@ def test_one_and_two_trainer_ranks_agree_at_k1(tmp_path: Path) -> None:
     num = sum(float((wa[k] - wb[k]).pow(2).sum()) for k in wa) ** 0.5
     den = sum(float(wa[k].pow(2).sum()) for k in wa) ** 0.5
     assert num / den < 1e-5, num / den
+
+
+@pytest.mark.slow
+def test_the_behaviour_weight_of_decoupled_ppo_is_a_rollout_correction(tmp_path: Path) -> None:
+    """AReaL's decoupled loss (behaviour weight pi_prox / pi_behav, tokens above a cap
+    dropped) is `icepop` with low 0: at k=1 its weights are 1 up to float noise on step 1
+    (sampled by the weights it trains) and move away from 1 on the stale steps."""
+    run = tmp_path / "run"
+    out = submit(
+        run,
+        "total_steps=3",
+        "rollout.staleness=1",
+        "train.rollout_correction={type: icepop, low: 0.0, high: 5.0}",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = {x["step"]: x for x in _metrics(run)}
+    assert abs(m[1]["train/correction_weight_mean"] - 1) < 1e-5
+    assert m[1]["train/correction_masked_frac"] == 0
+    for s in (2, 3):
+        assert abs(m[s]["train/correction_weight_mean"] - 1) > 1e-3, m[s]

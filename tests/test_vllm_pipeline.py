@@ -106,3 +106,21 @@ def test_disk_weight_sync_matches_memory(tmp_path: Path) -> None:
     assert runs["disk"].column("weight_version").to_pylist()[-1] == 2
     assert [p.name for p in (tmp_path / "disk" / "sync").iterdir()] == ["v3"]
     assert not (tmp_path / "memory" / "sync").exists()
+
+
+def test_stale_rollouts_on_vllm_sample_the_scheduled_weights(tmp_path: Path) -> None:
+    """`rollout.staleness=1` with vLLM: step s samples from train step s-2's weights. The
+    engine's logprobs agree with the actor's recomputation (train step s-1's weights) to
+    float noise on step 1, where both are the initial weights, and are far from them
+    after: had the engine been handed the newest weights, they would agree on every step."""
+    run = tmp_path / "run"
+    out = submit(run, *VLLM, "total_steps=3", "rollout.staleness=1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    t = trajectories(run)
+    for s in (1, 2, 3):
+        rows = t.filter(np.asarray(t.column("step")) == s)
+        assert set(rows.column("weight_version").to_pylist()) == {max(0, s - 2)}
+    metrics = _metrics(run)
+    assert [m["rollout/staleness"] for m in metrics] == [0, 1, 1]
+    assert metrics[0]["rollout/logprob_abs_diff_max"] < 1e-4
+    assert all(m["rollout/logprob_abs_diff_max"] > 1e-2 for m in metrics[1:]), metrics
