@@ -16,6 +16,7 @@ from jobs import slurm
 from rftpipe.config.loader import load_config
 from rftpipe.config.schema import RunConfig
 from rftpipe.stages import FINAL, chain_position
+from rftpipe.stages.generation import generated_ahead
 from rftpipe.storage.layout import RunDir
 from rftpipe.storage.stage_store import StageStore
 
@@ -39,6 +40,9 @@ def describe(run_dir: Path) -> dict:
         "steps_committed": done,
         "total_steps": cfg.total_steps,
         "last_commit": list(last) if last else None,
+        # rollout.staleness >= 1 commits later steps' generation before they train.
+        "staleness": cfg.rollout.staleness,
+        "generated_ahead": {str(k): v for k, v in generated_ahead(store).items()},
         "finished": done >= cfg.total_steps,
         "jobs": {j: slurm.job_state(j) for j in job_ids},
         "recent_events": [e for e in events if e.get("event") in interesting][-5:],
@@ -103,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"steps: {info['steps_committed']}/{info['total_steps']} committed ({state})")
     if info["last_commit"]:
         print(f"last commit: step {info['last_commit'][0]} {info['last_commit'][1]}")
+    if info["generated_ahead"]:
+        steps = "; ".join(f"step {k} ({', '.join(v)})" for k, v in info["generated_ahead"].items())
+        print(f"generated, not yet trained (rollout.staleness={info['staleness']}): {steps}")
     for job, st in info["jobs"].items():
         print(f"slurm job {job}: {st}")
     for r in info["replays_to_note"][-5:]:

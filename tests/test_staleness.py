@@ -8,6 +8,7 @@ A tiny random model earns no verifier reward, so the runs use the dense syntheti
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,12 @@ import pytest
 import torch
 from helpers import TESTS_ON_PATH, events, final_weights, stage_history, submit, trajectories
 
+from jobs import status
+from rftpipe.inspect.cli import main as inspect_main
 from rftpipe.run.staleness import generated_in, weights_of
 from rftpipe.stages import ORDER
+from rftpipe.storage.layout import RunDir
+from rftpipe.storage.stage_store import StageStore
 
 STEPS = 4
 
@@ -123,6 +128,29 @@ def test_stale_rollouts_sample_the_scheduled_weights(sync_run: Path, stale_run: 
     assert np.abs(adv).max() > 0.1
     wa, wb = final_weights(sync_run), final_weights(stale_run)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) > 1e-4
+
+
+def test_status_and_inspect_name_the_steps_generated_before_they_train(
+    stale_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The k=1 run as it stood after step 2 (steps 3 and 4 generated, neither trained):
+    `jobs.status` and `inspect summary` list them; the finished run lists none."""
+    run = tmp_path / "run"
+    shutil.copytree(stale_run, run)
+    store = StageStore(RunDir(run))
+    for step in (4, 3):
+        for stage in ("sync", "train", "advantage"):
+            store.uncommit(step, stage)
+    expected = "step 3 (rollout, score); step 4 (rollout, score)"
+    assert status.main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "steps: 2/4 committed" in out
+    assert f"generated, not yet trained (rollout.staleness=1): {expected}" in out
+    assert inspect_main([str(run), "summary"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"generated, not yet trained: {expected}"
+    assert status.main([str(stale_run), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["generated_ahead"] == {} and info["staleness"] == 1
 
 
 def _metrics(run: Path) -> list[dict]:

@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from rftpipe.stages import GENERATION, StageName, round_stage
+from rftpipe.stages import GENERATION, StageName, chain_position, round_stage
 from rftpipe.storage.baseline_rows import baseline_flags, without_baseline
+from rftpipe.storage.layout import list_steps
 from rftpipe.storage.stage_store import StageStore
 
 VARIED = "varied"
@@ -166,3 +167,17 @@ def _is_reward_column(t: pa.Table, c: str) -> bool:
     return (c == "reward" or c.startswith("reward_")) and pa.types.is_floating(
         t.schema.field(c).type
     )
+
+
+def generated_ahead(store: StageStore) -> dict[int, list[str]]:
+    """The steps whose generation has committed (some of it) before their training began
+    (`rollout.staleness` >= 1 generates step s+k during step s): step -> its committed
+    generation stages, in chain order; a step whose advantage stage committed is left out."""
+    out: dict[int, list[str]] = {}
+    for step in list_steps(store.run.stages):
+        if store.is_committed(step, "advantage"):
+            continue
+        done = [name for stage in GENERATION for name in committed_rounds(store, step, stage)]
+        if done:
+            out[step] = sorted(done, key=lambda n: chain_position(n) or ())
+    return out
