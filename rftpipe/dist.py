@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -75,6 +76,47 @@ class Dist:
         box = [obj]
         tdist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupDist(Dist):
+    """Collectives over a process group of its own rather than the default one: ranks
+    that run two streams of collectives at once (a background thread's beside the main
+    one's, `rollout.overlap`), or over a subset of the ranks, keep each stream in order."""
+
+    group: Any = None
+
+    def _all_reduce(self, t: torch.Tensor, op: tdist.ReduceOp.RedOpType) -> torch.Tensor:
+        if self.world == 1:
+            return t.clone()
+        nccl = tdist.get_backend() == "nccl"
+        out = t.to(f"cuda:{torch.cuda.current_device()}") if nccl else t.clone()
+        tdist.all_reduce(out, op=op, group=self.group)
+        return out.to(t.device) if nccl else out
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            tdist.barrier(group=self.group)
+
+    def broadcast_object(self, obj: object) -> object:
+        if self.world == 1:
+            return obj
+        box = [obj]
+        tdist.broadcast_object_list(box, group=self.group, group_src=0)
+        return box[0]
+
+
+def second_stream(dist: Dist) -> Dist:
+    """`dist` with its collectives on a new group of the same ranks (every rank calls this,
+    in the same order); `dist` itself on one rank, which has no collectives."""
+    if dist.world == 1:
+        return dist
+    return GroupDist(
+        rank=dist.rank,
+        world=dist.world,
+        local_rank=dist.local_rank,
+        group=tdist.new_group(list(range(dist.world))),
+    )
 
 
 def init_from_env(require_group: bool = False) -> Dist:

@@ -180,6 +180,11 @@ FRESH_CASES = {
         ("rollout", "weight_sync=disk", "hf"),
     ),
     "negative_staleness": (("rollout.staleness=-1",), ("rollout", "staleness must be >= 0")),
+    "overlap_without_staleness": (("rollout.overlap=true",), ("rollout", "overlap", "staleness")),
+    "overlap_on_vllm": (
+        ("rollout.overlap=true", "rollout.staleness=1", "rollout.engine=vllm"),
+        ("rollout", "overlap", "engine=hf"),
+    ),
     "group_estimator_with_one_sample": (("rollout.n=1",), ("rollout.n=1", "grpo")),
     "sequence_loss_needs_seq_mean": (
         ("train.policy_loss=geo_mean",),

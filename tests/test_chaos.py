@@ -107,6 +107,9 @@ CRITIC = (
         # Bounded staleness: each step also generates the next one's rollouts before it
         # trains, so kills land in future steps' stages too (tests/test_staleness.py).
         pytest.param("hf", ("rollout.staleness=1",), id="hf-stale1"),
+        # ...and with that generation in a background thread beside training: kills land
+        # in either thread, mid-stage in both at once.
+        pytest.param("hf", ("rollout.staleness=1", "rollout.overlap=true"), id="hf-stale1-overlap"),
         # 19 starts of a worker that imports vLLM (about 11 s each before its first stage),
         # in the vllm lane beside the shared phase: 573 s here, past 600 s on the CI machine.
         pytest.param("vllm", (), marks=(*STARTS_VLLM, pytest.mark.timeout(1500))),

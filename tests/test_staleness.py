@@ -130,6 +130,28 @@ def test_stale_rollouts_sample_the_scheduled_weights(sync_run: Path, stale_run: 
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) > 1e-4
 
 
+def test_generation_beside_training_equals_the_sequential_order(
+    stale_run: Path, tmp_path: Path
+) -> None:
+    """`rollout.overlap`: step s+1 is generated in a background thread while step s trains,
+    and the run equals the sequential k=1 run bitwise (the engine's own copy of the weights
+    is the one the step started with; seeds do not depend on timing)."""
+    run = tmp_path / "run"
+    out = submit(run, f"total_steps={STEPS}", "rollout.staleness=1", "rollout.overlap=true")
+    assert out.returncode == 0, out.stderr[-3000:]
+    threads = {
+        (e["step"], e["stage"]): e.get("thread") for e in events(run) if e["event"] == "stage_begin"
+    }
+    assert len(threads) == STEPS * len(ORDER)
+    for (step, stage), thread in threads.items():
+        beside = stage in ("rollout", "score") and step > 1
+        assert thread == (f"generate-{step}" if beside else None), (step, stage, thread)
+    assert all("thread" not in e for e in events(stale_run))
+    assert trajectories(run).equals(trajectories(stale_run))
+    wa, wb = final_weights(stale_run), final_weights(run)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_status_and_inspect_name_the_steps_generated_before_they_train(
     stale_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -240,30 +262,38 @@ def test_composes_with_stale_rollouts_and_resumes_bitwise(case: str, tmp_path: P
 def test_one_and_two_trainer_ranks_agree_at_k1(tmp_path: Path) -> None:
     """FSDP2 on 1 and 2 ranks at k=1: the same samples and rewards, final weights within
     1e-5 relative (the reduction order differs), as the synchronous run's
-    `test_distributed.py::test_pipeline_is_world_size_independent`."""
+    `test_distributed.py::test_pipeline_is_world_size_independent`. On 2 ranks with
+    generation beside training, whose collectives run on a group of their own, the run
+    equals the 2-rank sequential one bitwise."""
     runs = {}
-    for world in (1, 2):
-        run = tmp_path / f"w{world}"
+    for name, world, overlap in (("w1", 1, False), ("w2", 2, False), ("w2-overlap", 2, True)):
+        run = tmp_path / name
         out = submit(
             run,
             "train.backend=fsdp2",
             "total_steps=3",
             "rollout.staleness=1",
+            f"rollout.overlap={str(overlap).lower()}",
             "data.prompts_per_step=8",
             "rollout.groups_per_call=2",
             extra=("--tasks-per-node", str(world)),
             timeout=500,
         )
         assert out.returncode == 0, out.stderr[-3000:]
-        runs[world] = run
+        runs[name] = run
     cols = ["prompt_id", "sample_idx", "response_token_ids", "reward", "weight_version"]
-    a, b = trajectories(runs[1]), trajectories(runs[2])
+    a, b = trajectories(runs["w1"]), trajectories(runs["w2"])
     assert a.select(cols).equals(b.select(cols))
     assert set(b.column("rank").to_pylist()) == {0, 1}
-    wa, wb = final_weights(runs[1]), final_weights(runs[2])
+    wa, wb = final_weights(runs["w1"]), final_weights(runs["w2"])
     num = sum(float((wa[k] - wb[k]).pow(2).sum()) for k in wa) ** 0.5
     den = sum(float(wa[k].pow(2).sum()) for k in wa) ** 0.5
     assert num / den < 1e-5, num / den
+    assert trajectories(runs["w2-overlap"]).equals(b)
+    wc = final_weights(runs["w2-overlap"])
+    assert all(torch.equal(wb[k], wc[k]) for k in wb)
+    beside = [e for e in events(runs["w2-overlap"]) if e.get("thread")]
+    assert {e["rank"] for e in beside} == {0, 1}
 
 
 @pytest.mark.slow

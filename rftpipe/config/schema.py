@@ -573,9 +573,27 @@ class RolloutConfig:
     A function of the config, not of timing: a run resumes bitwise at any k.
     docs/async.md."""
 
+    overlap: bool = False
+    """Generate the later steps a step generates (`staleness`) in a background thread of
+    each rank while the step's advantage and train stages run, instead of before them. The
+    results are those of the run without it, bitwise; the rollout engine then holds its
+    own copy of the weights (one more model in memory). Needs staleness >= 1 and the hf
+    engine; give each of the two threads its share of the cores with launch.threads.
+    docs/async.md."""
+
     def __post_init__(self) -> None:
         if self.staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+        if self.overlap and self.staleness < 1:
+            raise ValueError(
+                "overlap needs staleness >= 1: at staleness 0 each step samples from the "
+                "weights it trains, so its generation cannot run beside its training"
+            )
+        if self.overlap and self.engine != "hf":
+            raise ValueError(
+                f"overlap is implemented for engine=hf only, not {self.engine} (its "
+                "generation would run in a background thread of the trainer's process)"
+            )
         if self.engine != "vllm" and self.inference.tensor_parallel_size > 1:
             raise ValueError(
                 "inference.tensor_parallel_size > 1 (ranks sharing one engine) is implemented "

@@ -3,7 +3,8 @@
 A stage whose MANIFEST.json exists is never run again; train steps after the newest
 checkpoint are replayed from their committed advantage rows (`rftpipe.run.executor`).
 With `rollout.staleness` k >= 1 a step also generates the rollouts of step s+k, which
-sample from the weights it starts with (`rftpipe.run.staleness`).
+sample from the weights it starts with (`rftpipe.run.staleness`), before its training or
+beside it (`rftpipe.run.overlap`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import logging
 import torch
 
 from rftpipe.checkpoint import writer
-from rftpipe.run import staleness
+from rftpipe.run import overlap, staleness
 from rftpipe.run.executor import execute
 from rftpipe.stages import generation, round_stage, rounds
 from rftpipe.stages.base import Runtime, Stage, StepPlan, StepState, no_rows
-from rftpipe.stages.chain import AFTER_GENERATION, EVAL, generation_round
+from rftpipe.stages.chain import EVAL, SYNC, TRAINING, generation_round
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +27,14 @@ def run_step(rt: Runtime, step: int, timings: dict[str, float]) -> dict[str, flo
     """One PPO step; returns the train metrics (committed or replayed)."""
     state = StepState(rows=no_rows, timings=timings)
     plan = generate(rt, step, state)
-    for later in staleness.generated_in(step, rt.cfg.rollout.staleness, rt.cfg.total_steps):
-        # Before this step trains away the weights they sample from.
-        generate(rt, later, StepState(rows=no_rows, timings=timings))
+    later = staleness.generated_in(step, rt.cfg.rollout.staleness, rt.cfg.total_steps)
+    # They sample from the weights this step starts with: generated before it trains them
+    # away, or beside its training (rollout.overlap), always before its sync.
+    with overlap.generating(rt, later, generate, timings) as engine_free:
+        for stage in TRAINING:
+            _execute(rt, plan, stage, state, engine_free)
     evaluate = (EVAL,) if rt.cfg.eval.due(step, rt.cfg.total_steps) else ()
-    for stage in (*AFTER_GENERATION, *evaluate):
+    for stage in (SYNC, *evaluate):
         _execute(rt, plan, stage, state)
     return state.manifests["train"]["metrics"]
 
@@ -55,11 +59,14 @@ def generate(rt: Runtime, step: int, state: StepState) -> StepPlan:
     return rounds.kept_plan(rt, step, plans, varied, state)
 
 
-def _execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None:
-    """`execute`, with the rollout engine awake only for the stages that use it."""
+def _execute(
+    rt: Runtime, plan: StepPlan, stage: Stage, state: StepState, engine: bool = True
+) -> None:
+    """`execute`, with the rollout engine awake only for the stages that use it (`engine`
+    False: left as it is, another thread generates with it)."""
     if stage.engine_awake:
         rt.rollout_engine.wake()
-    else:
+    elif engine:
         rt.rollout_engine.sleep()
     execute(rt, plan, stage, state)
 

@@ -11,6 +11,7 @@ Every stage of a step goes through `execute`:
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pyarrow as pa
@@ -35,8 +36,11 @@ def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None
             state.rows = _reader(rt, plan, stage.name)
         return
     rt.stop.check(dist, f"step {step} {stage.name}")
-    # Counted by the tests: a stage may run again only if it never committed.
-    events().write("stage_begin", step=step, stage=stage.name)
+    # Counted by the tests: a stage may run again only if it never committed. Generation
+    # beside training (rollout.overlap) names its thread.
+    where = threading.current_thread()
+    beside = {} if where is threading.main_thread() else {"thread": where.name}
+    events().write("stage_begin", step=step, stage=stage.name, **beside)
     memory.reset_peak()
     t0 = time.perf_counter()
     out = stage.run(rt, plan, state.rows)

@@ -17,7 +17,7 @@ from rftpipe.checkpoint.policy import make_schedule
 from rftpipe.config.schema import RunConfig
 from rftpipe.data.prompts import load_prompts, split_held_out
 from rftpipe.data.ptx import data_fingerprint, load_ptx_examples
-from rftpipe.dist import Dist
+from rftpipe.dist import Dist, second_stream
 from rftpipe.engines import lora as lora_mod
 from rftpipe.engines import models
 from rftpipe.engines.rollout import ROLLOUT_ENGINES
@@ -245,6 +245,7 @@ def build(
         critic=build_critic(cfg, model_dir, dist),
         ptx=ptx,
         vision=vision,
+        generation_dist=second_stream(dist) if cfg.rollout.overlap else None,
     )
 
 
@@ -257,6 +258,11 @@ def load_vision(cfg: RunConfig, model_dir: Path) -> VisionEncoder | None:
                 f"train.freeze_vision: model.path '{cfg.model.path}' has no vision tower"
             )
         return None
+    if cfg.rollout.overlap:
+        raise UserError(
+            f"rollout.overlap with the vision-language model {cfg.model.path} is not built "
+            "yet (its image encoding would be shared by both threads); set it false"
+        )
     images = cfg.data.images
     return VisionEncoder.load(model_dir, min_pixels=images.min_pixels, max_pixels=images.max_pixels)
 

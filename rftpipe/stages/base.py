@@ -72,6 +72,9 @@ class Runtime:
     """The supervised examples of `train.ptx` (empty with it off)."""
     vision: VisionEncoder | None = None
     """The policy's image encoding (a vision-language model); None for a text model."""
+    generation_dist: Dist | None = None
+    """The collectives of generation running beside training (`rollout.overlap`): the
+    ranks on a process group of their own; None: `dist`."""
     replays: list[ReplayCheck] = field(default_factory=list)
     """This process's replayed train steps against their committed metrics, in order."""
 

@@ -24,7 +24,10 @@ def generation_round(r: int) -> tuple[Stage, ...]:
     return (RolloutStage(round=r), ScoreStage(round=r))
 
 
-AFTER_GENERATION: tuple[Stage, ...] = (AdvantageStage(), TrainStage(), SyncStage())
+TRAINING: tuple[Stage, ...] = (AdvantageStage(), TrainStage())
+"""The stages that use the trainer's weights, not the rollout engine's."""
+SYNC = SyncStage()
+AFTER_GENERATION: tuple[Stage, ...] = (*TRAINING, SYNC)
 """The stages that run once per step, on the groups the generation rounds kept."""
 
 PIPELINE: tuple[Stage, ...] = (*generation_round(0), *AFTER_GENERATION)

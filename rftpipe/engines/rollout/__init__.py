@@ -25,10 +25,11 @@ def _hf_engine(
     cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any, actor: torch.nn.Module
 ) -> RolloutEngine:
     # Colocated single-device training shares its module with the rollout engine; a sharded
-    # trainer hands full weights to a per-rank rollout copy at every sync.
+    # trainer hands full weights to a per-rank rollout copy at every sync, and so does a
+    # trainer whose updates run while the engine generates (rollout.overlap).
     rollout_model = (
         actor
-        if cfg.train.backend == "single"
+        if cfg.train.backend == "single" and not cfg.rollout.overlap
         # transformers declares PreTrainedModel.to as functools.wraps(nn.Module.to), which
         # mypy reads as the unbound function (self first).
         else models.load_causal_lm(model_dir, cfg.model.dtype).to(dist.device)  # type: ignore[arg-type]

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as tdist
 
 from rftpipe.algos.losses import entropy_from_logits, gather_logprobs
-from rftpipe.dist import Dist
+from rftpipe.dist import Dist, GroupDist
 from rftpipe.engines.models import as_causal_lm
 from rftpipe.engines.train.chunked_head import head_returns_logprobs
 from rftpipe.engines.train.forward import build_micro_batch
@@ -90,31 +90,10 @@ def sp_context(dist: Dist, sp: int) -> SPContext:
 
 
 @dataclass(frozen=True, slots=True)
-class DataDist(Dist):
+class DataDist(GroupDist):
     """The data-parallel view of an SP grid: rank and world are the SP group's index and
     count, and collectives run over the ranks with this rank's sp index (one per group), so
     sums over rows count each row once although every rank of a group holds it."""
-
-    group: Any = None
-
-    def _all_reduce(self, t: torch.Tensor, op: tdist.ReduceOp.RedOpType) -> torch.Tensor:
-        if self.world == 1:
-            return t.clone()
-        nccl = tdist.get_backend() == "nccl"
-        out = t.to(f"cuda:{torch.cuda.current_device()}") if nccl else t.clone()
-        tdist.all_reduce(out, op=op, group=self.group)
-        return out.to(t.device) if nccl else out
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            tdist.barrier(group=self.group)
-
-    def broadcast_object(self, obj: object) -> object:
-        if self.world == 1:
-            return obj
-        box = [obj]
-        tdist.broadcast_object_list(box, group=self.group, group_src=0)
-        return box[0]
 
 
 def data_view(dist: Dist, sp: int, table: pa.Table) -> tuple[Dist, pa.Table]:
