@@ -25,6 +25,9 @@ class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    group: Any = None
+    """The process group of the collectives (None: the default one); another keeps a
+    second stream of collectives in order beside it (`rollout.overlap`)."""
 
     @property
     def is_main(self) -> bool:
@@ -46,7 +49,7 @@ class Dist:
 
     def barrier(self) -> None:
         if self.world > 1:
-            tdist.barrier()
+            tdist.barrier(group=self.group)
 
     def _all_reduce(self, t: torch.Tensor, op: tdist.ReduceOp.RedOpType) -> torch.Tensor:
         if self.world == 1:
@@ -54,7 +57,7 @@ class Dist:
         # NCCL reduces only device tensors; callers keep their small CPU tensors.
         nccl = tdist.get_backend() == "nccl"
         out = t.to(f"cuda:{torch.cuda.current_device()}") if nccl else t.clone()
-        tdist.all_reduce(out, op=op)
+        tdist.all_reduce(out, op=op, group=self.group)
         return out.to(t.device) if nccl else out
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -74,49 +77,8 @@ class Dist:
         if self.world == 1:
             return obj
         box = [obj]
-        tdist.broadcast_object_list(box, src=0)
-        return box[0]
-
-
-@dataclass(frozen=True, slots=True)
-class GroupDist(Dist):
-    """Collectives over a process group of its own rather than the default one: ranks
-    that run two streams of collectives at once (a background thread's beside the main
-    one's, `rollout.overlap`), or over a subset of the ranks, keep each stream in order."""
-
-    group: Any = None
-
-    def _all_reduce(self, t: torch.Tensor, op: tdist.ReduceOp.RedOpType) -> torch.Tensor:
-        if self.world == 1:
-            return t.clone()
-        nccl = tdist.get_backend() == "nccl"
-        out = t.to(f"cuda:{torch.cuda.current_device()}") if nccl else t.clone()
-        tdist.all_reduce(out, op=op, group=self.group)
-        return out.to(t.device) if nccl else out
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            tdist.barrier(group=self.group)
-
-    def broadcast_object(self, obj: object) -> object:
-        if self.world == 1:
-            return obj
-        box = [obj]
         tdist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
-
-
-def second_stream(dist: Dist) -> Dist:
-    """`dist` with its collectives on a new group of the same ranks (every rank calls this,
-    in the same order); `dist` itself on one rank, which has no collectives."""
-    if dist.world == 1:
-        return dist
-    return GroupDist(
-        rank=dist.rank,
-        world=dist.world,
-        local_rank=dist.local_rank,
-        group=tdist.new_group(list(range(dist.world))),
-    )
 
 
 def init_from_env(require_group: bool = False) -> Dist:

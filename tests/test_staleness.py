@@ -23,6 +23,7 @@ from rftpipe.run.staleness import generated_in, weights_of
 from rftpipe.stages import ORDER
 from rftpipe.storage.layout import RunDir
 from rftpipe.storage.stage_store import StageStore
+from tools import bench_staleness
 
 STEPS = 4
 
@@ -314,3 +315,39 @@ def test_the_behaviour_weight_of_decoupled_ppo_is_a_rollout_correction(tmp_path:
     assert m[1]["train/correction_masked_frac"] == 0
     for s in (2, 3):
         assert abs(m[s]["train/correction_weight_mean"] - 1) > 1e-3, m[s]
+
+
+def test_the_benchmark_reads_busy_time_and_steady_steps_from_the_event_log(
+    tmp_path: Path,
+) -> None:
+    """`tools.bench_staleness.measure` on a hand-written k=1 overlapped log: generation of
+    step 2 (3-6.5 s) beside step 1's training (3-7.5 s)."""
+    stages = [  # (step, stage, begin, commit)
+        (1, "rollout", 0.0, 2.0),
+        (1, "score", 2.0, 3.0),
+        (1, "advantage", 3.0, 4.0),
+        (2, "rollout", 3.0, 6.0),
+        (1, "train", 4.0, 7.0),
+        (2, "score", 6.0, 6.5),
+        (1, "sync", 7.0, 7.5),
+        (2, "advantage", 7.5, 8.0),
+        (2, "train", 8.0, 10.0),
+        (2, "sync", 10.0, 10.5),
+    ]
+    log = []
+    for step, stage, begin, commit in stages:
+        log.append({"t": begin, "rank": 0, "event": "stage_begin", "step": step, "stage": stage})
+        log.append({"t": commit, "rank": 0, "event": "commit", "step": step, "stage": stage})
+        # Another rank's events and an episode turn's commits are not rank 0's stages.
+        log.append({"t": commit + 50, "rank": 1, "event": "commit", "step": step, "stage": stage})
+    log.append({"t": 1.0, "rank": 0, "event": "commit", "step": 1, "stage": "rollout.t1"})
+    log.sort(key=lambda e: e["t"])
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
+    m = bench_staleness.measure(tmp_path, samples_per_step=48)
+    assert m["span_s"] == 10.5
+    assert m["step_s"] == [3.0] and m["steady_step_s"] == 3.0
+    assert m["completions_per_s"] == 16.0
+    assert m["generation_busy_s"] == 6.5  # 0-3 and 3-6.5
+    assert m["training_busy_s"] == 7.5  # 3-7.5 and 7.5-10.5
+    line = m["timeline"]
+    assert len(line) == 60 and line[0] == "g" and line[-1] == "t" and "#" in line

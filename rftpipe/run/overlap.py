@@ -18,12 +18,23 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import torch.distributed as tdist
+
+from rftpipe.dist import Dist
 from rftpipe.stages.base import Runtime, StepPlan, StepState, no_rows
 
 log = logging.getLogger(__name__)
 
 Generate = Callable[[Runtime, int, StepState], StepPlan]
 """`rftpipe.run.driver.generate`: a step's rollout and score stages."""
+
+
+def second_stream(dist: Dist) -> Dist:
+    """`dist` with its collectives on a new group of the same ranks (every rank calls this,
+    in the same order); `dist` itself on one rank, which has no collectives."""
+    if dist.world == 1:
+        return dist
+    return dataclasses.replace(dist, group=tdist.new_group(list(range(dist.world))))
 
 
 @contextmanager

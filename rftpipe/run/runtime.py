@@ -17,7 +17,7 @@ from rftpipe.checkpoint.policy import make_schedule
 from rftpipe.config.schema import RunConfig
 from rftpipe.data.prompts import load_prompts, split_held_out
 from rftpipe.data.ptx import data_fingerprint, load_ptx_examples
-from rftpipe.dist import Dist, second_stream
+from rftpipe.dist import Dist
 from rftpipe.engines import lora as lora_mod
 from rftpipe.engines import models
 from rftpipe.engines.rollout import ROLLOUT_ENGINES
@@ -33,6 +33,7 @@ from rftpipe.envs.loader import check_environments
 from rftpipe.errors import UserError
 from rftpipe.observe.events import events
 from rftpipe.rewards import check_coverage, resolve_all
+from rftpipe.run.overlap import second_stream
 from rftpipe.run.preemption import NoStop, StopFlag
 from rftpipe.stages.base import Runtime
 from rftpipe.storage.atomic import atomic_write_json, read_json

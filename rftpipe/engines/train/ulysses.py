@@ -37,7 +37,7 @@ import torch
 import torch.distributed as tdist
 
 from rftpipe.algos.losses import entropy_from_logits, gather_logprobs
-from rftpipe.dist import Dist, GroupDist
+from rftpipe.dist import Dist
 from rftpipe.engines.models import as_causal_lm
 from rftpipe.engines.train.chunked_head import head_returns_logprobs
 from rftpipe.engines.train.forward import build_micro_batch
@@ -90,7 +90,7 @@ def sp_context(dist: Dist, sp: int) -> SPContext:
 
 
 @dataclass(frozen=True, slots=True)
-class DataDist(GroupDist):
+class DataDist(Dist):
     """The data-parallel view of an SP grid: rank and world are the SP group's index and
     count, and collectives run over the ranks with this rank's sp index (one per group), so
     sums over rows count each row once although every rank of a group holds it."""
