@@ -16,7 +16,7 @@ from jobs import slurm
 from rftpipe.config.loader import load_config
 from rftpipe.config.schema import RunConfig
 from rftpipe.stages import FINAL, chain_position
-from rftpipe.stages.generation import generated_ahead
+from rftpipe.stages.generation import ahead_line, generated_ahead
 from rftpipe.storage.layout import RunDir
 from rftpipe.storage.stage_store import StageStore
 
@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     if info["last_commit"]:
         print(f"last commit: step {info['last_commit'][0]} {info['last_commit'][1]}")
     if info["generated_ahead"]:
-        steps = "; ".join(f"step {k} ({', '.join(v)})" for k, v in info["generated_ahead"].items())
-        print(f"generated, not yet trained (rollout.staleness={info['staleness']}): {steps}")
+        print(
+            f"generated, not yet trained (rollout.staleness={info['staleness']}): "
+            f"{ahead_line(info['generated_ahead'])}"
+        )
     for job, st in info["jobs"].items():
         print(f"slurm job {job}: {st}")
     for r in info["replays_to_note"][-5:]:

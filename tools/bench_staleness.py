@@ -43,9 +43,12 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from rftpipe.config.loader import load_config
+from rftpipe.config.schema import RunConfig
+from rftpipe.stages import GENERATION, chain_position
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "grpo_smollm2_addition.yaml"
-GENERATION = ("rollout", "score")
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "k0": ("launch.threads=2",),
@@ -72,7 +75,8 @@ def _intervals(events: list[dict[str, Any]], stages: tuple[str, ...]) -> list[tu
     for e in events:
         if e.get("rank", 0) != 0 or e["event"] not in ("stage_begin", "commit"):
             continue
-        if e["stage"].split(".")[0] not in stages or ".t" in e["stage"]:
+        # Chain stages only: not an episode's turn commits (`rollout.tN`) nor `eval`.
+        if chain_position(e["stage"]) is None or e["stage"].split(".")[0] not in stages:
             continue
         key = (e["step"], e["stage"])
         if e["event"] == "stage_begin":
@@ -140,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     lengths = LONG_TAIL if a.long_tail else FIXED_LENGTH if a.fixed_length else ()
     common = (f"total_steps={a.steps}", "eval.size=0", *lengths)
-    samples = 6 * 8  # data.prompts_per_step x rollout.n of the config
+    cfg = load_config(RunConfig, CONFIG, common)
+    samples = cfg.data.prompts_per_step * cfg.rollout.n
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-staleness-") as tmp:
         for name in names:

@@ -70,7 +70,7 @@ from rftpipe.inspect.episodes import EPISODE_FIELDS, episode_turns, message_line
 from rftpipe.inspect.summary import InspectError, Run, open_run, summarize
 from rftpipe.inspect.verify import verify_run
 from rftpipe.stages import ORDER as STAGES
-from rftpipe.stages.generation import generated_ahead
+from rftpipe.stages.generation import ahead_line, generated_ahead
 from rftpipe.storage.episode_stats import has_episodes
 from rftpipe.storage.layout import IMAGES_COLUMN
 from rftpipe.storage.stage_store import StageStore
@@ -143,8 +143,7 @@ def cmd_summary(args: argparse.Namespace) -> int:
     print(format_table(rows, summary_columns(rows)))
     if ahead := generated_ahead(StageStore(run.rundir)):
         # rollout.staleness >= 1: later steps' generation commits before they train.
-        steps = "; ".join(f"step {k} ({', '.join(v)})" for k, v in ahead.items())
-        print(f"generated, not yet trained: {steps}")
+        print(f"generated, not yet trained: {ahead_line(ahead)}")
     return 0
 
 

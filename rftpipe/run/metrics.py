@@ -207,14 +207,13 @@ def step_metrics(store: StageStore, step: int, env: EnvConfig | None = None) -> 
     ]
     if greedy:
         out["rollout/baseline_reward_mean"] = float(np.mean(greedy))
-    versions = [
-        v for t in rows for v in (t.column("weight_version").to_pylist() if version else [])
-    ]
+    versions = [v for t in rows if version for v in t.column("weight_version").to_pylist()]
     if versions:
         # The oldest weights that sampled the step, and how many train steps they lag the
         # ones it trains (step - 1): rollout.staleness, or less for the first steps.
-        out["rollout/weight_version"] = min(versions)
-        out["rollout/staleness"] = step - 1 - min(versions)
+        oldest = min(versions)
+        out["rollout/weight_version"] = oldest
+        out["rollout/staleness"] = step - 1 - oldest
     if status:
         codes = [s for t in rows for s in t.column("reward_status").to_pylist()]
         out["rollout/reward_errors"] = codes.count("error")

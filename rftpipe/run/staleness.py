@@ -23,5 +23,5 @@ def generated_in(step: int, staleness: int, total_steps: int) -> range:
     sample from the weights `step` starts with. Steps past `total_steps` are not generated
     (a run extended later samples its first k new steps from fresher weights, which their
     `weight_version` shows)."""
-    first = step + 1 if step == 1 else max(step + 1, step + staleness)
+    first = step + 1 if step == 1 else step + max(1, staleness)
     return range(first, min(step + staleness, total_steps) + 1)

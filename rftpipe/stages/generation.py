@@ -12,7 +12,7 @@ run-directory tools use it too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -181,3 +181,8 @@ def generated_ahead(store: StageStore) -> dict[int, list[str]]:
         if done:
             out[step] = sorted(done, key=lambda n: chain_position(n) or ())
     return out
+
+
+def ahead_line(ahead: Mapping[int, list[str]] | Mapping[str, list[str]]) -> str:
+    """`generated_ahead` as the line `rftpipe status` and `inspect summary` print."""
+    return "; ".join(f"step {step} ({', '.join(stages)})" for step, stages in ahead.items())
