@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{field}={size} does not divide the world size {world} "
                     "(--nodes x --tasks-per-node)"
                 )
+        cfg.launch.rollout_rank_count(world, args.tasks_per_node)
         if args.dry_run:
             if cluster != "slurm":
                 raise UserError("--dry-run: only Slurm jobs have an sbatch script")

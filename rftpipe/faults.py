@@ -36,6 +36,10 @@ EPISODE_FAULT_POINTS: tuple[str, ...] = ("episode_mid_turn", "episode_before_tur
 generation and environment steps), and after a whole turn before its commit. Right after a
 turn's commit is `stage_after_commit`, as for every commit."""
 
+HANDOFF_FAULT_POINTS: tuple[str, ...] = ("handoff_mid_publish",)
+"""Reached only with separate rollout ranks (`launch.rollout_ranks`): the trainers' main
+rank, its weights for the rollout ranks half written (`rftpipe.run.handoff.publish`)."""
+
 _hits: dict[str, int] = {}
 
 

@@ -185,6 +185,19 @@ FRESH_CASES = {
         ("rollout.overlap=true", "rollout.staleness=1", "rollout.engine=vllm"),
         ("rollout", "overlap", "engine=hf"),
     ),
+    # Separate rollout ranks: one rank is the whole local job, so none would train.
+    "rollout_ranks_take_every_rank": (
+        ("launch.rollout_ranks=1",),
+        ("launch.rollout_ranks=1", "no training rank", "1 ranks"),
+    ),
+    "rollout_ranks_with_overlap": (
+        ("launch.rollout_ranks=1", "rollout.staleness=1", "rollout.overlap=true"),
+        ("launch.rollout_ranks", "rollout.overlap", "not built"),
+    ),
+    "rollout_ranks_and_nodes": (
+        ("launch.rollout_ranks=1", "launch.rollout_nodes=1"),
+        ("launch", "rollout_ranks", "rollout_nodes", "not both"),
+    ),
     "group_estimator_with_one_sample": (("rollout.n=1",), ("rollout.n=1", "grpo")),
     "sequence_loss_needs_seq_mean": (
         ("train.policy_loss=geo_mean",),

@@ -105,10 +105,14 @@ class Writer:
     collectives on a process group of their own, never interleaved with the main thread's.
     """
 
-    def __init__(self, dist: Dist, direct_io: bool = True) -> None:
+    def __init__(self, dist: Dist, direct_io: bool = True, group: Any = None) -> None:
         self.dist = dist
         self.direct_io = direct_io
-        self._group: Any = None
+        # Made on first use over the whole job unless given: the training ranks' own when
+        # other ranks only generate (`rftpipe.run.placement`), who never join it.
+        self._group: Any = group
+        self.given_group: Any = group
+        """The process group the caller gave (None: none given)."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._then: Callable[[], None] | None = None
@@ -283,7 +287,9 @@ def load(ckpt: Checkpoint, parts: dict[str, Stateful], later: Writer | None = No
         tensors, _ = _split(part.state_dict())
         now[name] = {k: v for k, v in tensors.items() if later is None or k not in LATE_KEYS}
         late[name] = {k: v for k, v in tensors.items() if later is not None and k in LATE_KEYS}
-    _dcp_load(ckpt, files, now, None)
+    # The writer's group where it was given one (the training ranks of a job whose other
+    # ranks only generate: they load nothing); else the whole job.
+    _dcp_load(ckpt, files, now, later.given_group if later is not None else None)
     for name, part in parts.items():
         part.load_state_dict({**now[name], **extras[name]})
     if later is not None and any(late.values()):

@@ -1437,13 +1437,46 @@ class LaunchConfig:
     of the train stage's perf/mfu. 0: the GPU's entry in rftpipe/observe/perf.py's table (H100 SXM
     bf16: 989.5); no perf/mfu on the CPU or an unlisted GPU unless set here."""
 
+    rollout_ranks: int = 0
+    """Disaggregated placement: the job's last this-many ranks only generate (rollout and
+    score stages) and the others only train (advantage, train, sync, eval); the trainers
+    hand each version of the weights the rollouts need to them through RUN/sync
+    (docs/async.md). 0: every rank does every stage (colocated). May change on a requeue."""
+
+    rollout_nodes: int = 0
+    """As `rollout_ranks`, in whole nodes: the last this-many nodes' ranks generate. Set one
+    of the two."""
+
     def __post_init__(self) -> None:
+        if self.rollout_ranks < 0 or self.rollout_nodes < 0:
+            raise ValueError(
+                f"rollout_ranks and rollout_nodes must be >= 0, got {self.rollout_ranks} "
+                f"and {self.rollout_nodes}"
+            )
+        if self.rollout_ranks and self.rollout_nodes:
+            raise ValueError(
+                f"set rollout_ranks ({self.rollout_ranks}) or rollout_nodes "
+                f"({self.rollout_nodes}), not both"
+            )
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if not (math.isfinite(self.peak_tflops) and self.peak_tflops >= 0):
             raise ValueError(f"peak_tflops must be a finite number >= 0, got {self.peak_tflops}")
         if self.max_requeues < 0:
             raise ValueError(f"max_requeues must be >= 0, got {self.max_requeues}")
+
+    def rollout_rank_count(self, world: int, ranks_per_node: int) -> int:
+        """How many of the job's `world` ranks only generate (0: colocated); a count that
+        leaves no trainer is refused, naming the field."""
+        count = self.rollout_ranks or self.rollout_nodes * ranks_per_node
+        if count >= world:
+            field = "rollout_ranks" if self.rollout_ranks else "rollout_nodes"
+            asked = self.rollout_ranks or self.rollout_nodes
+            raise UserError(
+                f"launch.{field}={asked} leaves no training rank in a job of {world} ranks "
+                f"({ranks_per_node} per node)"
+            )
+        return count
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -1532,6 +1565,7 @@ class RunConfig:
             )
         self._check_dynamic_sampling(columns)
         self._check_env()
+        self._check_disaggregated()
         if (
             self.model.lora is not None
             and self.model.lora.vision_tower
@@ -1577,6 +1611,38 @@ class RunConfig:
                 f"rollout.engine={self.rollout.engine}, so the old logprobs are the rollout's "
                 "own and the correction ratio would be 1)"
             )
+
+    def _check_disaggregated(self) -> None:
+        """What separate rollout ranks (`launch.rollout_ranks`/`rollout_nodes`) do not
+        compose with yet; each refusal is listed in docs/async.md."""
+        launch = self.launch
+        if not (launch.rollout_ranks or launch.rollout_nodes):
+            return
+        field = "launch.rollout_ranks" if launch.rollout_ranks else "launch.rollout_nodes"
+        refused = [
+            (
+                self.rollout.overlap,
+                "rollout.overlap (the rollout ranks already generate beside training)",
+            ),
+            (
+                self.rollout.dynamic_sampling.enabled,
+                "rollout.dynamic_sampling (the trainers cannot tell yet when a step's "
+                "rounds are complete)",
+            ),
+            (self.model.lora is not None, "model.lora (adapters are not handed over yet)"),
+            (
+                self.train.backend != "single",
+                f"train.backend={self.train.backend} (the "
+                "trainers are one rank with backend single so far)",
+            ),
+            (
+                self.rollout.inference.tensor_parallel_size > 1,
+                "rollout.inference.tensor_parallel_size > 1",
+            ),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"{field} with {what}: not built yet; docs/async.md")
 
     def _check_env(self) -> None:
         """What multi-turn episodes (`rollout.env`) do not compose with yet."""

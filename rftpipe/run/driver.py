@@ -4,7 +4,8 @@ A stage whose MANIFEST.json exists is never run again; train steps after the new
 checkpoint are replayed from their committed advantage rows (`rftpipe.run.executor`).
 With `rollout.staleness` k >= 1 a step also generates the rollouts of step s+k, which
 sample from the weights it starts with (`rftpipe.run.staleness`), before its training or
-beside it (`rftpipe.run.overlap`).
+beside it (`rftpipe.run.overlap`), or separate ranks generate them
+(`rftpipe.run.placement`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import torch
 
 from rftpipe.checkpoint import writer
-from rftpipe.run import overlap, staleness
+from rftpipe.run import handoff, overlap, staleness
 from rftpipe.run.executor import execute
 from rftpipe.stages import generation, round_stage, rounds
 from rftpipe.stages.base import Runtime, Stage, StepPlan, StepState, no_rows
@@ -26,8 +27,12 @@ log = logging.getLogger(__name__)
 def run_step(rt: Runtime, step: int, timings: dict[str, float]) -> dict[str, float]:
     """One PPO step; returns the train metrics (committed or replayed)."""
     state = StepState(rows=no_rows, timings=timings)
-    plan = generate(rt, step, state)
     later = staleness.generated_in(step, rt.cfg.rollout.staleness, rt.cfg.total_steps)
+    if rt.handoff is not None:
+        # Other ranks generate (launch.rollout_ranks): this step's is read once committed.
+        timings["generation_wait"] = handoff.await_generation(rt, step)
+        later = range(0)
+    plan = generate(rt, step, state)
     # They sample from the weights this step starts with: generated before it trains them
     # away, or beside its training (rollout.overlap), always before its sync.
     with overlap.generating(rt, later, generate, timings) as engine_free:

@@ -27,6 +27,7 @@ from rftpipe.observe.trackers import (
 from rftpipe.run import export, resume, runtime
 from rftpipe.run.driver import evaluate_initial, maybe_checkpoint, run_step
 from rftpipe.run.metrics import step_metrics, write_summary
+from rftpipe.run.placement import Placement
 from rftpipe.run.preemption import NoStop, StopFlag
 from rftpipe.stages import FINAL
 from rftpipe.stages.base import ReplayCheck, Runtime
@@ -43,16 +44,21 @@ def train_run(
     repair: bool,
     allow_mismatch: bool,
     stop: StopFlag | NoStop | None = None,
+    placement: Placement | None = None,
 ) -> int:
+    """The steps on every rank, or with `placement` of the training role, on its ranks
+    (`dist` is then the role's)."""
     # From the start: loading the model may be the run's peak.
     memory.start_run_sampler()
-    rt = runtime.build(cfg, run, dist, allow_mismatch, stop)
+    rt = runtime.build(cfg, run, dist, allow_mismatch, stop, placement)
     last_done = rt.store.newest_complete_step(FINAL)
     if last_done > cfg.total_steps:
         raise UserError(
             f"total_steps: {cfg.total_steps} is below the {last_done} steps already committed"
         )
     ckpt_step = resume.prepare(rt, repair)
+    if placement is not None and placement.disaggregated:
+        placement.job.barrier()  # the rollout ranks start on the consistent directory
     # Every stage's memory increment is measured from here: model, engines and state loaded.
     memory.mark_baseline()
     if ckpt_step > cfg.total_steps:

@@ -33,7 +33,9 @@ from rftpipe.envs.loader import check_environments
 from rftpipe.errors import UserError
 from rftpipe.observe.events import events
 from rftpipe.rewards import check_coverage, resolve_all
+from rftpipe.run import handoff
 from rftpipe.run.overlap import second_stream
+from rftpipe.run.placement import Placement
 from rftpipe.run.preemption import NoStop, StopFlag
 from rftpipe.stages.base import Runtime
 from rftpipe.storage.atomic import atomic_write_json, read_json
@@ -175,7 +177,10 @@ def build(
     dist: Dist,
     allow_mismatch: bool = False,
     stop: StopFlag | NoStop | None = None,
+    placement: Placement | None = None,
 ) -> Runtime:
+    """This rank's runtime; with `placement`, its role's (`dist` is then the role's)."""
+    place = placement or Placement("both", dist, dist)
     configure_threads(cfg, dist)
     if cfg.launch.retain_host_memory and not retain_host_memory():
         log.info("launch.retain_host_memory: not glibc, the allocator is left as it is")
@@ -212,8 +217,10 @@ def build(
     if cfg.model.lora is not None:
         lora_mod.check_targets_of(model_dir, cfg.model.lora)
     model_fp = models.model_fingerprint(model_dir, ref_dir)
-    anew = check_fingerprints(run, model_fp, data_fingerprint(prompts, ptx), allow_mismatch, dist)
-    if dist.is_main and anew:
+    anew = check_fingerprints(
+        run, model_fp, data_fingerprint(prompts, ptx), allow_mismatch, place.job
+    )
+    if place.job.is_main and anew:
         atomic_write_json(
             run.run_json,
             {
@@ -223,31 +230,55 @@ def build(
                 "num_prompts": len(prompts),
             },
         )
+    common: dict[str, Any] = {
+        "cfg": cfg,
+        "run": run,
+        "store": StageStore(run),
+        "dist": dist,
+        "tokenizer": tokenizer,
+        "prompts": prompts,
+        "held_out": held_out,
+        "rewards": rewards,
+        "kl_ctrl": new_kl_controller(cfg),
+        "model_dir": model_dir,
+        "stop": stop or NoStop(),
+        "ckpt_schedule": make_schedule(cfg.checkpoint, run.events_path),
+        "vision": vision,
+    }
+    if place.role == "rollout":
+        # Generation only: no actor, reference, critic or checkpoints on these ranks.
+        return Runtime(
+            **common,
+            trainer=None,
+            reference=None,
+            rollout_engine=build_generator(cfg, model_dir, dist, tokenizer),
+            ckpt_writer=writer.Writer(dist, cfg.checkpoint.direct_io),
+        )
     engine, rollout = build_actor(cfg, model_dir, dist, tokenizer)
     retain_train_blocks(cfg, engine, dist)
     reference = build_reference(cfg, engine, ref_dir or model_dir, dist)
     return Runtime(
-        cfg=cfg,
-        run=run,
-        store=StageStore(run),
-        dist=dist,
-        tokenizer=tokenizer,
-        prompts=prompts,
-        held_out=held_out,
-        rewards=rewards,
-        train_engine=engine,
+        **common,
+        trainer=engine,
         reference=reference,
         rollout_engine=rollout,
-        kl_ctrl=new_kl_controller(cfg),
-        model_dir=model_dir,
-        stop=stop or NoStop(),
-        ckpt_writer=writer.Writer(dist, cfg.checkpoint.direct_io),
-        ckpt_schedule=make_schedule(cfg.checkpoint, run.events_path),
+        ckpt_writer=writer.Writer(dist, cfg.checkpoint.direct_io, place.checkpoint_group),
         critic=build_critic(cfg, model_dir, dist),
         ptx=ptx,
-        vision=vision,
         generation_dist=second_stream(dist) if cfg.rollout.overlap else None,
+        handoff=handoff.publish if place.role == "train" else None,
     )
+
+
+def build_generator(cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any) -> RolloutEngine:
+    """The engine of a rank that only generates, at the initial weights; the HF loop gets
+    a model of its own (there is no actor to share)."""
+    own = None
+    if cfg.rollout.engine == "hf":
+        # transformers declares PreTrainedModel.to as functools.wraps(nn.Module.to), which
+        # mypy reads as the unbound function (self first).
+        own = models.load_causal_lm(model_dir, cfg.model.dtype).to(dist.device)  # type: ignore[arg-type]
+    return ROLLOUT_ENGINES[cfg.rollout.engine].build(cfg, model_dir, dist, tokenizer, own)
 
 
 def load_vision(cfg: RunConfig, model_dir: Path) -> VisionEncoder | None:
@@ -263,6 +294,11 @@ def load_vision(cfg: RunConfig, model_dir: Path) -> VisionEncoder | None:
         raise UserError(
             f"rollout.overlap with the vision-language model {cfg.model.path} is not built "
             "yet (its image encoding would be shared by both threads); set it false"
+        )
+    if cfg.launch.rollout_ranks or cfg.launch.rollout_nodes:
+        raise UserError(
+            f"launch.rollout_ranks/rollout_nodes with the vision-language model "
+            f"{cfg.model.path}: separate rollout ranks take text models only so far"
         )
     images = cfg.data.images
     return VisionEncoder.load(model_dir, min_pixels=images.min_pixels, max_pixels=images.max_pixels)

@@ -87,18 +87,30 @@ def main(argv: list[str] | None = None) -> int:
         dist = init_from_env(require_group=cfg.train.backend != "single")
         setup_logging(cfg.logging.level, dist.rank)
         set_event_log(EventLog(run.events_path, dist.rank))
+        from rftpipe.run.generator import generate_run
         from rftpipe.run.loop import train_run
+        from rftpipe.run.placement import place
         from rftpipe.run.preemption import StopRequested, requeue_after_stop
 
         try:
-            return train_run(
-                cfg,
-                run,
-                dist,
-                repair=args.repair,
-                allow_mismatch=args.allow_fingerprint_mismatch,
-                stop=stop,
-            )
+            placement = place(cfg, dist)
+            if placement.role == "rollout":
+                code = generate_run(
+                    cfg, run, placement, allow_mismatch=args.allow_fingerprint_mismatch, stop=stop
+                )
+            else:
+                code = train_run(
+                    cfg,
+                    run,
+                    placement.dist,
+                    repair=args.repair,
+                    allow_mismatch=args.allow_fingerprint_mismatch,
+                    stop=stop,
+                    placement=placement,
+                )
+            if placement.disaggregated:
+                dist.barrier()  # both roles end together (neither leaves the other's gloo)
+            return code
         except StopRequested as req:
             requeue_after_stop(req, dist, cfg.launch.max_requeues)
             return 0

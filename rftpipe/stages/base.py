@@ -52,8 +52,8 @@ class Runtime:
     """The held-out problems of `eval` (None: no evaluation); disjoint from `prompts`."""
     rewards: dict[str, RewardComponent]
     """Column name -> reward function (`reward.functions`), ready to score rows."""
-    train_engine: TrainEngine
-    """The actor."""
+    trainer: TrainEngine | None
+    """The actor; None on the ranks that only generate (`launch.rollout_ranks`)."""
     reference: TrainEngine | None
     """The KL term's frozen reference (`model.reference`, else the initial policy), on the
     actor's backend; None without a KL term."""
@@ -77,6 +77,20 @@ class Runtime:
     ranks on a process group of their own; None: `dist`."""
     replays: list[ReplayCheck] = field(default_factory=list)
     """This process's replayed train steps against their committed metrics, in order."""
+    handoff: Callable[[Runtime, int], None] | None = None
+    """After a sync, hand the weights of that version to the ranks that only generate
+    (`rftpipe.run.handoff.publish`); None: no such ranks."""
+
+    @property
+    def train_engine(self) -> TrainEngine:
+        """The actor, on the ranks that train."""
+        if self.trainer is None:
+            raise RuntimeError("a rank of the rollout role holds no actor")
+        return self.trainer
+
+    @train_engine.setter
+    def train_engine(self, engine: TrainEngine) -> None:
+        self.trainer = engine
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -64,7 +64,7 @@ def run(
         return
     target = via / f"v{version}"
     if dist.is_main:
-        _publish(target, lambda tmp: _write(weights, tmp))
+        _publish(target, lambda tmp: write_weights(weights, tmp))
     dist.barrier()
     engine.update_weights(target, version)
 
@@ -84,7 +84,7 @@ def _publish(target: Path, write: Callable[[Path], None]) -> None:
     tmp.rename(target)
 
 
-def _write(weights: torch.nn.Module | Mapping[str, torch.Tensor], tmp: Path) -> None:
+def write_weights(weights: torch.nn.Module | Mapping[str, torch.Tensor], tmp: Path) -> None:
     """The weights as one safetensors file in `tmp`."""
     state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
     # safetensors refuses tensors that share storage: a tied lm_head is the embedding
@@ -134,3 +134,5 @@ def sync_weights(rt: Runtime, version: int) -> None:
         lora_dir=rt.run.root / "sync",
         vision=rt.vision is not None,
     )
+    if rt.handoff is not None:
+        rt.handoff(rt, version)

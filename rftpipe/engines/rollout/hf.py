@@ -503,13 +503,12 @@ class HFGenerateEngine:
     def update_weights(
         self, weights: torch.nn.Module | Mapping[str, torch.Tensor] | Path, version: int
     ) -> None:
-        """Take new weights: free when they are this engine's own module (colocated)."""
+        """Take new weights: free when they are this engine's own module (colocated); a
+        directory holds them as `rftpipe.stages.sync.write_weights` wrote them (separate
+        rollout ranks: `rftpipe.run.handoff`)."""
         if isinstance(weights, Path):
-            raise TypeError(
-                "the HF engine takes weights in memory; rollout.inference.weight_sync=disk "
-                "is for engines that hold their own copy"
-            )
-        if weights is not self.model:
+            _load_dir(self.model, weights)
+        elif weights is not self.model:
             state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
             self.model.load_state_dict(state)
         self.weight_version = version
@@ -661,3 +660,20 @@ def _sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # (filtered) token, because the cdf does not rise there.
     tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
     return tok.clamp_(max=probs.shape[-1] - 1)
+
+
+def _load_dir(model: torch.nn.Module, path: Path) -> None:
+    """`model`'s weights from `path`/model.safetensors, which holds each storage once: a
+    tied tensor (lm_head on the embedding) is loaded through the name kept for it."""
+    from safetensors.torch import load_file
+
+    state = load_file(path / "model.safetensors", device=str(next(model.parameters()).device))
+    result = model.load_state_dict(state, strict=False)
+    own = model.state_dict()
+    kept = {own[k].untyped_storage().data_ptr() for k in state if k in own}
+    untied = [k for k in result.missing_keys if own[k].untyped_storage().data_ptr() not in kept]
+    if untied or result.unexpected_keys:
+        raise ValueError(
+            f"{path}: weights that do not fit the rollout model (missing {untied[:3]}, "
+            f"unexpected {result.unexpected_keys[:3]})"
+        )
