@@ -1631,10 +1631,10 @@ class RunConfig:
             ),
             (self.model.lora is not None, "model.lora (adapters are not handed over yet)"),
             (
-                self.train.backend != "single",
-                f"train.backend={self.train.backend} (the "
-                "trainers are one rank with backend single so far)",
+                self.train.backend == "deepspeed",
+                "train.backend=deepspeed (its groups span the whole job)",
             ),
+            (self.train.sp_size > 1, "train.sp_size > 1"),
             (
                 self.rollout.inference.tensor_parallel_size > 1,
                 "rollout.inference.tensor_parallel_size > 1",

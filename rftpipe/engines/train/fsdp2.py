@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -72,17 +72,28 @@ class FSDP2Engine(_EngineBase):
         # parameters, which the root unit would otherwise gather whole): every forward
         # runs the tower on every rank (`vision.rows_hidden`), so they gather alike.
         blocks = list(vision_tower(hf_model(model)).blocks) if self._vlm else []  # type: ignore[arg-type]
+        mesh = self._mesh()
         units = [
-            fully_shard(layer, mp_policy=mp, offload_policy=offload)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
             for layer in [*blocks, *as_decoder_model(model).get_decoder().layers]
         ]
-        units.append(fully_shard(model, mp_policy=mp, offload_policy=offload))
+        units.append(fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload))
         # Each unit reduces its own gradients, so each needs both settings: a plain SUM
         # (gloo has no PREMUL_SUM, and with factor 1 there is nothing to scale anyway).
         for unit in units:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
         return model
+
+    def _mesh(self) -> Any:
+        """The ranks to shard over: `dist`'s group when it has one (the training ranks of a
+        job whose other ranks only generate, `rftpipe.run.placement`); None: the job's."""
+        if self.dist.group is None:
+            return None
+        from torch.distributed.device_mesh import DeviceMesh
+
+        device_type = "cuda" if self.device.type == "cuda" else "cpu"
+        return DeviceMesh.from_group(self.dist.group, device_type)
 
     @contextlib.contextmanager
     def eval_mode(self) -> Iterator[None]:
