@@ -18,6 +18,7 @@ from helpers import events, final_weights, stage_history, submit, trajectories
 from rftpipe.faults import HANDOFF_FAULT_POINTS
 from rftpipe.stages import ORDER
 
+pytestmark = pytest.mark.slow
 THREADS = "launch.threads=1"
 STEPS = 6
 TWO = ("--tasks-per-node", "2")
@@ -54,6 +55,7 @@ def _assert_nothing_committed_ran_again(run: Path) -> None:
         assert "begin" not in seq[seq.index("commit") + 1 :], (key, seq)
 
 
+@pytest.mark.tier1
 def test_a_rollout_rank_generates_what_the_colocated_run_generates(
     colocated: Path, tmp_path: Path
 ) -> None:

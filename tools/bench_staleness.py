@@ -19,14 +19,19 @@ background generation thread and the trainer each get it, so 1 gives each a core
 - `k1-overlap`, `k2-overlap`: generation beside training, a core each (threads 1);
 - `k1-overlap-t2`: the same with both threads asking for both cores (threads 2);
 - `k1-overlap-rollout`: `k1-overlap` with `train.old_logprobs=rollout` (PPO's ratio
-  against the sampling policy: no recomputation of the proximal logprobs).
+  against the sampling policy: no recomputation of the proximal logprobs);
+- `k0-t1`: the synchronous run on one core (with `k0`, what `tools.simulate_staleness`
+  is calibrated on);
+- `k1-disagg`, `k2-disagg`: two processes, one only generating (`launch.rollout_ranks=1`),
+  a core each.
 
 Figures per variant: the span from the first stage's begin to the last commit; the
 steady step time, the median over steps 2.. of the time between consecutive sync
 commits; completions (samples) per second at that rate; and per role, generation
 (rollout, score) and training (advantage, train, sync), its busy seconds over the span
 (the union of its stages' begin-commit intervals) and a time-line of 60 columns
-(`g` generating, `t` training, `#` both, `.` neither).
+(`g` generating, `t` training, `#` both, `.` neither); and each stage's median seconds
+over steps 2.. (`stage_s`).
 """
 
 from __future__ import annotations
@@ -63,24 +68,33 @@ VARIANTS: dict[str, tuple[str, ...]] = {
         "rollout.overlap=true",
         "train.old_logprobs=rollout",
     ),
+    # The synchronous run on one core: with `k0`, the simulator's calibration.
+    "k0-t1": ("launch.threads=1",),
+    # Two processes (`launch.rollout_ranks`), a core each.
+    "k1-disagg": ("launch.threads=1", "rollout.staleness=1", "launch.rollout_ranks=1"),
+    "k2-disagg": ("launch.threads=1", "rollout.staleness=2", "launch.rollout_ranks=1"),
 }
+RANKS: dict[str, int] = {"k1-disagg": 2, "k2-disagg": 2}
+"""Local ranks of the variants that need more than one."""
+STAGES = ("rollout", "score", "advantage", "train", "sync")
 LONG_TAIL = ("rollout.max_new_tokens=96", "data.system_prompt=null")
 FIXED_LENGTH = ("rollout.min_new_tokens=16",)
 
 
 def _intervals(events: list[dict[str, Any]], stages: tuple[str, ...]) -> list[tuple[float, float]]:
-    """(begin, commit) times of rank 0's stages named `stages` (generation rounds too)."""
+    """(begin, commit) times of the stages named `stages` (generation rounds too): the
+    first rank's begin to the commit (separate rollout ranks generate on other ranks)."""
     begun: dict[tuple[int, str], float] = {}
     out = []
     for e in events:
-        if e.get("rank", 0) != 0 or e["event"] not in ("stage_begin", "commit"):
+        if e["event"] not in ("stage_begin", "commit"):
             continue
         # Chain stages only: not an episode's turn commits (`rollout.tN`) nor `eval`.
         if chain_position(e["stage"]) is None or e["stage"].split(".")[0] not in stages:
             continue
         key = (e["step"], e["stage"])
         if e["event"] == "stage_begin":
-            begun[key] = e["t"]
+            begun.setdefault(key, e["t"])
         elif key in begun:
             out.append((begun.pop(key), e["t"]))
     return out
@@ -109,9 +123,7 @@ def _timeline(gen: list, train: list, t0: float, t1: float, width: int = 60) -> 
 
 def measure(run: Path, samples_per_step: int) -> dict[str, Any]:
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
-    stages = [
-        e for e in events if e["event"] in ("stage_begin", "commit") and e.get("rank", 0) == 0
-    ]
+    stages = [e for e in events if e["event"] in ("stage_begin", "commit")]
     t0, t1 = stages[0]["t"], stages[-1]["t"]
     syncs = [e["t"] for e in stages if e["event"] == "commit" and e["stage"] == "sync"]
     steps = [b - a for a, b in pairwise(syncs)]
@@ -126,7 +138,22 @@ def measure(run: Path, samples_per_step: int) -> dict[str, Any]:
         "generation_busy_s": round(_busy(gen), 2),
         "training_busy_s": round(_busy(train), 2),
         "timeline": _timeline(gen, train, t0, t1),
+        "stage_s": stage_seconds(run),
     }
+
+
+def stage_seconds(run: Path) -> dict[str, float]:
+    """Median seconds of each chain stage over steps 2.. (its manifest's `seconds`: the
+    compute of the stage on its rank 0, without the commit)."""
+    out = {}
+    for stage in STAGES:
+        seconds = [
+            json.loads(p.read_text())["seconds"]
+            for p in sorted(run.glob(f"stages/step=*/{stage}/MANIFEST.json"))
+            if int(p.parts[-3].removeprefix("step=")) >= 2
+        ]
+        out[stage] = round(statistics.median(seconds), 3)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             run = Path(tmp) / name
             cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--run-dir", str(run)]
+            cmd += ["--tasks-per-node", str(RANKS.get(name, 1))]
             cmd += ["--config", str(CONFIG), *common, *VARIANTS[name]]
             t = time.monotonic()
             res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=os.environ)
