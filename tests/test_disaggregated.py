@@ -9,6 +9,7 @@ the ranks of a local job split the cores, and a matmul's sums may depend on its 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,11 @@ def test_a_rollout_rank_generates_what_the_colocated_run_generates(
     published = [e["version"] for e in events(run) if e["event"] == "handoff_publish"]
     assert published == list(range(1, STEPS - 1)), published
     assert not (run / "handoff").exists()
+    # Each role's busy seconds reached the trainer's metrics: generation's from rank 1.
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
+    assert sum(m["roles/generation_busy_s"] > 0 for m in lines) >= STEPS - 2, lines
+    assert all(m["roles/training_busy_s"] > 0 for m in lines)
     # Each step sampled from the weights of train step s-2 (the rows record it).
     t = trajectories(run)
     pairs = set(

@@ -20,6 +20,7 @@ from rftpipe.errors import UserError
 from rftpipe.faults import slow
 from rftpipe.observe import memory
 from rftpipe.observe.events import events
+from rftpipe.run import roles
 from rftpipe.stages.base import Rows, Runtime, Stage, StepPlan, StepState
 from rftpipe.storage.atomic import CorruptionError
 from rftpipe.storage.layout import schema_version
@@ -46,6 +47,7 @@ def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None
     out = stage.run(rt, plan, state.rows)
     slow(stage.name)
     t1 = time.perf_counter()
+    roles.clock().add(stage.name, t1 - t0)
     # This rank's peak during the stage (the manifest keeps rank 0's; events every rank's).
     mem = memory.stage_figures(stage.name)
     events().write("stage_memory", step=step, stage=stage.name, **mem)

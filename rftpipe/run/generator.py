@@ -11,7 +11,7 @@ import shutil
 
 from rftpipe.config.schema import RunConfig
 from rftpipe.observe import memory
-from rftpipe.run import handoff, runtime
+from rftpipe.run import handoff, roles, runtime
 from rftpipe.run.driver import generate
 from rftpipe.run.placement import Placement
 from rftpipe.run.preemption import NoStop, StopFlag
@@ -30,6 +30,8 @@ def generate_run(
 ) -> int:
     memory.start_run_sampler()
     rt = runtime.build(cfg, run, placement.dist, allow_mismatch, stop, placement)
+    if rt.dist.is_main:
+        roles.write_generation_clock(handoff.channel(rt))  # the trainers' first reading
     placement.job.barrier()  # the trainers' restart is done: the directory is consistent
     memory.mark_baseline()
     total = cfg.total_steps
@@ -38,6 +40,8 @@ def generate_run(
             continue
         handoff.receive(rt, step)
         generate(rt, step, StepState(rows=no_rows, timings={}))
+        if rt.dist.is_main:
+            roles.write_generation_clock(handoff.channel(rt))
     # Until the trainers are done: the job ends for both roles together.
     handoff.wait(rt, lambda: rt.store.is_committed(total, FINAL), "the trainers' last step")
     if rt.dist.is_main:

@@ -24,7 +24,7 @@ from rftpipe.observe.trackers import (
     WandbTracker,
     wandb_mode,
 )
-from rftpipe.run import export, resume, runtime
+from rftpipe.run import export, handoff, resume, roles, runtime
 from rftpipe.run.driver import evaluate_initial, maybe_checkpoint, run_step
 from rftpipe.run.metrics import step_metrics, write_summary
 from rftpipe.run.placement import Placement
@@ -77,6 +77,7 @@ def train_run(
         finish(rt)
         return 0
     trackers = make_trackers(rt, last_done)
+    busy = roles.Roles(handoff.channel(rt) if rt.handoff is not None else None)
     evaluate_initial(rt, ckpt_step)
     first = 0 if rt.store.is_committed(0, "eval") else 1
     trackers.log_committed(
@@ -122,6 +123,7 @@ def train_run(
                         "perf/checkpoint_interval": rt.ckpt_schedule.interval(),
                         **memory.run_figures(),
                         **resume_metrics(rt.replays),
+                        **busy.step_figures(),
                     },
                     step,
                 )
