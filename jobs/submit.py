@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -158,17 +160,51 @@ def run_local(run_dir: Path, args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "rftpipe.run.worker", str(run_dir)]
     cmd += ["--repair"] if args.repair else []
     cmd += ["--allow-fingerprint-mismatch"] if args.allow_fingerprint_mismatch else []
+    _adopt_orphans()
     with local_rank_env(args.tasks_per_node) as base:
         procs = [
             subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
             for r in range(args.tasks_per_node)
         ]
-        return _wait_all(procs)
+        try:
+            return _wait_all(procs)
+        finally:
+            _end_adopted(procs)
+
+
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def _adopt_orphans() -> None:
+    """Make the processes a rank leaves behind this process's children (Linux): a rank
+    that ends without its interpreter's teardown, or is killed, leaves vLLM's engine core
+    process running (`launch.rollout_ranks`), which would otherwise go to init."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _end_adopted(ranks: list[subprocess.Popen]) -> None:
+    """Kill and reap every child of this process that is not a rank: what ranks left."""
+    mine = str(os.getpid())
+    ranks_pids = {p.pid for p in ranks}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        if fields[1] == mine and pid not in ranks_pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
 
 
 def _wait_all(procs: list[subprocess.Popen]) -> int:
     code = 0
-    while any(p.poll() is None for p in procs):
+    # Every process polled each time (not `any`, which stops at the first still running):
+    # a rank that died while rank 0 runs must be seen.
+    while None in [p.poll() for p in procs]:
         failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
         if failed and not code:
             code = failed[0]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from helpers import STARTS_VLLM, final_weights, submit, trajectories
 
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
@@ -124,3 +125,25 @@ def test_stale_rollouts_on_vllm_sample_the_scheduled_weights(tmp_path: Path) -> 
     assert [m["rollout/staleness"] for m in metrics] == [0, 1, 1]
     assert metrics[0]["rollout/logprob_abs_diff_max"] < 1e-4
     assert all(m["rollout/logprob_abs_diff_max"] > 1e-2 for m in metrics[1:]), metrics
+
+
+def test_a_rollout_rank_on_vllm_equals_the_colocated_run(tmp_path: Path) -> None:
+    """`launch.rollout_ranks=1` with vLLM at k = 1: rank 1's engine (its engine core in a
+    process of its own: vLLM's groups would span the trainer too) reloads each version
+    from RUN/handoff, written from `train.backend=single`'s module, whose tied lm_head
+    shares the embedding's storage. Samples and final weights equal the colocated run's
+    (in-memory hand-over) bitwise; before every name was written, vLLM's reload put back
+    the old embedding and step 3 sampled 0.19 off in logprob."""
+    args = (*VLLM, "rollout.staleness=1", "total_steps=4", "launch.threads=1")
+    runs = {}
+    for name, extra in (("colocated", ()), ("rank", ("launch.rollout_ranks=1",))):
+        run = tmp_path / name
+        ranks = ("--tasks-per-node", "2" if extra else "1")
+        out = submit(run, *args, *extra, extra=ranks, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[name] = run
+    a, b = (trajectories(runs[n]).drop_columns(["rank"]) for n in ("colocated", "rank"))
+    assert set(b.column("weight_version").to_pylist()) == {0, 1, 2}
+    assert a.equals(b)
+    wa, wb = final_weights(runs["colocated"]), final_weights(runs["rank"])
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -35,15 +35,18 @@ def generate_run(
     placement.job.barrier()  # the trainers' restart is done: the directory is consistent
     memory.mark_baseline()
     total = cfg.total_steps
-    for step in range(1, total + 1):
-        if handoff.generated(rt, step):
-            continue
-        handoff.receive(rt, step)
-        generate(rt, step, StepState(rows=no_rows, timings={}))
-        if rt.dist.is_main:
-            roles.write_generation_clock(handoff.channel(rt))
-    # Until the trainers are done: the job ends for both roles together.
-    handoff.wait(rt, lambda: rt.store.is_committed(total, FINAL), "the trainers' last step")
+    try:
+        for step in range(1, total + 1):
+            if handoff.generated(rt, step):
+                continue
+            handoff.receive(rt, step)
+            generate(rt, step, StepState(rows=no_rows, timings={}))
+            if rt.dist.is_main:
+                roles.write_generation_clock(handoff.channel(rt))
+        # Until the trainers are done: the job ends for both roles together.
+        handoff.wait(rt, lambda: rt.store.is_committed(total, FINAL), "the trainers' last step")
+    finally:
+        rt.rollout_engine.close()  # a serving engine's own processes end with it
     if rt.dist.is_main:
         shutil.rmtree(handoff.channel(rt), ignore_errors=True)  # no step samples from them
     return 0

@@ -254,7 +254,10 @@ def build(
             rollout_engine=build_generator(cfg, model_dir, dist, tokenizer),
             ckpt_writer=writer.Writer(dist, cfg.checkpoint.direct_io),
         )
-    engine, rollout = build_actor(cfg, model_dir, dist, tokenizer)
+    # Beside rollout ranks the trainers' own engine only evaluates: the HF loop, which
+    # shares the actor's module where it can, rather than a second serving engine.
+    name = "hf" if place.role == "train" else None
+    engine, rollout = build_actor(cfg, model_dir, dist, tokenizer, engine_name=name)
     retain_train_blocks(cfg, engine, dist)
     reference = build_reference(cfg, engine, ref_dir or model_dir, dist)
     return Runtime(
@@ -347,8 +350,10 @@ def build_actor(
     dist: Dist,
     tokenizer: Any,
     rollout: RolloutEngine | None = None,
+    engine_name: str | None = None,
 ) -> tuple[TrainEngine, RolloutEngine]:
-    """The actor at its initial weights, and the rollout engine that samples from it.
+    """The actor at its initial weights, and the rollout engine that samples from it
+    (`engine_name`, default `rollout.engine`).
 
     A serving engine given as `rollout` is kept (it is expensive to start and takes its
     weights at the next sync); the HF loop is rebuilt, since it may share the actor's module.
@@ -358,8 +363,11 @@ def build_actor(
     engine = TRAIN_ENGINES[cfg.train.backend](
         model, cfg.train, dist, role="actor", total_updates=updates
     )
-    if rollout is None or isinstance(rollout, HFGenerateEngine):
-        rollout = ROLLOUT_ENGINES[cfg.rollout.engine].build(cfg, model_dir, dist, tokenizer, model)
+    if isinstance(rollout, HFGenerateEngine):
+        engine_name = "hf"
+    if rollout is None or engine_name == "hf":
+        name = engine_name or cfg.rollout.engine
+        rollout = ROLLOUT_ENGINES[name].build(cfg, model_dir, dist, tokenizer, model)
     return engine, rollout
 
 

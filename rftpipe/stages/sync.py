@@ -87,16 +87,19 @@ def _publish(target: Path, write: Callable[[Path], None]) -> None:
 def write_weights(weights: torch.nn.Module | Mapping[str, torch.Tensor], tmp: Path) -> None:
     """The weights as one safetensors file in `tmp`."""
     state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
-    # safetensors refuses tensors that share storage: a tied lm_head is the embedding
-    # again, and loaders of tied models skip it.
+    # Every name is written, a tied lm_head too: vLLM's in-place reload puts back the old
+    # weights of a layer the directory lacks, and with a tied lm_head (absent when only
+    # the first of two names sharing storage was written) that reverted the embedding:
+    # samples after the first sync were 0.19 off in logprob (2026-11-28, train.backend
+    # single; FSDP2's gathered state holds both names apart). safetensors refuses tensors
+    # that share storage, so the second name gets a copy.
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, tensor in state.items():
         ptr = tensor.untyped_storage().data_ptr()
-        if ptr in seen:
-            continue
+        tensor = tensor.detach().to("cpu")
+        tensors[name] = tensor.clone() if ptr in seen else tensor.contiguous()
         seen.add(ptr)
-        tensors[name] = tensor.detach().to("cpu").contiguous()
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "index.json").write_text(json.dumps({"tensors": len(tensors)}))
 
@@ -123,7 +126,10 @@ class SyncStage:
 def sync_weights(rt: Runtime, version: int) -> None:
     """The sync stage's work (also a restart's, for the weights it loaded). With
     `weight_sync=disk` the weights go through RUN/sync, transient: a replay writes it again."""
-    via = rt.run.root / "sync" if rt.cfg.rollout.inference.weight_sync == "disk" else None
+    # Beside rollout ranks (`rt.handoff`) this engine is the trainers' own HF loop, which
+    # takes the weights in memory; the rollout ranks get theirs from the handoff.
+    disk = rt.cfg.rollout.inference.weight_sync == "disk" and rt.handoff is None
+    via = rt.run.root / "sync" if disk else None
     run(
         rt.rollout_engine,
         rt.train_engine,

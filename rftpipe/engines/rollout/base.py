@@ -134,6 +134,10 @@ class RolloutEngine(Protocol):
         """Undo `sleep` (idempotent); generating wakes the engine by itself."""
         ...
 
+    def close(self) -> None:
+        """Release the engine and end any process of its own; it is not used again."""
+        ...
+
 
 def split_groups(
     tokens: list[list[int]], logprobs: list[list[float]], reasons: list[FinishReason], n: int

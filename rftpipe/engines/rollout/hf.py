@@ -514,6 +514,10 @@ class HFGenerateEngine:
         self.weight_version = version
         self.end_episodes()  # caches of the old weights
 
+    def close(self) -> None:
+        """Nothing of its own to end: the model goes with the process."""
+        self.end_episodes()
+
     def sleep(self) -> None:
         """Free the kept episode caches (`continues_turns`); the weights are the trainer's
         own memory."""

@@ -280,7 +280,12 @@ class VLLMEngine:
             pixels = {"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels}
             if any(v is not None for v in pixels.values()):
                 kwargs["mm_processor_kwargs"] = {k: v for k, v in pixels.items() if v is not None}
-        if dist.world > 1:
+        if dist.group is not None:
+            # Ranks that only generate (`launch.rollout_ranks`): vLLM initializes its groups
+            # over the whole job, which the trainers never join, so its engine core runs in
+            # a process of its own, with a process group of its own.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        elif dist.world > 1:
             # Reuse the trainer's process group: each tensor-parallel group of ranks holds
             # one engine, and the groups generate independently (vLLM's "external DP").
             kwargs["distributed_executor_backend"] = "external_launcher"
@@ -594,7 +599,9 @@ class VLLMEngine:
         self._asleep = False
 
     def close(self) -> None:
-        """Release the engine (its memory goes when the process ends in any case)."""
+        """Release the engine, and end its engine core process where it has one (its
+        memory goes when this process ends in any case)."""
+        self.llm.llm_engine.engine_core.shutdown()
         del self.llm
 
 
