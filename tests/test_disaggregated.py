@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import events, final_weights, stage_history, submit, trajectories
+from helpers import ROOT, events, final_weights, stage_history, submit, trajectories
 
 from rftpipe.faults import HANDOFF_FAULT_POINTS
 from rftpipe.stages import ORDER
@@ -143,3 +143,24 @@ def test_staleness_two_killed_once_resumes_bitwise(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     _assert_nothing_committed_ran_again(run)
     _assert_equal_runs(run, ref)
+
+
+def test_a_failing_rollout_rank_stops_the_trainer(tmp_path: Path) -> None:
+    """The rollout rank's score stage raises (a reward function's error): the trainer,
+    waiting for that step's generation, stops too and rank 0 prints the rollout rank's
+    error in one line (exit 2), rather than waiting forever (under Slurm nothing else ends
+    the wait)."""
+    run = tmp_path / "run"
+    out = submit(
+        run,
+        THREADS,
+        "launch.rollout_ranks=1",
+        "reward.functions=[bad_rewards:boom]",
+        extra=TWO,
+        env={"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}"},
+        timeout=180,
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = [x for x in out.stderr.splitlines() if x.startswith("rftpipe: error:")]
+    assert len(line) == 1 and "the rollout ranks failed" in line[0] and "boom" in line[0], line
+    assert not (run / "stages" / "step=1" / "score" / "MANIFEST.json").exists()

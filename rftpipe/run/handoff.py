@@ -18,16 +18,19 @@ stop flag at each poll, so a stop never leaves a role waiting for the other.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rftpipe.errors import UserError
 from rftpipe.faults import fault
 from rftpipe.observe.events import events
 from rftpipe.run.staleness import weights_of
 from rftpipe.stages.base import Runtime
 from rftpipe.stages.sync import write_weights
+from rftpipe.storage.layout import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,12 @@ FIRST_STAGE_AFTER_GENERATION = "score"
 
 
 def channel(rt: Runtime) -> Path:
-    return rt.run.root / "handoff"
+    return channel_of(rt.run)
+
+
+def channel_of(run: RunDir) -> Path:
+    """RUN/handoff: the weights for the rollout ranks, their clock, a role's failure."""
+    return run.root / "handoff"
 
 
 def used_by(version: int, staleness: int) -> int | None:
@@ -102,13 +110,41 @@ def generated(rt: Runtime, step: int) -> bool:
     return rt.store.is_committed(step, FIRST_STAGE_AFTER_GENERATION)
 
 
+FAILED = "FAILED"
+"""Written by a role's rank that fails: the other role stops waiting for it."""
+
+
+def report_failure(root: Path, role: str, error: BaseException) -> None:
+    """A rank of `role` failed with `error` (not a stop): tell the other role's waits."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{FAILED}.{os.getpid()}.tmp"
+    tmp.write_text(f"the {role} ranks failed: {type(error).__name__}: {error}"[:2000])
+    os.replace(tmp, root / FAILED)
+
+
+def clear_failure(rt: Runtime) -> None:
+    """The trainers' first rank, before the roles start: an earlier job's failure is not
+    this one's."""
+    if rt.dist.is_main:
+        (channel(rt) / FAILED).unlink(missing_ok=True)
+
+
+class OtherRoleFailed(UserError):
+    """The ranks of the other role failed; this one would wait for them forever. A
+    `UserError`: its one line (the other role's error) is what the job's rank 0 prints."""
+
+
 def wait(rt: Runtime, ready: Callable[[], bool], what: str) -> float:
     """Poll until `ready()` on every rank of the role (they agree each poll, as on a stop),
-    checking the stop flag at each poll. Returns the seconds waited."""
+    checking the stop flag at each poll, and that the other role has not failed (under
+    Slurm nothing else would end this wait). Returns the seconds waited."""
     t0 = time.perf_counter()
     logged = False
+    failed = channel(rt) / FAILED
     while True:
         rt.stop.check(rt.dist, f"waiting for {what}")
+        if rt.dist.any(failed.exists()):
+            raise OtherRoleFailed(f"{failed.read_text()} (while waiting for {what})")
         if not rt.dist.any(not ready()):
             break
         if not logged and time.perf_counter() - t0 > 5:

@@ -58,6 +58,7 @@ def train_run(
         )
     ckpt_step = resume.prepare(rt, repair)
     if placement is not None and placement.disaggregated:
+        handoff.clear_failure(rt)
         placement.job.barrier()  # the rollout ranks start on the consistent directory
     # Every stage's memory increment is measured from here: model, engines and state loaded.
     memory.mark_baseline()

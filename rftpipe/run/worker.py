@@ -88,12 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(cfg.logging.level, dist.rank)
         set_event_log(EventLog(run.events_path, dist.rank))
         from rftpipe.run.generator import generate_run
+        from rftpipe.run.handoff import OtherRoleFailed, channel_of, report_failure
         from rftpipe.run.loop import train_run
         from rftpipe.run.placement import place
         from rftpipe.run.preemption import StopRequested, requeue_after_stop
 
+        placement = place(cfg, dist)
         try:
-            placement = place(cfg, dist)
             if placement.role == "rollout":
                 code = generate_run(
                     cfg, run, placement, allow_mismatch=args.allow_fingerprint_mismatch, stop=stop
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         except StopRequested as req:
             requeue_after_stop(req, dist, cfg.launch.max_requeues)
             return 0
+        except BaseException as exc:
+            if placement.disaggregated and not isinstance(exc, OtherRoleFailed):
+                report_failure(channel_of(run), placement.role, exc)
+            raise
     except UserError as exc:
         events().write("user_error", message=str(exc))
         # Every rank usually meets the same bad input; one line on stderr is enough.
