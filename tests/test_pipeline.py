@@ -206,7 +206,10 @@ def _update_metrics(run: Path) -> list[dict]:
     """metrics.jsonl without the machine's timings and the restart's own figures
     (`resume/*`: only a resumed process logs them; its replays are checked by event)."""
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if not k.startswith(("perf/", "resume/"))} for m in lines]
+    return [
+        {k: v for k, v in m.items() if not k.startswith(("perf/", "resume/", "roles/"))}
+        for m in lines
+    ]
 
 
 def test_actor_old_logprobs_with_tis_exact_under_replay(tmp_path: Path) -> None:

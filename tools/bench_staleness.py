@@ -123,12 +123,13 @@ def _timeline(gen: list, train: list, t0: float, t1: float, width: int = 60) -> 
 
 def measure(run: Path, samples_per_step: int) -> dict[str, Any]:
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
-    stages = [e for e in events if e["event"] in ("stage_begin", "commit")]
-    t0, t1 = stages[0]["t"], stages[-1]["t"]
-    syncs = [e["t"] for e in stages if e["event"] == "commit" and e["stage"] == "sync"]
-    steps = [b - a for a, b in pairwise(syncs)]
     gen = _intervals(events, GENERATION)
     train = _intervals(events, ("advantage", "train", "sync"))
+    # Each stage once, from its first begin to its first commit on any rank: another
+    # rank's commit of the same stage (every rank commits it) is not a later stage.
+    t0, t1 = min(a for a, _ in gen + train), max(b for _, b in gen + train)
+    syncs = sorted(b for _, b in _intervals(events, ("sync",)))
+    steps = [b - a for a, b in pairwise(syncs)]
     steady = statistics.median(steps)
     return {
         "span_s": round(t1 - t0, 2),
@@ -152,7 +153,8 @@ def stage_seconds(run: Path) -> dict[str, float]:
             for p in sorted(run.glob(f"stages/step=*/{stage}/MANIFEST.json"))
             if int(p.parts[-3].removeprefix("step=")) >= 2
         ]
-        out[stage] = round(statistics.median(seconds), 3)
+        if seconds:  # a run too short for steps 2.. (or a synthetic event log) has none
+            out[stage] = round(statistics.median(seconds), 3)
     return out
 
 
