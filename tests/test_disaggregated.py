@@ -84,8 +84,8 @@ def test_a_rollout_rank_generates_what_the_colocated_run_generates(
     # Each role's busy seconds reached the trainer's metrics: generation's from rank 1.
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
-    assert sum(m["roles/generation_busy_s"] > 0 for m in lines) >= STEPS - 2, lines
-    assert all(m["roles/training_busy_s"] > 0 for m in lines)
+    assert sum(m["perf/generation_busy_s"] > 0 for m in lines) >= STEPS - 2, lines
+    assert all(m["perf/training_busy_s"] > 0 for m in lines)
     # Each step sampled from the weights of train step s-2 (the rows record it).
     t = trajectories(run)
     pairs = set(

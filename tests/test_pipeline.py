@@ -136,7 +136,7 @@ SINGLE_TURN_METRICS = {
     *(f"train/{k}" for k in ("kl_coef", "lr", "pg_loss", "ratio_mean", "tokens", "updates")),
     "train/skipped_micro_batches",
     # 2026-11-28: each role's busy and idle seconds over the step (rftpipe.run.roles)
-    *(f"roles/{r}_{k}_s" for r in ("generation", "training") for k in ("busy", "idle")),
+    *(f"perf/{r}_{k}_s" for r in ("generation", "training") for k in ("busy", "idle")),
 }
 
 
@@ -206,10 +206,7 @@ def _update_metrics(run: Path) -> list[dict]:
     """metrics.jsonl without the machine's timings and the restart's own figures
     (`resume/*`: only a resumed process logs them; its replays are checked by event)."""
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [
-        {k: v for k, v in m.items() if not k.startswith(("perf/", "resume/", "roles/"))}
-        for m in lines
-    ]
+    return [{k: v for k, v in m.items() if not k.startswith(("perf/", "resume/"))} for m in lines]
 
 
 def test_actor_old_logprobs_with_tis_exact_under_replay(tmp_path: Path) -> None:

@@ -80,7 +80,7 @@ def _assert_same_metrics(run: Path, reference: Path) -> None:
     """Every deterministic per-step metric is equal (perf/* are wall-clock times; resume/*
     describe the restart, logged by the resumed process alone, whose replays
     `_assert_replays_identical` checks)."""
-    skip = ("perf/", "resume/", "roles/")
+    skip = ("perf/", "resume/")
     for a, b in zip(_metrics(reference), _metrics(run), strict=True):
         a = {k: v for k, v in a.items() if not k.startswith(skip)}
         b = {k: v for k, v in b.items() if not k.startswith(skip)}

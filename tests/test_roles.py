@@ -24,9 +24,9 @@ def test_busy_and_idle_in_this_process() -> None:
     time.sleep(0.2)
     roles.clock().add("train", 0.05)
     f = view.step_figures()
-    assert f["roles/training_busy_s"] == pytest.approx(0.05)
-    assert f["roles/training_idle_s"] == pytest.approx(f["roles/generation_idle_s"] - 0.05)
-    assert f["roles/generation_busy_s"] == 0.0 and f["roles/generation_idle_s"] >= 0.2
+    assert f["perf/training_busy_s"] == pytest.approx(0.05)
+    assert f["perf/training_idle_s"] == pytest.approx(f["perf/generation_idle_s"] - 0.05)
+    assert f["perf/generation_busy_s"] == 0.0 and f["perf/generation_idle_s"] >= 0.2
 
 
 def test_generation_on_other_ranks_is_read_from_their_clock_file(tmp_path: Path) -> None:
@@ -34,8 +34,8 @@ def test_generation_on_other_ranks_is_read_from_their_clock_file(tmp_path: Path)
     view = roles.Roles(tmp_path)
     (tmp_path / roles.CLOCK_FILE).write_text(json.dumps({"busy_s": 13.0, "t": 104.0}))
     f = view.step_figures()
-    assert f["roles/generation_busy_s"] == 3.0 and f["roles/generation_idle_s"] == 1.0
+    assert f["perf/generation_busy_s"] == 3.0 and f["perf/generation_idle_s"] == 1.0
     # Unreadable (mid-replace on a shared file system): nothing grew.
     (tmp_path / roles.CLOCK_FILE).unlink()
     f = view.step_figures()
-    assert f["roles/generation_busy_s"] == 0.0 and f["roles/generation_idle_s"] == 0.0
+    assert f["perf/generation_busy_s"] == 0.0 and f["perf/generation_idle_s"] == 0.0

@@ -86,7 +86,7 @@ class Roles:
         return now, _clock.busy("training"), *generation
 
     def step_figures(self) -> dict[str, float]:
-        """`roles/<role>_busy_s` and `_idle_s` since the previous call (or the start).
+        """`perf/<role>_busy_s` and `_idle_s` since the previous call (or the start).
         With separate rollout ranks, generation's are over the interval between the two
         latest writes of their clock file, on their own clock."""
         now = self._read(self._last)
@@ -94,8 +94,8 @@ class Roles:
         gen_wall, gen_busy = now[2] - self._last[2], now[3] - self._last[3]
         self._last = now
         return {
-            "roles/training_busy_s": round(train_busy, 3),
-            "roles/training_idle_s": round(max(0.0, wall - train_busy), 3),
-            "roles/generation_busy_s": round(gen_busy, 3),
-            "roles/generation_idle_s": round(max(0.0, gen_wall - gen_busy), 3),
+            "perf/training_busy_s": round(train_busy, 3),
+            "perf/training_idle_s": round(max(0.0, wall - train_busy), 3),
+            "perf/generation_busy_s": round(gen_busy, 3),
+            "perf/generation_idle_s": round(max(0.0, gen_wall - gen_busy), 3),
         }
