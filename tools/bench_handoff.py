@@ -17,7 +17,8 @@ trainer's new weights to the rollout rank's model both ways, one after the other
   into the rollout model's parameters, one call per tensor in the state dict's order.
 
 Both sides agree at a barrier before each timed hand-over. The figures are medians over
-`--reps`; `equal` says whether the rollout model ended with the trainer's weights bitwise.
+`--reps`; `equal` says whether the rollout model ended every repetition with the trainer's
+weights bitwise.
 On one machine the file is read back from the page cache; across nodes it goes through the
 cluster's shared filesystem (`--dir` there measures that).
 """
@@ -69,8 +70,7 @@ def build(shape: str, seed: int) -> torch.nn.Module:
 
 
 def _directory(rank: int, model: torch.nn.Module, root: Path, rep: int) -> float:
-    from safetensors.torch import load_file
-
+    from rftpipe.engines.rollout.hf import load_weights_dir
     from rftpipe.stages.sync import write_weights
 
     target = root / f"v{rep}"
@@ -84,8 +84,7 @@ def _directory(rank: int, model: torch.nn.Module, root: Path, rep: int) -> float
     # The reader starts once the rename is done, as a rollout rank polling for it would.
     dist.barrier()
     if rank == 1:
-        state = load_file(target / "model.safetensors")
-        model.load_state_dict(state, strict=False)  # a tied lm_head is the embedding
+        load_weights_dir(model, target)  # the rollout ranks' own read (the HF loop's)
     dist.barrier()
     seconds = time.perf_counter() - t0
     if rank == 0:
@@ -108,17 +107,17 @@ def _rank(rank: int, shape: str, reps: int, root: str, init: str, out: str) -> N
     # One core each, as `launch.rollout_ranks=1` gives each role on this 2-core machine.
     torch.set_num_threads(1)
     times: dict[str, list[float]] = {"directory": [], "broadcast": []}
-    equal = {}
+    equal = {"directory": True, "broadcast": True}  # every repetition's, not the last one's
     for rep in range(reps):
         # Each repetition, the trainer's weights are new: the rollout rank's are stale.
         trainer = build(shape, seed=rep + 1)
         model = trainer if rank == 0 else build(shape, seed=0)
         times["directory"].append(_directory(rank, model, Path(root), rep))
-        equal["directory"] = _same(model, trainer)
+        equal["directory"] &= _same(model, trainer)
         if rank == 1:
             model = build(shape, seed=0)
         times["broadcast"].append(_broadcast(model))
-        equal["broadcast"] = _same(model, trainer)
+        equal["broadcast"] &= _same(model, trainer)
     if rank == 1:
         numel = sum(t.numel() for t in model.state_dict().values())
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())

@@ -507,7 +507,7 @@ class HFGenerateEngine:
         directory holds them as `rftpipe.stages.sync.write_weights` wrote them (separate
         rollout ranks: `rftpipe.run.handoff`)."""
         if isinstance(weights, Path):
-            _load_dir(self.model, weights)
+            load_weights_dir(self.model, weights)
         elif weights is not self.model:
             state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
             self.model.load_state_dict(state)
@@ -666,9 +666,11 @@ def _sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return tok.clamp_(max=probs.shape[-1] - 1)
 
 
-def _load_dir(model: torch.nn.Module, path: Path) -> None:
-    """`model`'s weights from `path`/model.safetensors, which holds each storage once: a
-    tied tensor (lm_head on the embedding) is loaded through the name kept for it."""
+def load_weights_dir(model: torch.nn.Module, path: Path) -> None:
+    """`model`'s weights from `path`/model.safetensors, as `rftpipe.stages.sync.write_weights`
+    wrote them (a tied lm_head, when written, loads into the embedding's storage; when
+    absent, through the name kept for it). The rollout ranks' read of a hand-over
+    (`rftpipe.run.handoff`), and what `tools.bench_handoff` times."""
     from safetensors.torch import load_file
 
     state = load_file(path / "model.safetensors", device=str(next(model.parameters()).device))
