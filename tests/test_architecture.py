@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rftpipe.algos",),
     ("rftpipe.config",),
     ("rftpipe.storage",),
-    ("rftpipe.data", "rftpipe.checkpoint", "rftpipe.envs"),
+    ("rftpipe.data", "rftpipe.checkpoint", "rftpipe.envs", "rftpipe.agents"),
     ("rftpipe.engines",),
     ("rftpipe.rewards", "rftpipe.observe"),
     ("rftpipe.stages",),

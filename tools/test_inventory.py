@@ -191,7 +191,9 @@ def kills(funcs: list[Func]) -> set[str]:
         ).startswith("kill_"):
             out.add("kill")  # kill_at=, .kill_pgid=: a helper process told what to kill
         elif isinstance(x, ast.Call) and (name := callee(x)) in ("kill", "killpg", "send_signal"):
-            sig = x.args[0 if name == "send_signal" else 1] if x.args else None
+            at = 0 if name == "send_signal" else 1
+            # `pool.kill(episode)`: a method of ours with no signal argument.
+            sig = x.args[at] if len(x.args) > at else None
             number = sig.value if isinstance(sig, ast.Constant) and type(sig.value) is int else -1
             if number != 0:  # os.kill(pid, 0) probes a process and sends nothing
                 attr = getattr(sig, "attr", "")

@@ -518,6 +518,88 @@ class EnvConfig:
             raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
 
 
+#: What `rollout.agent.path` may look like: an async function by import path.
+_AGENT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgentConfig:
+    """An agent program the policy is trained in, unchanged (`rftpipe.agents`): each episode
+    runs `async def fn(task, client, model, **kwargs)` in a process of its own, with an
+    `openai.AsyncOpenAI` client whose key binds its calls to that episode, against the
+    OpenAI-compatible endpoint the rollout stage serves; every model call is a turn of the
+    episode, and what `fn` returns is its reward. docs/agents.md."""
+
+    path: str
+    """The agent: `pkg.mod:fn`, an `async def fn(task: dict, client, model: str, **kwargs)`
+    returning the episode's reward (a number) or `rftpipe.agents.AgentResult` (or a dict
+    with `reward` and `info`). `task` holds the prompt's `prompt_id`, `messages`, `answer`
+    and `metadata`."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the agent function (JSON values)."""
+
+    python: str | None = None
+    """The interpreter agent processes run under (unset: the run's own). Another one keeps
+    an agent's dependencies apart from the trainer's: it gets the run's source directories
+    on its path but not the run's installed packages, and needs `openai` installed."""
+
+    timeout_s: float = 60.0
+    """Longest an agent may take between an answer and its next call (or its return), and
+    to make its first call: past it the agent's process group is killed and the episode
+    fails as `on_error` says. Time spent waiting for the model does not count."""
+
+    max_calls: int = 4
+    """Most model calls in one episode; the call past it is refused (HTTP 400) and the
+    episode ends as `max_turns` with the reward the agent returns."""
+
+    max_total_tokens: int = 1024
+    """Most tokens after the first call's prompt in an episode's sequence (the model's and
+    the agent's messages' together); a call that would pass it is cut or refused and the
+    episode ends as `truncated`."""
+
+    tool_parser: ToolParserName = "hermes"
+    """How tool calls are read from a response into the answer's `tool_calls`."""
+
+    on_error: Literal["fail", "end_episode"] = "fail"
+    """An agent that raises, returns something other than a reward, dies or outlives
+    `timeout_s`: `fail` stops the run (exit 2, naming step, prompt, sample and call),
+    `end_episode` ends that episode as `error` with reward 0 and records the error."""
+
+    on_divergence: Literal["fail", "discard"] = "fail"
+    """A resumed episode's agent whose call differs from the committed record (a
+    nondeterministic agent): `fail` stops the run with one line naming the episode and
+    call; `discard` drops the record from that call on and generates afresh."""
+
+    model: str = "policy"
+    """The model name the endpoint serves (another is a 404) and the agent is given."""
+
+    host: str = "127.0.0.1"
+    """Where the endpoint listens (a free port is chosen when it starts)."""
+
+    max_body_bytes: int = 1 << 20
+    """Largest request body the endpoint reads (larger: HTTP 413)."""
+
+    max_messages: int = 256
+    """Most messages in one call (more: HTTP 400)."""
+
+    def __post_init__(self) -> None:
+        if not _AGENT_PATH.match(self.path):
+            raise ValueError(f"path must be 'pkg.mod:fn', got {self.path!r}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
+        if self.max_calls < 1:
+            raise ValueError(f"max_calls must be >= 1, got {self.max_calls}")
+        if self.max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_messages < 1:
+            raise ValueError(f"max_messages must be >= 1, got {self.max_messages}")
+        if not self.model:
+            raise ValueError("model must not be empty")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
     engine: Literal["hf", "vllm", "sglang"] = "hf"
@@ -566,6 +648,10 @@ class RolloutConfig:
     """A multi-turn environment for each episode (unset: one response per sample, scored
     by `reward`). See docs/environments.md."""
 
+    agent: AgentConfig | None = None
+    """An agent program for each episode, calling the policy through an OpenAI-compatible
+    endpoint (unset: no agent). Not with `env`. See docs/agents.md."""
+
     staleness: int = 0
     """k: the rollout of step s samples from the weights after train step s-1-k (the
     initial ones while that is below 1), so the rollouts of steps s+1..s+k are generated
@@ -582,6 +668,10 @@ class RolloutConfig:
     docs/async.md."""
 
     def __post_init__(self) -> None:
+        if self.env is not None and self.agent is not None:
+            raise ValueError(
+                "env and agent are two ways to run an episode; set one of them, not both"
+            )
         if self.staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
         if self.overlap and self.staleness < 1:
@@ -1251,14 +1341,24 @@ class TrainConfig:
             )
 
 
+def episode_limits(rollout: RolloutConfig) -> tuple[int, int] | None:
+    """(most turns, most response tokens) of a multi-turn episode (`rollout.env`, or an
+    agent's calls under `rollout.agent`); None when a sample is one response."""
+    if rollout.env is not None:
+        return rollout.env.max_turns, rollout.env.max_total_tokens
+    if rollout.agent is not None:
+        return rollout.agent.max_calls, rollout.agent.max_total_tokens
+    return None
+
+
 def response_budget(rollout: RolloutConfig) -> int:
     """The most tokens the model samples in one row: `rollout.max_new_tokens`, or over a
     multi-turn episode's turns (capped by its total budget). The constant length of
     `seq-mean-token-sum-norm`."""
-    env = rollout.env
-    if env is None:
+    limits = episode_limits(rollout)
+    if limits is None:
         return rollout.max_new_tokens
-    return min(env.max_turns * rollout.max_new_tokens, env.max_total_tokens)
+    return min(limits[0] * rollout.max_new_tokens, limits[1])
 
 
 def old_logprobs_source(train: TrainConfig, rollout: RolloutConfig) -> Literal["rollout", "actor"]:
@@ -1529,14 +1629,15 @@ class RunConfig:
         if self.total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
         columns = [spec.column for spec in self.reward.specs()]
-        if not columns and self.rollout.env is None:
-            # A multi-turn environment's own rewards may be the whole return.
+        episodic = episode_limits(self.rollout) is not None
+        if not columns and not episodic:
+            # A multi-turn environment's own rewards (an agent's) may be the whole return.
             raise ValueError(
-                "reward.functions must name at least one reward (only a rollout.env "
-                "scores rows by itself)"
+                "reward.functions must name at least one reward (only a rollout.env or "
+                "rollout.agent scores rows by itself)"
             )
         # An episode's environment return is a component too (the score stage's `reward_env`).
-        metrics = [*columns, *(["reward_env"] if self.rollout.env is not None else [])]
+        metrics = [*columns, *(["reward_env"] if episodic else [])]
         if self.eval.size and f"reward_{self.eval.metric}" not in metrics:
             names = [c.removeprefix("reward_") for c in metrics]
             raise ValueError(
@@ -1565,6 +1666,7 @@ class RunConfig:
             )
         self._check_dynamic_sampling(columns)
         self._check_env()
+        self._check_agent(estimator.traits.needs_baseline_rollout)
         self._check_disaggregated()
         if (
             self.model.lora is not None
@@ -1661,6 +1763,23 @@ class RunConfig:
                 f"{self.rollout.inference.tensor_parallel_size}: multi-turn episodes run one "
                 "engine per rank; set tensor_parallel_size=1"
             )
+
+    def _check_agent(self, baseline: bool) -> None:
+        """What agent episodes (`rollout.agent`) do not compose with yet; each refusal is
+        listed in docs/agents.md."""
+        if self.rollout.agent is None:
+            return
+        refused = [
+            (self.rollout.engine != "hf", f"rollout.engine={self.rollout.engine} (hf only)"),
+            (self.rollout.staleness > 0, "rollout.staleness > 0"),
+            (self.rollout.dynamic_sampling.enabled, "rollout.dynamic_sampling"),
+            (self.eval.size > 0, "eval.size > 0 (held-out agent episodes)"),
+            (baseline, f"advantage.estimator={self.advantage.estimator} (a greedy baseline)"),
+            (bool(self.launch.rollout_ranks or self.launch.rollout_nodes), "rollout ranks"),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"rollout.agent with {what}: not built yet; docs/agents.md")
 
     def _check_dynamic_sampling(self, columns: list[str]) -> None:
         ds = self.rollout.dynamic_sampling

@@ -228,6 +228,13 @@ def step_metrics(store: StageStore, step: int, env: EnvConfig | None = None) -> 
         # Rank 0's seconds waiting for environments, over the step's generation rounds.
         rounds = generation.committed_rounds(store, step, "rollout")
         out["perf/env_s"] = sum(store.manifest(step, r).get("env_s", 0.0) for r in rounds)
+        manifest = store.manifest(step, "rollout")
+        if "agent_s" in manifest:
+            # An agent stage's (rank 0's): seconds its agents ran, calls a restart answered
+            # from the record, and engine calls per call index.
+            out["perf/agent_s"] = manifest["agent_s"]
+            out["agent/from_record"] = manifest["agent_from_record"]
+            out["agent/engine_calls"] = sum(manifest["agent_engine_calls"])
     # The advantage stage's own (rollout/logprob_abs_diff_* when the actor recomputes the
     # old logprobs); manifests committed before it reported any have none.
     out.update(store.manifest(step, "advantage").get("metrics", {}))

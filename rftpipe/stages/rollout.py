@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from rftpipe.algos.variants import ADVANTAGE_ESTIMATORS
-from rftpipe.config.schema import EnvConfig, RolloutConfig
+from rftpipe.config.schema import AgentConfig, EnvConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt
 from rftpipe.dist import Dist
 from rftpipe.engines.rollout.base import RolloutEngine
@@ -18,9 +18,10 @@ from rftpipe.engines.vision import VisionEncoder
 from rftpipe.envs.base import Environment
 from rftpipe.envs.loader import make_environment
 from rftpipe.envs.pool import shared_pool
+from rftpipe.errors import UserError
 from rftpipe.observe.events import events
 from rftpipe.seeding import derive_seed
-from rftpipe.stages import episodes, round_stage
+from rftpipe.stages import agents, episodes, round_stage
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
 from rftpipe.stages.images import prompt_inputs, store_images, with_image_refs
 from rftpipe.storage.layout import schema_version
@@ -75,6 +76,8 @@ class RolloutInputs:
     it is the same on any replay."""
     env: EnvConfig | None = None
     """The multi-turn environment (`rollout.env`), if any."""
+    agent: AgentConfig | None = None
+    """The agent program of each episode (`rollout.agent`), if any."""
     encoder: VisionEncoder | None = None
     """A vision-language policy's image encoding (its prompts' images go to the engine)."""
 
@@ -90,6 +93,8 @@ def run(
     and resume from its newest."""
     if cfg.env is not None:
         return _episode_table(cfg, cfg.env, engine, tokenizer, inp, turns)
+    if cfg.agent is not None:
+        return _agent_table(cfg, cfg.agent, engine, tokenizer, inp, turns)
     cols: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
     g = engine.groups_per_call
     # The HF loop's calls are `rollout.groups_per_call` groups and this rank holds whole
@@ -192,6 +197,38 @@ def _episode_table(
     return episode_rows(inp, engine, tokenizer, out.episodes)
 
 
+def _agent_table(
+    cfg: RolloutConfig,
+    agent: AgentConfig,
+    engine: RolloutEngine,
+    tokenizer,
+    inp: RolloutInputs,
+    turns: TurnStore | None,
+) -> pa.Table:
+    """Agent episodes: this rank's agents served call index by call index
+    (`stages.agents`), each index committed to `turns` (None: not durable)."""
+    if inp.encoder is not None:
+        raise UserError("rollout.agent with image prompts: not built yet; docs/agents.md")
+    g = engine.groups_per_call
+    resumed, done = turns.resume(inp) if turns is not None else ({}, 0)
+    ag_inp = agents.AgentInputs(
+        cfg=cfg,
+        agent=agent,
+        run_seed=inp.run_seed,
+        step=inp.step,
+        stage=inp.seed_stage,
+        calls=[inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)],
+        resumed=resumed,
+        resumed_turns=done,
+    )
+    log: episodes.TurnLog = turns.log(inp, engine, tokenizer) if turns else Unlogged()
+    out, stats = agents.run(ag_inp, engine, tokenizer, log)
+    if turns is not None:
+        turns.env_s = out.env_s
+        turns.agent = stats
+    return episode_rows(inp, engine, tokenizer, out.episodes)
+
+
 def episode_rows(
     inp: RolloutInputs, engine: RolloutEngine, tokenizer, finished: Sequence[episodes.Episode]
 ) -> pa.Table:
@@ -259,6 +296,8 @@ class TurnStore:
     stage: str
     env_s: float = 0.0
     """Seconds this rank waited for environments in the stage (set once it ran)."""
+    agent: agents.AgentStats | None = None
+    """An agent stage's counts (set once it ran)."""
 
     def name(self, k: int) -> str:
         return f"{self.stage}.t{k}"
@@ -272,8 +311,8 @@ class TurnStore:
 
     def resume(self, inp: RolloutInputs) -> tuple[dict[tuple[int, int], dict], int]:
         """The rows of this rank's episodes in the newest committed turn, and its turns."""
-        assert inp.env is not None
-        k = self.newest(inp.step, inp.env.max_turns)
+        most = inp.env.max_turns if inp.env is not None else inp.agent.max_calls if inp.agent else 0
+        k = self.newest(inp.step, most)
         if not k:
             return {}, 0
         table = self.store.read_for(
@@ -353,6 +392,7 @@ class RolloutStage(NoSideEffects):
             ).traits.needs_baseline_rollout,
             seed_stage=self.name,
             env=rt.cfg.rollout.env,
+            agent=rt.cfg.rollout.agent,
             encoder=rt.vision,
         )
         turns = TurnStore(rt.store, rt.dist, self.name)
@@ -366,4 +406,8 @@ class RolloutStage(NoSideEffects):
         extra: dict[str, object] = {"sampler": plan.sampler, "prompt_ids": plan.global_ids}
         if rt.cfg.rollout.env is not None:
             extra["env_s"] = turns.env_s  # rank 0's
+        if turns.agent is not None:
+            extra["agent_s"] = turns.agent.agent_s  # rank 0's
+            extra["agent_from_record"] = turns.agent.from_record
+            extra["agent_engine_calls"] = turns.agent.engine_calls
         return StageOutput(rows=table, extra=extra)

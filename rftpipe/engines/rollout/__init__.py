@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rftpipe.config.schema import RunConfig
+from rftpipe.config.schema import RunConfig, episode_limits
 from rftpipe.dist import Dist
 from rftpipe.engines import models
 from rftpipe.engines.rollout.base import RolloutEngine
@@ -48,9 +48,9 @@ def max_model_len(cfg: RunConfig) -> int:
     """The longest sequence a serving engine is sized for: the longest prompt plus a
     response, which in a multi-turn episode is the whole conversation after the prompt
     (`rollout.env.max_total_tokens`, the model's and the environment's tokens)."""
-    env = cfg.rollout.env
+    limits = episode_limits(cfg.rollout)
     return cfg.data.max_prompt_tokens + (
-        env.max_total_tokens if env is not None else cfg.rollout.max_new_tokens
+        limits[1] if limits is not None else cfg.rollout.max_new_tokens
     )
 
 

@@ -1,0 +1,613 @@
+"""Agent episodes (`rollout.agent`): the rollout stage's rows when each episode is a user's
+agent program calling the policy through an OpenAI-compatible endpoint.
+
+The stage serves the endpoint (`rftpipe.agents.server`) while it runs and starts one agent
+process per episode (`rftpipe.agents.pool`), each with a key that binds its calls to that
+episode. Every model call is a turn of the episode (`stages.episodes.Episode`, the same
+row columns as an environment's episode):
+
+- **A barrier per call index.** The stage waits until every running episode has made its
+  next call or returned, then answers the calls of each engine call group
+  (`rollout.groups_per_call` groups) with one engine call, commits the call index for all
+  of the rank's episodes (`TurnLog`, as environment turns are committed), and only then
+  answers the requests. The engine's batches are therefore the same on any timing and
+  after any restart. Call c of sample k of prompt p draws from (run seed, step, stage, p,
+  k, c) alone, as turns do.
+- **Token-exact.** The first call's messages are rendered with the policy's chat template;
+  a later call must extend the previous one: its messages start with the earlier ones and
+  the answer as it was returned (tool calls matched by id, name and arguments), and only
+  the new messages are rendered, as the template's text after the sampled action (the
+  environment episodes' template-delta rule). The sampled tokens are kept as sampled,
+  never re-rendered from the parsed tool calls. A call of the token endpoint must extend
+  the episode's tokens. A call that does not (a rewritten history) is refused with HTTP
+  400: branches are not built yet.
+- **Durable call by call.** After a restart the agents of unfinished episodes start again;
+  each call the record holds is answered from it when its rendered tokens equal the
+  recorded ones, without generating, and the first call past the record is generated with
+  its own seed. A call that differs from the record follows `rollout.agent.on_divergence`.
+  Episodes that had returned before the kill are not run again. The agent's own side
+  effects (files, services) are its business.
+- **Reward.** What the agent returns is the episode's environment return (`env_reward`,
+  added to the last call's `turn_rewards`); reward functions add to it as for any episode.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rftpipe.agents.pool import AgentProcesses, AgentSpec, Failed, Finished
+from rftpipe.agents.server import Answer, ChatCall, Endpoint, Limits, PendingCall, TokenCall
+from rftpipe.config.schema import AgentConfig, RolloutConfig
+from rftpipe.data.prompts import Prompt
+from rftpipe.envs.tools import PARSERS
+from rftpipe.errors import UserError
+from rftpipe.faults import fault
+from rftpipe.observe.events import events
+from rftpipe.seeding import derive_seed
+from rftpipe.stages.episodes import Episode, EpisodeOutput, TurnLog
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgentInputs:
+    cfg: RolloutConfig
+    agent: AgentConfig
+    run_seed: int
+    step: int
+    stage: str
+    """The stage name in the seeds."""
+    calls: Sequence[Sequence[Prompt]]
+    """This rank's prompts, by engine call group (`rollout.groups_per_call` groups each)."""
+    resumed: Mapping[tuple[int, int], Mapping[str, Any]] = field(default_factory=dict)
+    """The committed rows of the newest call index before a restart, by (prompt id,
+    sample)."""
+    resumed_turns: int = 0
+    """How many call indices those rows hold."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStats:
+    """What the stage's metrics report besides the rows (never part of them: a resumed run's
+    rows equal an uninterrupted run's)."""
+
+    agent_s: float
+    """Seconds from the agents' start to their last return (rank's)."""
+    from_record: int
+    """Calls answered from the committed record after a restart."""
+    engine_calls: list[int]
+    """Engine calls made at each call index this process ran."""
+
+
+@dataclass(slots=True)
+class _Live:
+    """An episode while its agent runs."""
+
+    e: Episode
+    group: int
+    """Its engine call group (index into `AgentInputs.calls`)."""
+    record: Mapping[str, Any] | None
+    """The committed row a restart answers calls from (None: nothing committed)."""
+    convo: list[dict[str, Any]] = field(default_factory=list)
+    """The conversation as the agent sees it: the last call's messages and the answer,
+    normalised for comparison (`_norm`)."""
+    render: list[dict[str, Any]] = field(default_factory=list)
+    """The same conversation as the template renders it: each answer as its sampled text."""
+    calls: int = 0
+    """Calls answered so far."""
+    kind: str = "chat"
+    """Which endpoint its calls use (`chat` or `tokens`): one per episode."""
+    pending: PendingCall | None = None
+    pending_ids: list[int] | None = None
+    """The pending call's whole prompt (the episode's tokens plus the new ones)."""
+    deadline: float = 0.0
+    """When the agent must have called or returned (it is not waiting for the model)."""
+    ended: bool = False
+    """Its agent returned (or failed, or was killed)."""
+
+
+def run(
+    inp: AgentInputs, engine: Any, tokenizer: Any, turns: TurnLog
+) -> tuple[EpisodeOutput, AgentStats]:
+    """Every episode of this rank's calls, `cfg.n` samples of each prompt: each an agent
+    process, all served together call index by call index, each index committed through
+    `turns` before its answers go out."""
+    acfg = inp.agent
+    inbox: queue.Queue[Any] = queue.Queue()
+    endpoint = Endpoint(
+        model=acfg.model,
+        inbox=inbox,
+        limits=Limits(
+            max_body_bytes=acfg.max_body_bytes,
+            max_messages=acfg.max_messages,
+            max_tokens=acfg.max_total_tokens,
+            max_n=1,
+        ),
+        host=acfg.host,
+    )
+    pool = AgentProcesses(
+        AgentSpec(path=acfg.path, kwargs=dict(acfg.kwargs), python=acfg.python), inbox
+    )
+    server = _Server(inp, engine, tokenizer, endpoint, pool, inbox)
+    t0 = time.perf_counter()
+    try:
+        endpoint.start()
+        server.start_all()
+        turn = inp.resumed_turns
+        while True:
+            server.gather()
+            pending = [lv for lv in server.live if lv.pending is not None]
+            if not turns.any(bool(pending)):
+                break
+            events().write("agent_call_begin", step=inp.step, stage=inp.stage, call=turn)
+            answers = server.generate(pending, turn)
+            fault("agent_before_call_commit")
+            turns.commit(turn + 1, [lv.e for lv in server.live])
+            fault("agent_after_call_commit")
+            for lv, a in zip(pending, answers, strict=True):
+                server.answered(lv, a)
+            turn += 1
+    finally:
+        pool.close()
+        endpoint.stop()
+    stats = AgentStats(
+        agent_s=time.perf_counter() - t0,
+        from_record=server.from_record,
+        engine_calls=server.engine_calls,
+    )
+    return EpisodeOutput(episodes=[lv.e for lv in server.live], env_s=stats.agent_s), stats
+
+
+class _Server:
+    """The stage's side of the endpoint: episodes, their calls and their agents."""
+
+    def __init__(
+        self,
+        inp: AgentInputs,
+        engine: Any,
+        tokenizer: Any,
+        endpoint: Endpoint,
+        pool: AgentProcesses,
+        inbox: queue.Queue[Any],
+    ) -> None:
+        self.inp, self.engine, self.tokenizer = inp, engine, tokenizer
+        self.endpoint, self.pool, self.inbox = endpoint, pool, inbox
+        self.acfg = inp.agent
+        self.eos = {int(t) for t in inp.cfg.eos_token_ids}
+        if tokenizer.eos_token_id is not None:
+            self.eos.add(int(tokenizer.eos_token_id))
+        self.parse = PARSERS[self.acfg.tool_parser]
+        self.live: list[_Live] = []
+        self.from_record = 0
+        self.engine_calls: list[int] = []
+        for g, prompts in enumerate(inp.calls):
+            for p in prompts:
+                for k in range(inp.cfg.n):
+                    row = inp.resumed.get((p.prompt_id, k))
+                    e = Episode(
+                        prompt=p,
+                        sample_idx=k,
+                        env=None,
+                        prompt_ids=list(p.token_ids),
+                        text="",
+                        messages=[dict(m) for m in p.messages],
+                        slot=len(self.live),
+                    )
+                    lv = _Live(e=e, group=g, record=row)
+                    if row is not None and row["episode_status"] is not None:
+                        # It had returned before the restart: the record is the episode.
+                        _restore_ended(e, row)
+                        lv.ended = True
+                    self.live.append(lv)
+
+    # -- agents -------------------------------------------------------------------------
+    def start_all(self) -> None:
+        now = time.monotonic()
+        for lv in self.live:
+            if lv.ended:
+                continue
+            p = lv.e.prompt
+            task = {
+                "prompt_id": p.prompt_id,
+                "sample_idx": lv.e.sample_idx,
+                "messages": [dict(m) for m in p.messages],
+                "answer": p.answer,
+                "metadata": dict(p.metadata),
+            }
+            key = self.endpoint.open_episode(lv.e.slot)
+            self.pool.start(lv.e.slot, task, self.endpoint.base_url, key, self.acfg.model)
+            lv.deadline = now + self.acfg.timeout_s
+
+    def gather(self) -> None:
+        """Wait until every running episode has a call pending or has ended; calls the
+        record holds are answered on the way."""
+        while waiting := [lv for lv in self.live if not lv.ended and lv.pending is None]:
+            left = min(lv.deadline for lv in waiting) - time.monotonic()
+            try:
+                item = self.inbox.get(timeout=max(0.0, left))
+            except queue.Empty:
+                now = time.monotonic()
+                for lv in waiting:
+                    if lv.deadline <= now:
+                        self.pool.kill(lv.e.slot)
+                        self._failed(lv, f"took over rollout.agent.timeout_s={self.acfg.timeout_s}")
+                continue
+            if isinstance(item, PendingCall):
+                self._call(item)
+            elif isinstance(item, Finished):
+                self._finished(self.live[item.episode], item)
+            elif isinstance(item, Failed):
+                lv = self.live[item.episode]
+                if item.kind in ("import", "not_async"):
+                    raise UserError(f"rollout.agent.path {self.acfg.path}: {item.message}")
+                self._failed(lv, item.message)
+
+    def _where(self, lv: _Live) -> str:
+        e = lv.e
+        return (
+            f"step {self.inp.step} prompt_id {e.prompt.prompt_id} sample_idx {e.sample_idx} "
+            f"call {lv.calls}"
+        )
+
+    def _finished(self, lv: _Live, item: Finished) -> None:
+        if lv.ended:
+            return
+        lv.ended = True
+        self.endpoint.close_episode(lv.e.slot)
+        e = lv.e
+        if e.status is None:
+            e.status = "done"
+        if e.turn_rewards:
+            e.turn_rewards[-1] += float(item.reward)
+        else:
+            e.turn_rewards.append(float(item.reward))
+        if item.info:
+            info = json.loads(e.turn_infos[-1]) if e.turn_infos else {}
+            info["agent_info"] = item.info
+            text = json.dumps(info, sort_keys=True, default=str)
+            if e.turn_infos:
+                e.turn_infos[-1] = text
+            else:
+                e.turn_infos.append(text)
+
+    def _failed(self, lv: _Live, message: str) -> None:
+        if lv.ended:
+            return
+        where = self._where(lv)
+        if lv.e.status is not None:
+            # It raised on the refusal of a call past its budget: the episode ended there,
+            # with what it had (reward 0), whatever `on_error` says.
+            lv.ended = True
+            self.endpoint.close_episode(lv.e.slot)
+            lv.e.turn_infos.append(json.dumps({"error": message, "call": lv.calls}))
+            lv.e.turn_rewards.append(0.0)
+            return
+        if self.acfg.on_error == "fail":
+            raise UserError(
+                f"rollout.agent.path {self.acfg.path} failed on {where}: {message} "
+                "(rollout.agent.on_error=fail)"
+            )
+        lv.ended = True
+        self.endpoint.close_episode(lv.e.slot)
+        e = lv.e
+        e.status = "error"
+        e.turn_infos.append(json.dumps({"error": message, "call": lv.calls}))
+        if len(e.turn_rewards) < len(e.turn_infos):
+            e.turn_rewards.append(0.0)
+
+    # -- calls --------------------------------------------------------------------------
+    def _call(self, pc: PendingCall) -> None:
+        lv = self.live[int(pc.episode)]  # type: ignore[call-overload]  # keys are opened for slots
+        e = lv.e
+        if lv.ended or e.status is not None:
+            pc.refuse(400, f"the episode has ended ({e.status or 'returned'})")
+            return
+        kind = "chat" if isinstance(pc.call, ChatCall) else "tokens"
+        if lv.calls >= self.acfg.max_calls:
+            self._refuse(lv, pc, "max_turns", f"rollout.agent.max_calls={self.acfg.max_calls}")
+            return
+        try:
+            if lv.calls and kind != lv.kind:
+                raise _Refused(f"a {kind} call after {lv.kind} calls: an episode uses one endpoint")
+            ids, render, convo = self._render(lv, pc.call)
+        except _Refused as exc:
+            pc.refuse(400, str(exc))
+            lv.deadline = time.monotonic() + self.acfg.timeout_s
+            return
+        lv.kind = kind
+        recorded = lv.record is not None and lv.calls < self.inp.resumed_turns
+        if recorded and self._from_record(lv, pc, ids, render, convo):
+            return
+        if lv.calls and len(ids) - len(e.prompt_ids) >= self.acfg.max_total_tokens:
+            limit = f"rollout.agent.max_total_tokens={self.acfg.max_total_tokens}"
+            self._refuse(lv, pc, "truncated", limit)
+            return
+        lv.pending, lv.pending_ids = pc, ids
+        lv.render, lv.convo = render, convo
+
+    def _refuse(self, lv: _Live, pc: PendingCall, status: str, limit: str) -> None:
+        """End the episode at a budget: its call is refused (HTTP 400) and what the agent
+        then returns (or raises) ends it."""
+        lv.e.status = status
+        pc.refuse(400, f"{limit} reached: the episode ends here")
+        lv.deadline = time.monotonic() + self.acfg.timeout_s
+
+    def _render(
+        self, lv: _Live, call: ChatCall | TokenCall
+    ) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]]]:
+        """The call's whole prompt in tokens, and the conversation as rendered and as the
+        agent sees it; `_Refused` when it does not extend the episode's tokens."""
+        e = lv.e
+        if isinstance(call, TokenCall):
+            ids = list(call.prompt_token_ids)
+            if lv.calls and ids[: len(e.prompt_ids) + len(e.response)] != e.prompt_ids + e.response:
+                raise _Refused(
+                    "prompt_token_ids do not extend the episode's earlier tokens (its "
+                    "prompt and answers): branches are not built yet"
+                )
+            return ids, lv.render, lv.convo
+        convo = [_norm(m) for m in call.messages]
+        if not lv.calls:
+            render = [_for_template(m) for m in call.messages]
+            text = _template(self.tokenizer, render, call.tools)
+            return _tokens(self.tokenizer, text), render, convo
+        if convo[: len(lv.convo)] != lv.convo:
+            raise _Refused(
+                f"the messages do not extend the episode's call {lv.calls - 1} and its "
+                "answer (a rewritten history): branches are not built yet"
+            )
+        render = [*lv.render, *(_for_template(m) for m in call.messages[len(lv.convo) :])]
+        text = _template(self.tokenizer, render, call.tools)
+        head = e.text + e.last_action
+        if not text.startswith(head):
+            name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
+            raise UserError(
+                f"rollout.agent.path {self.acfg.path}: the chat template of {name} does not "
+                f"keep the conversation's earlier text when a call adds messages "
+                f"({self._where(lv)}): its prefix is unstable, so the new messages' tokens "
+                "cannot be cut from it; use a template that renders earlier messages unchanged"
+            )
+        new = _tokens(self.tokenizer, text[len(head) :])
+        stopped = bool(e.response) and e.response[-1] in self.eos
+        if stopped and new and new[0] == e.response[-1]:
+            new = new[1:]  # the sampled EOS already closed the assistant turn
+        return e.prompt_ids + e.response + new, render, convo
+
+    def _from_record(
+        self,
+        lv: _Live,
+        pc: PendingCall,
+        ids: list[int],
+        render: list[dict[str, Any]],
+        convo: list[dict[str, Any]],
+    ) -> bool:
+        """Answer call `lv.calls` from the record if the agent asked what it asked before
+        the restart; under `on_divergence=discard` a differing call drops the record from
+        here on (False: generate it)."""
+        row = lv.record
+        assert row is not None
+        c = lv.calls
+        offsets = list(row["turn_offsets"])
+        response = list(row["response_token_ids"])
+        recorded_prompt = list(row["prompt_token_ids"]) + response[: offsets[c]]
+        if ids != recorded_prompt:
+            if self.acfg.on_divergence == "fail":
+                raise UserError(
+                    f"rollout.agent.path {self.acfg.path}: after a restart the agent's call "
+                    f"differs from the committed record ({self._where(lv)}): the agent is not "
+                    "deterministic given its task and answers; make it so, or set "
+                    "rollout.agent.on_divergence=discard"
+                )
+            lv.record = None
+            events().write("agent_divergence", step=self.inp.step, call=c, slot=lv.e.slot)
+            return False
+        mask = list(row["loss_mask"])
+        end = offsets[c]
+        while end < len(mask) and mask[end] == 1:
+            end += 1
+        tokens = response[offsets[c] : end]
+        logprobs = [float(x) for x in list(row["logprobs"])[offsets[c] : end]]
+        lv.pending_ids, lv.render, lv.convo = ids, render, convo
+        reason = (
+            str(row["finish_reason"])
+            if end == len(response)
+            else ("stop" if tokens and tokens[-1] in self.eos else "length")
+        )
+        a = self._take(lv, pc.call, tokens, logprobs, reason)
+        self.from_record += 1
+        self.answered(lv, a, pc)
+        return True
+
+    def generate(self, pending: list[_Live], turn: int) -> list[Answer]:
+        """Call index `turn` of the pending episodes: one engine call per call group."""
+        cfg = self.inp.cfg
+        by_group: dict[int, list[_Live]] = {}
+        for lv in pending:
+            by_group.setdefault(lv.group, []).append(lv)
+        got: dict[int, Answer] = {}
+        calls = 0
+        for g in sorted(by_group):
+            rows = by_group[g]
+            limits = []
+            for lv in rows:
+                assert lv.pending is not None and lv.pending_ids is not None
+                used = len(lv.pending_ids) - len(lv.e.prompt_ids) if lv.calls else 0
+                asked = lv.pending.call.max_tokens or cfg.max_new_tokens
+                limits.append(
+                    max(0, min(cfg.max_new_tokens, asked, self.acfg.max_total_tokens - used))
+                )
+            outs = self.engine.generate_rows(
+                [lv.pending_ids for lv in rows],
+                [self._seed(lv) for lv in rows],
+                limits,
+            )
+            calls += 1
+            for lv, out in zip(rows, outs, strict=True):
+                assert lv.pending is not None
+                got[lv.e.slot] = self._take(
+                    lv, lv.pending.call, list(out.tokens), list(out.logprobs), out.finish_reason
+                )
+        self.engine_calls.append(calls)
+        return [got[lv.e.slot] for lv in pending]
+
+    def _seed(self, lv: _Live) -> int:
+        e = lv.e
+        return derive_seed(
+            self.inp.run_seed,
+            self.inp.step,
+            self.inp.stage,
+            f"{e.prompt.prompt_id}/{e.sample_idx}/{lv.calls}",
+        )
+
+    def _take(
+        self,
+        lv: _Live,
+        call: ChatCall | TokenCall,
+        tokens: list[int],
+        logprobs: list[float],
+        reason: str,
+    ) -> Answer:
+        """Append call `lv.calls`'s sampled tokens (after the new prompt tokens) to the
+        episode, and the answer they make."""
+        e = lv.e
+        ids = lv.pending_ids
+        assert ids is not None
+        if not lv.calls:
+            e.prompt_ids = list(ids)
+        else:
+            new = ids[len(e.prompt_ids) + len(e.response) :]
+            e.response += new
+            e.logprobs += [0.0] * len(new)
+            e.loss_mask += [0] * len(new)
+        e.turn_offsets.append(len(e.response))
+        e.response += tokens
+        e.logprobs += logprobs
+        e.loss_mask += [1] * len(tokens)
+        e.finish_reason = reason
+        stopped = bool(tokens) and tokens[-1] in self.eos
+        action = self.tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
+        if isinstance(call, ChatCall):
+            e.text = _template(self.tokenizer, lv.render, call.tools)
+        e.last_action = action
+        calls, error = self.parse(action) if isinstance(call, ChatCall) else ([], None)
+        if error is not None:
+            calls = []
+        tool_calls = [
+            (f"call_{lv.calls}_{j}", c.name, json.dumps(c.arguments, ensure_ascii=False))
+            for j, c in enumerate(calls)
+        ]
+        content = _without_tool_calls(action) if tool_calls else action
+        finish = "tool_calls" if tool_calls else ("stop" if stopped else "length")
+        answer = Answer(
+            prompt_token_ids=list(ids),
+            token_ids=list(tokens),
+            logprobs=list(logprobs),
+            token_texts=[self.tokenizer.decode([t]) for t in tokens] if call.logprobs else [],
+            text=action,
+            content=content or (None if tool_calls else ""),
+            tool_calls=tool_calls,
+            finish_reason=finish,
+        )
+        message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+        if tool_calls:
+            message["tool_calls"] = [
+                {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                for i, n, a in tool_calls
+            ]
+        if isinstance(call, ChatCall):
+            lv.convo = [*lv.convo, _norm(message)]
+            lv.render = [*lv.render, {"role": "assistant", "content": action}]
+            e.messages = [*call.messages, message]
+        e.turn_rewards.append(0.0)
+        e.turn_infos.append(
+            json.dumps(
+                {
+                    "kind": "chat" if isinstance(call, ChatCall) else "tokens",
+                    "tool_calls": len(tool_calls),
+                },
+                sort_keys=True,
+            )
+        )
+        return answer
+
+    def answered(self, lv: _Live, a: Answer, pc: PendingCall | None = None) -> None:
+        """Send the answer and start the agent's clock again."""
+        pc = pc or lv.pending
+        assert pc is not None
+        lv.calls += 1
+        lv.pending, lv.pending_ids = None, None
+        lv.deadline = time.monotonic() + self.acfg.timeout_s
+        pc.answer(a)
+
+
+class _Refused(Exception):
+    """A call the endpoint answers with HTTP 400 (the message says why)."""
+
+
+def _restore_ended(e: Episode, row: Mapping[str, Any]) -> None:
+    e.prompt_ids = list(row["prompt_token_ids"])
+    e.messages = json.loads(row["messages"])
+    e.response = list(row["response_token_ids"])
+    e.logprobs = [float(x) for x in row["logprobs"]]
+    e.loss_mask = list(row["loss_mask"])
+    e.turn_offsets = list(row["turn_offsets"])
+    e.turn_rewards = list(row["turn_rewards"])
+    e.turn_infos = list(row["turn_infos"])
+    e.finish_reason = row["finish_reason"]
+    e.status = row["episode_status"]
+    e.last_action = row["response"]
+
+
+def _text(content: Any) -> str:
+    """A message's content as text (text parts joined; None is empty)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+
+
+def _norm(m: Mapping[str, Any]) -> dict[str, Any]:
+    """What must be equal for a later call to extend an earlier one: role, content as text,
+    tool calls by id, name and arguments, a tool message's call id and name."""
+    out: dict[str, Any] = {"role": m.get("role"), "content": _text(m.get("content"))}
+    calls = m.get("tool_calls") or []
+    if calls:
+        out["tool_calls"] = [
+            (c.get("id"), c.get("function", {}).get("name"), c.get("function", {}).get("arguments"))
+            for c in calls
+        ]
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None:
+            out[key] = m[key]
+    return out
+
+
+def _for_template(m: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as the chat template gets it: text content (parts joined)."""
+    out = {k: v for k, v in m.items() if k != "content" and v is not None}
+    out["content"] = _text(m.get("content"))
+    return out
+
+
+def _without_tool_calls(text: str) -> str:
+    import re
+
+    return re.sub(r"<tool_call>.*?</tool_call>", "", text, flags=re.DOTALL).strip()
+
+
+def _template(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> str:
+    text: str = tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+    )
+    return text
+
+
+def _tokens(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

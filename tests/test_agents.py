@@ -1,0 +1,235 @@
+"""Agent episodes (`rollout.agent`, issue 34): users' agent programs, plain `openai` client
+code in processes of their own, served by the rollout stage's endpoint in front of the real
+HF engine on the tiny model; the record is checked against the token ids captured at the
+engine boundary, not against itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import (
+    TESTS_ON_PATH,
+    OneRankLog,
+    episode_prompts,
+    events,
+    final_weights,
+    submit,
+    trajectories,
+)
+
+from rftpipe.config.schema import AgentConfig, RolloutConfig
+from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
+from rftpipe.engines.rollout.hf import HFGenerateEngine
+from rftpipe.errors import UserError
+from rftpipe.stages import agents
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    path = prepare_tiny()
+    torch.manual_seed(0)
+    return load_causal_lm(path, "float32"), load_tokenizer(path)
+
+
+class Spy:
+    """The real HF engine, with every `generate_rows` call's prompts and sampled tokens
+    kept: the engine boundary the record is compared with."""
+
+    def __init__(self, engine: HFGenerateEngine) -> None:
+        self.engine = engine
+        self.calls: list[list[tuple[list[int], list[int]]]] = []
+
+    def generate_rows(self, prompts, seeds, max_new, keys=None, **kw):  # noqa: ANN001
+        outs = self.engine.generate_rows(prompts, seeds, max_new, keys, **kw)
+        self.calls.append([(list(p), list(o.tokens)) for p, o in zip(prompts, outs, strict=True)])
+        return outs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
+def _run(tiny, agent: AgentConfig, n: int = 2, prompts: int = 2, max_new: int = 6, **kw):
+    model, tok = tiny
+    cfg = RolloutConfig(n=n, max_new_tokens=max_new, agent=agent, **kw)
+    spy = Spy(HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id))
+    inp = agents.AgentInputs(
+        cfg=cfg,
+        agent=agent,
+        run_seed=0,
+        step=1,
+        stage="rollout",
+        calls=[episode_prompts(tok, prompts)],
+    )
+    out, stats = agents.run(inp, spy, tok, OneRankLog())
+    return out.episodes, stats, spy
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_episodes_record_what_the_engine_sampled_call_by_call(tiny, tmp_path: Path) -> None:
+    log = tmp_path / "calls.jsonl"
+    agent = AgentConfig(
+        path="agents_e2e:even_tokens", kwargs={"calls": 3, "log": str(log)}, max_total_tokens=400
+    )
+    eps, stats, spy = _run(tiny, agent)
+    _, tok = tiny
+    assert len(eps) == 4
+    # A barrier per call index: 3 indices, one engine call each for the 4 episodes.
+    assert stats.engine_calls == [1, 1, 1] and len(spy.calls) == 3
+    assert all(len(c) == 4 for c in spy.calls)
+    seen = _lines(log)
+    assert len(seen) == 12
+    for e in eps:
+        assert e.status == "done" and len(e.turn_offsets) == 3
+        assert len(e.response) == len(e.logprobs) == len(e.loss_mask)
+        mine = sorted(
+            (
+                r
+                for r in seen
+                if (r["prompt_id"], r["sample_idx"]) == (e.prompt.prompt_id, e.sample_idx)
+            ),
+            key=lambda r: r["call"],
+        )
+        bounds = [*e.turn_offsets, len(e.response)]
+        for c in range(3):
+            # The engine's prompt for call c is the record's prompt and response so far,
+            # and its sampled tokens are the record's mask-1 span of call c.
+            # (Every episode lives to the end, so each engine call's rows are in slot order.)
+            boundary = spy.calls[c][e.slot]
+            assert boundary[0] == e.prompt_ids + e.response[: bounds[c]]
+            span = e.loss_mask[bounds[c] : bounds[c + 1]]
+            sampled = span.count(1)
+            assert span == [1] * sampled + [0] * (len(span) - sampled)
+            assert e.response[bounds[c] : bounds[c] + sampled] == boundary[1]
+            # What the agent was answered with is what the engine sampled and saw.
+            assert mine[c]["token_ids"] == boundary[1]
+            assert mine[c]["prompt_token_ids"] == boundary[0]
+            assert all(lp == 0.0 for lp in e.logprobs[bounds[c] + sampled : bounds[c + 1]])
+        # The agent's reward is the episode's return: the mean share of even ids.
+        want = (
+            sum(
+                sum(1 for t in r["token_ids"] if t % 2 == 0) / max(1, len(r["token_ids"]))
+                for r in mine
+            )
+            / 3
+        )
+        assert sum(e.turn_rewards) == pytest.approx(want)
+        # The new messages' tokens are the template's text after the sampled answer.
+        text = tok.decode(
+            e.response[bounds[0] + e.loss_mask[bounds[0] : bounds[1]].count(1) : bounds[1]]
+        )
+        assert "Again, more even (1)." in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_call_that_rewrites_the_history_is_refused(tiny) -> None:
+    agent = AgentConfig(path="agents_e2e:rewrites_history", on_error="end_episode")
+    eps, _, _ = _run(tiny, agent, n=1, prompts=1)
+    (e,) = eps
+    assert e.status == "error" and len(e.turn_offsets) == 1
+    assert "branches are not built yet" in json.loads(e.turn_infos[-1])["error"]
+
+
+def test_an_agent_past_its_timeout_is_killed_with_its_children(tiny, tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    agent = AgentConfig(
+        path="agents_e2e:sleeps",
+        kwargs={"pid_file": str(pids)},
+        timeout_s=3,
+        on_error="end_episode",
+    )
+    eps, _, _ = _run(tiny, agent, n=1, prompts=1)
+    (e,) = eps
+    assert e.status == "error" and "timeout_s=3" in json.loads(e.turn_infos[-1])["error"]
+    for pid in map(int, pids.read_text().split()):
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), pid
+
+
+def test_a_failing_agent_stops_the_run_with_one_line(tiny) -> None:
+    agent = AgentConfig(path="agents_e2e:sleeps", timeout_s=2)
+    with pytest.raises(UserError) as err:
+        _run(tiny, agent, n=1, prompts=1)
+    msg = str(err.value)
+    assert "\n" not in msg and "prompt_id 10 sample_idx 0 call 0" in msg and "step 1" in msg
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split()[2] == "Z")
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the real entry point
+# ---------------------------------------------------------------------------------------------
+
+RUN = (
+    "rollout.agent.path=agents_e2e:even_tokens",
+    "rollout.agent.kwargs={calls: 2, max_tokens: 6}",
+    "rollout.agent.max_total_tokens=96",
+    "reward.functions=[]",
+    "total_steps=4",
+)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("agents") / "ref"
+    out = submit(run, *RUN, env=TESTS_ON_PATH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+@pytest.mark.slow
+def test_an_agent_run_trains_on_its_calls(reference: Path) -> None:
+    rows = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/reward_env"] for r in rows] == [r["rollout/reward_mean"] for r in rows]
+    # 4 engine call groups (prompts_per_step 4, groups_per_call 1) x 2 call indices.
+    assert all(r["agent/engine_calls"] == 8 and r["perf/agent_s"] > 0 for r in rows)
+    t = trajectories(reference).to_pandas()
+    assert (t["num_turns"] == 2).all()
+    # Advantages move, on the model's tokens only.
+    assert any(any(a != 0 for a in r["advantages"]) for _, r in t.iterrows())
+    for _, r in t.iterrows():
+        mask = list(r["loss_mask"])
+        assert all(a == 0.0 for a, m in zip(r["advantages"], mask, strict=True) if not m)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["agent_before_call_commit", "agent_after_call_commit"])
+def test_sigkill_between_calls_resumes_from_the_record_bitwise(
+    reference: Path, tmp_path: Path, point: str
+) -> None:
+    run = tmp_path / "killed"
+    # Step 3's first call index (2 a step): generated, then killed before or after its commit.
+    env = {**TESTS_ON_PATH, "RFTPIPE_FAULT": point, "RFTPIPE_FAULT_SKIP": "4"}
+    assert submit(run, *RUN, env=env).returncode != 0
+    out = submit(run, *RUN, env=TESTS_ON_PATH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = events(run)
+    assert [e["point"] for e in log if e["event"] == "fault"] == [point]
+    resumed = [(e["step"], e["turns"]) for e in log if e["event"] == "resume_turns"]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    step3 = next(m for m in metrics if m["step"] == 3)
+    if point == "agent_after_call_commit":
+        # Call 0 of step 3 committed: the restarted agents were answered from the record.
+        assert resumed == [(3, 1)] and step3["agent/from_record"] == 16
+        assert step3["agent/engine_calls"] == 4
+    else:
+        assert resumed == [] and step3["agent/from_record"] == 0
+    assert trajectories(run).equals(trajectories(reference))
+    a, b = final_weights(run), final_weights(reference)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
