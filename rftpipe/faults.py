@@ -36,10 +36,15 @@ EPISODE_FAULT_POINTS: tuple[str, ...] = ("episode_mid_turn", "episode_before_tur
 generation and environment steps), and after a whole turn before its commit. Right after a
 turn's commit is `stage_after_commit`, as for every commit."""
 
-AGENT_FAULT_POINTS: tuple[str, ...] = ("agent_before_call_commit", "agent_after_call_commit")
-"""Reached only by agent episodes (`rollout.agent`): after a call index's engine calls
-before its commit (the generation is lost), and after its commit before the answers go
-out (a restart answers those calls from the record)."""
+AGENT_FAULT_POINTS: tuple[str, ...] = (
+    "agent_mid_call",
+    "agent_before_call_commit",
+    "agent_after_call_commit",
+)
+"""Reached only by agent episodes (`rollout.agent`): after each engine call group's share
+of a call index (mid-generation), after all of them before the index's commit (the
+generation is lost), and after its commit before the answers go out (a restart answers
+those calls from the record)."""
 
 HANDOFF_FAULT_POINTS: tuple[str, ...] = ("handoff_mid_publish",)
 """Reached only with separate rollout ranks (`launch.rollout_ranks`): the trainers' main

@@ -31,9 +31,13 @@ async def even_tokens(
     max_tokens: int = 6,
     log: str | None = None,
     tools: bool = False,
+    fail_if: str = "",
 ) -> float:
     """`calls` chat calls, each answer appended as returned and followed by a user turn;
-    the reward is the mean share of even token ids in the answers."""
+    the reward is the mean share of even token ids in the answers. Raises before its first
+    call while the file `fail_if` exists."""
+    if fail_if and os.path.exists(fail_if):
+        raise RuntimeError("told to fail")
     messages: list[dict[str, Any]] = [dict(m) for m in task["messages"]]
     schema = [
         {

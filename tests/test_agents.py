@@ -5,10 +5,12 @@ engine boundary, not against itself."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,7 +29,7 @@ from rftpipe.config.schema import AgentConfig, RolloutConfig
 from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
 from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.errors import UserError
-from rftpipe.stages import agents
+from rftpipe.stages import agents, rollout
 
 
 @pytest.fixture(scope="module")
@@ -232,4 +234,153 @@ def test_sigkill_between_calls_resumes_from_the_record_bitwise(
         assert resumed == [] and step3["agent/from_record"] == 0
     assert trajectories(run).equals(trajectories(reference))
     a, b = final_weights(run), final_weights(reference)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Killed(Exception):
+    pass
+
+
+class MemoryLog:
+    """Commits kept in memory as the rows a restart reads; the stage "dies" (raises) right
+    after call index `kill_after` is committed."""
+
+    def __init__(self, engine, tok, prompts, kill_after: int | None = None) -> None:  # noqa: ANN001
+        self.inp = rollout.RolloutInputs(step=1, rank=0, run_seed=0, prompts=prompts)
+        self.engine, self.tok, self.kill_after = engine, tok, kill_after
+        self.rows: dict[tuple[int, int], dict] = {}
+        self.turns = 0
+
+    def commit(self, turns: int, finished) -> None:  # noqa: ANN001
+        table = rollout.episode_rows(self.inp, self.engine, self.tok, finished)
+        self.rows = {(r["prompt_id"], r["sample_idx"]): r for r in table.to_pylist()}
+        self.turns = turns
+        if turns == self.kill_after:
+            raise _Killed
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+
+def _resumable(tiny, agent: AgentConfig, kill_after: int, n: int = 2):
+    """The agent's episodes killed after call index `kill_after`'s commit and resumed from
+    what it committed; and the same episodes uninterrupted."""
+    model, tok = tiny
+    cfg = RolloutConfig(n=n, max_new_tokens=6, agent=agent)
+    prompts = episode_prompts(tok, 1)
+
+    def go(log, resumed=None, turns=0):  # noqa: ANN001, ANN202
+        engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+        inp = agents.AgentInputs(
+            cfg=cfg,
+            agent=agent,
+            run_seed=0,
+            step=1,
+            stage="rollout",
+            calls=[prompts],
+            resumed=resumed or {},
+            resumed_turns=turns,
+        )
+        return agents.run(inp, engine, tok, log)
+
+    first = MemoryLog(SimpleNamespace(weight_version=0), tok, prompts, kill_after)
+    with pytest.raises(_Killed):
+        go(first)
+    return (lambda: go(OneRankLog(), first.rows, first.turns)), (lambda: go(OneRankLog()))
+
+
+def _same(a, b) -> None:  # noqa: ANN001
+    for x, y in zip(a, b, strict=True):
+        assert (x.prompt_ids, x.response, x.logprobs, x.loss_mask) == (
+            y.prompt_ids,
+            y.response,
+            y.logprobs,
+            y.loss_mask,
+        )
+        assert (x.turn_offsets, x.turn_rewards, x.messages, x.status) == (
+            y.turn_offsets,
+            y.turn_rewards,
+            y.messages,
+            y.status,
+        )
+
+
+def test_a_resumed_agent_is_answered_from_the_record(tiny) -> None:
+    agent = AgentConfig(path="agents_e2e:even_tokens", kwargs={"calls": 3}, max_total_tokens=400)
+    resume, whole = _resumable(tiny, agent, kill_after=2)
+    (got, stats), (want, _) = resume(), whole()
+    # 2 episodes x 2 recorded calls answered from the record, the third generated.
+    assert stats.from_record == 4 and stats.engine_calls == [1]
+    _same(got.episodes, want.episodes)
+
+
+def test_a_nondeterministic_agent_fails_or_is_discarded_as_declared(tiny) -> None:
+    fail = AgentConfig(path="agents_e2e:flaky")
+    resume, _ = _resumable(tiny, fail, kill_after=2, n=1)
+    with pytest.raises(UserError) as err:
+        resume()
+    msg = str(err.value)
+    assert "\n" not in msg and "prompt_id 10 sample_idx 0 call 1" in msg
+    assert "on_divergence=discard" in msg
+    discard = AgentConfig(path="agents_e2e:flaky", on_divergence="discard")
+    resume, _ = _resumable(tiny, discard, kill_after=2, n=1)
+    (got, stats) = resume()
+    # Call 0 matched its record; call 1 differed, so it was generated afresh.
+    (e,) = got.episodes
+    assert stats.from_record == 1 and stats.engine_calls == [1]
+    assert e.status == "done" and len(e.turn_offsets) == 2
+
+
+def _data_hash(run: Path) -> str:
+    """Every committed stage, trajectory, checkpoint and export file (the resume's new
+    `total_steps` commits a new config.yaml, and metrics are rewritten)."""
+    h = hashlib.sha256()
+    for part in ("stages", "trajectories", "checkpoints", "export"):
+        for p in sorted((run / part).rglob("*")):
+            if p.is_file() and not p.name.startswith(".tmp-"):
+                h.update(str(p.relative_to(run)).encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.slow
+def test_a_failing_agent_exits_2_and_changes_nothing_committed(tmp_path: Path) -> None:
+    run, flag = tmp_path / "run", tmp_path / "fail"
+    steps = (*RUN[:-1], "total_steps=1", f"rollout.agent.kwargs.fail_if={flag}")
+    assert submit(run, *steps, env=TESTS_ON_PATH).returncode == 0
+    before = _data_hash(run)
+    flag.touch()
+    out = submit(run, *steps[:-2], "total_steps=2", steps[-1], config=None, env=TESTS_ON_PATH)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert "step 2 prompt_id" in lines[0] and "call 0" in lines[0], lines[0]
+    assert "RuntimeError: told to fail" in lines[0] and "rollout.agent.path" in lines[0]
+    assert _data_hash(run) == before
+    # An agent path that does not import: exit 2 before anything is generated.
+    bad = tmp_path / "bad"
+    out = submit(bad, *RUN[:-1], "total_steps=1", "rollout.agent.path=agents_e2e:nowhere")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert "rollout.agent.path agents_e2e:nowhere" in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_mid_generation_resume_bitwise(tmp_path: Path) -> None:
+    """On 2 gloo ranks (FSDP2), killed mid-generation of step 2's second call index (after
+    a rank's first engine call group) and resumed: bitwise the uninterrupted 2-rank run,
+    with step 2's first call answered from the record on both ranks."""
+    steps = (*RUN[:-1], "total_steps=2", "train.backend=fsdp2")
+    two = ("--tasks-per-node", "2")
+    ref, run = tmp_path / "ref", tmp_path / "killed"
+    out = submit(ref, *steps, env=TESTS_ON_PATH, extra=two)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # Each rank: 2 call groups a call index, 2 indices a step; the 7th hit is step 2's
+    # second index after its first group.
+    env = {**TESTS_ON_PATH, "RFTPIPE_FAULT": "agent_mid_call", "RFTPIPE_FAULT_SKIP": "6"}
+    assert submit(run, *steps, env=env, extra=two).returncode != 0
+    out = submit(run, *steps, env=TESTS_ON_PATH, extra=two)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = [(e["step"], e["turns"]) for e in events(run) if e["event"] == "resume_turns"]
+    assert resumed == [(2, 1), (2, 1)]  # both ranks
+    assert trajectories(run).equals(trajectories(ref))
+    a, b = final_weights(run), final_weights(ref)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -448,6 +448,7 @@ class _Server:
                 limits,
             )
             calls += 1
+            fault("agent_mid_call")
             for lv, out in zip(rows, outs, strict=True):
                 assert lv.pending is not None
                 got[lv.e.slot] = self._take(
