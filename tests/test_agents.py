@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import (
     TESTS_ON_PATH,
+    TINY,
     OneRankLog,
     episode_prompts,
     events,
@@ -25,7 +26,8 @@ from helpers import (
     trajectories,
 )
 
-from rftpipe.config.schema import AgentConfig, RolloutConfig
+from rftpipe.config.loader import ConfigError, load_config
+from rftpipe.config.schema import AgentConfig, RolloutConfig, RunConfig
 from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
 from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.errors import UserError
@@ -384,3 +386,41 @@ def test_two_ranks_killed_mid_generation_resume_bitwise(tmp_path: Path) -> None:
     assert trajectories(run).equals(trajectories(ref))
     a, b = final_weights(run), final_weights(ref)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eight_episodes_make_one_engine_call_per_group_and_call_index(tiny) -> None:
+    """8 concurrent episodes (4 prompts x 2 samples) at groups_per_call=2: each call index
+    is 2 engine calls, within ceil(8 / groups_per_call)."""
+    model, tok = tiny
+    agent = AgentConfig(path="agents_e2e:even_tokens", kwargs={"calls": 2})
+    cfg = RolloutConfig(n=2, max_new_tokens=4, agent=agent, groups_per_call=2)
+    spy = Spy(HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id))
+    prompts = episode_prompts(tok, 4)
+    inp = agents.AgentInputs(
+        cfg=cfg, agent=agent, run_seed=0, step=1, stage="rollout", calls=[prompts[:2], prompts[2:]]
+    )
+    out, stats = agents.run(inp, spy, tok, OneRankLog())
+    assert len(out.episodes) == 8 and all(e.status == "done" for e in out.episodes)
+    assert stats.engine_calls == [2, 2] and max(stats.engine_calls) <= -(-8 // 2)
+    assert [len(c) for c in spy.calls] == [4, 4, 4, 4]
+
+
+@pytest.mark.parametrize(
+    ("override", "what"),
+    [
+        ("rollout.staleness=1", "rollout.staleness > 0"),
+        ("rollout.engine=vllm", "rollout.engine=vllm"),
+        ("rollout.dynamic_sampling.enabled=true", "rollout.dynamic_sampling"),
+        ("eval.size=4", "and rollout.agent give"),  # tiny_dense's eval.metric: not a reward
+        ("eval.size=4 eval.metric=env", "eval.size > 0"),
+        ("rollout.env.path=envs_toy:EvenChars", "set one of them"),
+    ],
+)
+def test_what_agents_do_not_compose_with_yet_is_refused_in_one_line(
+    override: str, what: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            RunConfig, TINY, ["rollout.agent.path=agents_e2e:even_tokens", *override.split()]
+        )
+    assert "\n" not in str(err.value) and what in str(err.value), str(err.value)

@@ -1351,6 +1351,13 @@ def episode_limits(rollout: RolloutConfig) -> tuple[int, int] | None:
     return None
 
 
+def _episodes_give(rollout: RolloutConfig) -> str:
+    """How an error names what gives a run's reward components."""
+    if rollout.env is not None:
+        return "and rollout.env give"
+    return "and rollout.agent give" if rollout.agent is not None else "gives"
+
+
 def response_budget(rollout: RolloutConfig) -> int:
     """The most tokens the model samples in one row: `rollout.max_new_tokens`, or over a
     multi-turn episode's turns (capped by its total budget). The constant length of
@@ -1642,7 +1649,7 @@ class RunConfig:
             names = [c.removeprefix("reward_") for c in metrics]
             raise ValueError(
                 f"eval.metric={self.eval.metric!r} is not a reward component (reward.functions "
-                f"{'and rollout.env give' if self.rollout.env else 'gives'} {names}); set "
+                f"{_episodes_give(self.rollout)} {names}); set "
                 "eval.metric to one of them or eval.size=0"
             )
         estimator = ADVANTAGE_ESTIMATORS.of(self.advantage.estimator)
