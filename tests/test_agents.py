@@ -412,7 +412,6 @@ def test_eight_episodes_make_one_engine_call_per_group_and_call_index(tiny) -> N
         ("rollout.engine=vllm", "rollout.engine=vllm"),
         ("rollout.dynamic_sampling.enabled=true", "rollout.dynamic_sampling"),
         ("eval.size=4", "and rollout.agent give"),  # tiny_dense's eval.metric: not a reward
-        ("eval.size=4 eval.metric=env", "eval.size > 0"),
         ("rollout.env.path=envs_toy:EvenChars", "set one of them"),
     ],
 )
@@ -424,3 +423,31 @@ def test_what_agents_do_not_compose_with_yet_is_refused_in_one_line(
             RunConfig, TINY, ["rollout.agent.path=agents_e2e:even_tokens", *override.split()]
         )
     assert "\n" not in str(err.value) and what in str(err.value), str(err.value)
+
+
+def test_held_out_greedy_episodes_draw_nothing(tiny) -> None:
+    """Evaluation's greedy agent episode (-1) answers every call with the greedy
+    continuation: the same under another run seed, while the sampled one changes."""
+    model, tok = tiny
+    agent = AgentConfig(path="agents_e2e:even_tokens", kwargs={"calls": 2})
+    cfg = RolloutConfig(n=1, max_new_tokens=6, agent=agent)
+
+    def go(seed: int) -> list:
+        engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+        inp = agents.AgentInputs(
+            cfg=cfg,
+            agent=agent,
+            run_seed=seed,
+            step=1,
+            stage="eval",
+            calls=[episode_prompts(tok, 1)],
+            samples=[-1, 0],
+            greedy_samples=frozenset({-1}),
+        )
+        out, stats = agents.run(inp, engine, tok, OneRankLog())
+        assert stats.engine_calls == [2, 2]  # the sampled row's call and the greedy one's
+        return out.episodes
+
+    (g0, s0), (g1, s1) = go(0), go(1)
+    assert g0.greedy and g0.sample_idx == -1 and len(g0.turn_offsets) == 2
+    assert g0.response == g1.response and s0.response != s1.response

@@ -1780,7 +1780,6 @@ class RunConfig:
             (self.rollout.engine != "hf", f"rollout.engine={self.rollout.engine} (hf only)"),
             (self.rollout.staleness > 0, "rollout.staleness > 0"),
             (self.rollout.dynamic_sampling.enabled, "rollout.dynamic_sampling"),
-            (self.eval.size > 0, "eval.size > 0 (held-out agent episodes)"),
             (baseline, f"advantage.estimator={self.advantage.estimator} (a greedy baseline)"),
             (bool(self.launch.rollout_ranks or self.launch.rollout_nodes), "rollout ranks"),
         ]

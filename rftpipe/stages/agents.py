@@ -70,6 +70,11 @@ class AgentInputs:
     sample)."""
     resumed_turns: int = 0
     """How many call indices those rows hold."""
+    samples: Sequence[int] | None = None
+    """The sample indices of each prompt's episodes (None: `range(cfg.n)`)."""
+    greedy_samples: frozenset[int] = frozenset()
+    """The sample indices whose every call is answered with the greedy continuation
+    (held-out evaluation's greedy episode, -1): no draws, so no call seeds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +193,7 @@ class _Server:
         self.engine_calls: list[int] = []
         for g, prompts in enumerate(inp.calls):
             for p in prompts:
-                for k in range(inp.cfg.n):
+                for k in range(inp.cfg.n) if inp.samples is None else inp.samples:
                     row = inp.resumed.get((p.prompt_id, k))
                     e = Episode(
                         prompt=p,
@@ -198,6 +203,7 @@ class _Server:
                         text="",
                         messages=[dict(m) for m in p.messages],
                         slot=len(self.live),
+                        greedy=k in inp.greedy_samples,
                     )
                     lv = _Live(e=e, group=g, record=row)
                     if row is not None and row["episode_status"] is not None:
@@ -425,7 +431,8 @@ class _Server:
         return True
 
     def generate(self, pending: list[_Live], turn: int) -> list[Answer]:
-        """Call index `turn` of the pending episodes: one engine call per call group."""
+        """Call index `turn` of the pending episodes: one engine call per call group (and
+        one more for its greedy episodes, if any)."""
         cfg = self.inp.cfg
         by_group: dict[int, list[_Live]] = {}
         for lv in pending:
@@ -442,14 +449,25 @@ class _Server:
                 limits.append(
                     max(0, min(cfg.max_new_tokens, asked, self.acfg.max_total_tokens - used))
                 )
-            outs = self.engine.generate_rows(
-                [lv.pending_ids for lv in rows],
-                [self._seed(lv) for lv in rows],
-                limits,
-            )
-            calls += 1
+            outs: dict[int, Any] = {}
+            sampled = [i for i, lv in enumerate(rows) if not lv.e.greedy]
+            greedy = [i for i, lv in enumerate(rows) if lv.e.greedy]
+            if sampled:
+                got_rows = self.engine.generate_rows(
+                    [rows[i].pending_ids for i in sampled],
+                    [self._seed(rows[i]) for i in sampled],
+                    [limits[i] for i in sampled],
+                )
+                outs.update(zip(sampled, got_rows, strict=True))
+                calls += 1
+            if greedy:
+                got_rows = self.engine.greedy_rows(
+                    [rows[i].pending_ids for i in greedy], [limits[i] for i in greedy]
+                )
+                outs.update(zip(greedy, got_rows, strict=True))
+                calls += 1
             fault("agent_mid_call")
-            for lv, out in zip(rows, outs, strict=True):
+            for lv, out in zip(rows, (outs[i] for i in range(len(rows))), strict=True):
                 assert lv.pending is not None
                 got[lv.e.slot] = self._take(
                     lv, lv.pending.call, list(out.tokens), list(out.logprobs), out.finish_reason

@@ -28,14 +28,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from rftpipe.config.schema import EnvConfig, EvalConfig, RewardConfig, RolloutConfig
+from rftpipe.config.schema import EvalConfig, RewardConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt, content_key
 from rftpipe.data.sampler import rank_slice
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.engines.vision import VisionEncoder
 from rftpipe.rewards.types import RewardComponent
 from rftpipe.seeding import derive_seed
-from rftpipe.stages import StageName, episodes, score
+from rftpipe.stages import StageName, agents, episodes, score
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
 from rftpipe.stages.images import prompt_inputs, store_images, with_image_refs
 from rftpipe.stages.rollout import EPISODE_COLUMNS, Unlogged, env_maker
@@ -94,8 +94,8 @@ def run(
     # sharing a tensor-parallel engine must each make one call.
     g = max(engine.groups_per_call, inp.eval.problems_per_call)
     calls = [inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)]
-    if inp.rollout.env is not None:
-        table = _episode_table(engine, tokenizer, inp, inp.rollout.env, calls)
+    if inp.rollout.env is not None or inp.rollout.agent is not None:
+        table = _episode_table(engine, tokenizer, inp, calls)
     else:
         table = _completion_table(engine, tokenizer, inp, calls)
     if inp.encoder is not None:
@@ -162,24 +162,43 @@ def _episode_table(
     engine: RolloutEngine,
     tokenizer: Any,
     inp: EvalInputs,
-    env: EnvConfig,
     calls: list[Sequence[Prompt]],
 ) -> pa.Table:
     """Episode rows: each problem's greedy episode (-1) and its sampled ones, run turn by
-    turn over this rank's calls as the rollout runs them (not committed per turn; each rank
-    ends its own, so no collective)."""
-    ep_inp = episodes.EpisodeInputs(
-        cfg=inp.rollout,
-        env_cfg=env,
-        run_seed=inp.run_seed,
-        step=inp.step,
-        stage="eval",
-        calls=calls,
-        samples=[-1, *range(inp.eval.samples)],
-        greedy_samples=frozenset({-1}),
-        encoder=inp.encoder,
-    )
-    out = episodes.run(ep_inp, engine, tokenizer, env_maker(env), Unlogged())
+    turn (an agent's call by call) over this rank's calls as the rollout runs them (not
+    committed per turn; each rank ends its own, so no collective)."""
+    samples, greedy = [-1, *range(inp.eval.samples)], frozenset({-1})
+    env, agent = inp.rollout.env, inp.rollout.agent
+    if agent is not None:
+        out, _ = agents.run(
+            agents.AgentInputs(
+                cfg=inp.rollout,
+                agent=agent,
+                run_seed=inp.run_seed,
+                step=inp.step,
+                stage="eval",
+                calls=calls,
+                samples=samples,
+                greedy_samples=greedy,
+            ),
+            engine,
+            tokenizer,
+            Unlogged(),
+        )
+    else:
+        assert env is not None
+        ep_inp = episodes.EpisodeInputs(
+            cfg=inp.rollout,
+            env_cfg=env,
+            run_seed=inp.run_seed,
+            step=inp.step,
+            stage="eval",
+            calls=calls,
+            samples=samples,
+            greedy_samples=greedy,
+            encoder=inp.encoder,
+        )
+        out = episodes.run(ep_inp, engine, tokenizer, env_maker(env), Unlogged())
     cols: dict[str, list] = {name: [] for name in EVAL_EPISODE_SCHEMA.names}
     # Greedy row first, then the samples, per problem in the rank's order (as single-turn).
     order = {p.prompt_id: i for i, p in enumerate(inp.prompts)}
