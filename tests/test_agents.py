@@ -5,6 +5,7 @@ engine boundary, not against itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from rftpipe.config.loader import ConfigError, load_config
 from rftpipe.config.schema import AgentConfig, RolloutConfig, RunConfig
 from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
 from rftpipe.engines.rollout.hf import HFGenerateEngine
+from rftpipe.engines.train.forward import build_micro_batch, response_logprobs
 from rftpipe.errors import UserError
 from rftpipe.stages import agents, rollout
 
@@ -451,3 +453,77 @@ def test_held_out_greedy_episodes_draw_nothing(tiny) -> None:
     (g0, s0), (g1, s1) = go(0), go(1)
     assert g0.greedy and g0.sample_idx == -1 and len(g0.turn_offsets) == 2
     assert g0.response == g1.response and s0.response != s1.response
+
+
+class ScriptedFirstCall(Spy):
+    """The real HF engine, except that call index 0's sampled tokens are replaced by the
+    tokens of `text` and EOS (logprobs 0): a scripted policy, because a random model does
+    not write tool calls. Later calls are the engine's own. The boundary kept is what the
+    stage got."""
+
+    def __init__(self, engine: HFGenerateEngine, tok, text: str) -> None:  # noqa: ANN001
+        super().__init__(engine)
+        self.script = [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+
+    def generate_rows(self, prompts, seeds, max_new, keys=None, **kw):  # noqa: ANN001
+        outs = self.engine.generate_rows(prompts, seeds, max_new, keys, **kw)
+        if not self.calls:
+            outs = [
+                dataclasses.replace(o, tokens=list(self.script), logprobs=[0.0] * len(self.script))
+                for o in outs
+            ]
+        self.calls.append([(list(p), list(o.tokens)) for p, o in zip(prompts, outs, strict=True)])
+        return outs
+
+
+# Spaced unlike json.dumps: the arguments parsed to JSON and rendered back are other text.
+TOOL_TEXT = '<tool_call>{"name": "add", "arguments": {"a": 1,   "b": 2}}</tool_call>'
+
+
+@pytest.mark.kernels
+def test_a_tool_call_round_trips_as_sampled_and_logprobs_are_the_trainers(
+    tiny, tmp_path: Path
+) -> None:
+    model, tok = tiny
+    log = tmp_path / "calls.jsonl"
+    agent = AgentConfig(
+        path="agents_e2e:even_tokens",
+        kwargs={"calls": 2, "log": str(log), "tools": True},
+        max_total_tokens=400,
+    )
+    cfg = RolloutConfig(n=1, max_new_tokens=40, agent=agent)
+    engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    spy = ScriptedFirstCall(engine, tok, TOOL_TEXT)
+    inp = agents.AgentInputs(
+        cfg=cfg, agent=agent, run_seed=0, step=1, stage="rollout", calls=[episode_prompts(tok, 1)]
+    )
+    out, _ = agents.run(inp, spy, tok, OneRankLog())
+    (e,) = out.episodes
+    seen = _lines(log)
+    # The agent was answered with a parsed tool call, and sent back its result.
+    assert seen[0]["tool_calls"] == ["add"] and seen[0]["content"] is None
+    msgs = json.loads(e.messages) if isinstance(e.messages, str) else e.messages
+    sent = msgs[len(episode_prompts(tok, 1)[0].messages)]
+    assert sent["tool_calls"][0]["function"]["arguments"] == '{"a": 1, "b": 2}'
+    # The record keeps the sampled tokens, not a rendering of the parsed call.
+    first = e.response[e.turn_offsets[0] : e.turn_offsets[0] + len(spy.script)]
+    assert first == spy.script == spy.calls[0][0][1]
+    assert spy.calls[1][0][0] == e.prompt_ids + e.response[: e.turn_offsets[1]]
+    # Rendering the agent's returned messages again (the JSON call, content None) gives
+    # other ids than were sampled: the re-tokenization a framework that re-renders trains on.
+    history = [{**m, "content": m.get("content") or ""} for m in msgs[: len(msgs) - 1]]
+    rerendered = tok(
+        tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )["input_ids"]
+    assert rerendered != spy.calls[1][0][0]
+    assert tok.decode(first[:-1]) == TOOL_TEXT
+    # The second call's sampled tokens carry the engine's logprobs, which are the trainer's
+    # log softmax of the same tokens (fp32, the bound of test_rollout_engines.py).
+    second = e.turn_offsets[1]
+    span = [i for i in range(second, len(e.response)) if e.loss_mask[i]]
+    mb = build_micro_batch([e.prompt_ids], [e.response], pad_id=0)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, mb, cfg.temperature, with_entropy=False)
+    diff = max(abs(lp[0, i].item() - e.logprobs[i]) for i in span)
+    assert span and diff < 1e-4, diff
