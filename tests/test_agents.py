@@ -34,6 +34,7 @@ from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train.forward import build_micro_batch, response_logprobs
 from rftpipe.errors import UserError
 from rftpipe.stages import agents, rollout
+from rftpipe.storage.episode_stats import EpisodeCounts
 
 
 @pytest.fixture(scope="module")
@@ -518,6 +519,15 @@ def test_a_tool_call_round_trips_as_sampled_and_logprobs_are_the_trainers(
     )["input_ids"]
     assert rerendered != spy.calls[1][0][0]
     assert tok.decode(first[:-1]) == TOOL_TEXT
+    # The call's info names the tool, as environments' do: `episode/tool_calls_mean` counts it.
+    assert json.loads(e.turn_infos[0])["tool_calls"] == ["add"]
+    rows = rollout.episode_rows(
+        rollout.RolloutInputs(step=1, rank=0, run_seed=0, prompts=inp.calls[0]),
+        engine,
+        tok,
+        out.episodes,
+    )
+    assert EpisodeCounts.of(rows).metrics()["episode/tool_calls_mean"] == 1.0
     # The second call's sampled tokens carry the engine's logprobs, which are the trainer's
     # log softmax of the same tokens (fp32, the bound of test_rollout_engines.py).
     second = e.turn_offsets[1]

@@ -548,7 +548,8 @@ class _Server:
             json.dumps(
                 {
                     "kind": "chat" if isinstance(call, ChatCall) else "tokens",
-                    "tool_calls": len(tool_calls),
+                    # Names, as environments report them (`episode/tool_calls_mean`).
+                    "tool_calls": [name for _, name, _ in tool_calls],
                 },
                 sort_keys=True,
             )
