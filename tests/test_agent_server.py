@@ -433,7 +433,7 @@ def test_refusals_name_the_field_and_never_reach_the_stage(
         (openai.BadRequestError, {"max_completion_tokens": 10**6}, "max_completion_tokens", "4096"),
         (openai.BadRequestError, {"n": 2}, "n", "not supported yet"),
         (openai.BadRequestError, {"top_logprobs": 3, "logprobs": True}, "top_logprobs", ""),
-        (openai.BadRequestError, {"stream": True}, "stream", "streaming is not supported"),
+        (openai.BadRequestError, {"stream": "yes"}, "stream", ""),
         (openai.BadRequestError, {"temperature": "hot"}, "temperature", "number"),
         (
             openai.BadRequestError,
@@ -601,3 +601,33 @@ def test_stop_refuses_waiting_calls_and_closes_the_port() -> None:
         ):
             pass
         endpoint.stop()  # again: nothing to do
+
+
+def test_a_streamed_chat_completion_is_the_same_answer(
+    served: tuple[Endpoint, queue.Queue[PendingCall]],
+) -> None:
+    """`stream: true` (what many agent frameworks and verifiers' eval client send): the
+    official client assembles the chunks into the answer a plain call gets."""
+    endpoint, inbox = served
+    agent = client(endpoint, endpoint.open_episode("e9"))
+    with stage(inbox):
+        plain = agent.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS)
+        chunks = list(
+            agent.chat.completions.create(
+                model=MODEL,
+                messages=USER,
+                tools=TOOLS,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [t for d in deltas for t in d.tool_calls or []]
+    (want,) = plain.choices[0].message.tool_calls or []
+    assert [(t.id, t.function.name, t.function.arguments) for t in calls] == [
+        (want.id, want.function.name, want.function.arguments)
+    ]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[-1] == plain.choices[0].finish_reason == "tool_calls"
+    assert chunks[-1].usage == plain.usage

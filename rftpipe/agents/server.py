@@ -20,14 +20,16 @@ The served policy always samples at the run's own temperature and top_p: RL must
 the distribution it sampled from. The request's sampling values are passed through in the
 call for the stage to decide on, never refused; other sampling knobs (top_k, penalties,
 seed, response_format, structured outputs, ...) are ignored for the same reason. What the
-server refuses is what it cannot answer truthfully: streaming, more than `Limits.max_n`
+server refuses is what it cannot answer truthfully: more than `Limits.max_n`
 choices, top-k logprobs, prompt logprobs, images and audio.
 
 Routes (every one needs ``Authorization: Bearer <key>``):
 
 - ``GET /v1/models``: the served model.
 - ``POST /v1/chat/completions``: OpenAI's chat completion, with vLLM's ``return_token_ids``
-  extension (``prompt_token_ids`` on the response, ``token_ids`` on its choice).
+  extension (``prompt_token_ids`` on the response, ``token_ids`` on its choice). With
+  ``stream: true`` the whole answer goes as server-sent chunks (the stage answers a call
+  index at once, so nothing is gained by streaming token by token).
 - ``POST /inference/v1/generate``: vLLM's token-in/token-out endpoint
   (``vllm/entrypoints/scale_out/token_in_token_out/protocol.py``; `renderers.client` posts
   to it through an ``AsyncOpenAI`` client with its ``/v1`` suffix removed). Request:
@@ -431,10 +433,10 @@ class Endpoint:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "rftpipe"}
         return web.json_response({"object": "list", "data": [card]}, dumps=_dumps)
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve_call(request, self._parse_chat, self._chat_body)
 
-    async def _generate(self, request: web.Request) -> web.Response:
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
         return await self._serve_call(request, self._parse_tokens, self._tokens_body)
 
     async def _serve_call(
@@ -442,7 +444,7 @@ class Endpoint:
         request: web.Request,
         parse: Callable[[dict[str, Any]], tuple[ChatCall | TokenCall, dict[str, Any]]],
         render: Callable[[Any, dict[str, Any], Answer], dict[str, Any]],
-    ) -> web.Response:
+    ) -> web.StreamResponse:
         """Authenticate, read, validate, hand the call to the stage and wait for its answer;
         the checks in the order the module docstring's errors list them."""
         try:
@@ -460,7 +462,10 @@ class Endpoint:
             raise
         if isinstance(outcome, _Refusal):
             return outcome.response()
-        return web.json_response(render(call, shape, outcome), dumps=_dumps)
+        body = render(call, shape, outcome)
+        if shape.get("stream"):
+            return await _streamed(request, body, bool(shape.get("stream_usage")))
+        return web.json_response(body, dumps=_dumps)
 
     def _authenticate(self, request: web.Request) -> bytes:
         """The digest of the request's live key; 401 otherwise (the key never echoed)."""
@@ -540,10 +545,10 @@ class Endpoint:
 
     def _parse_chat(self, body: dict[str, Any]) -> tuple[ChatCall, dict[str, Any]]:
         self._check_model(body, required=True)
-        if body.get("stream") not in (None, False):
-            raise _Refusal(
-                400, "streaming is not supported: `stream` must be false", param="stream"
-            )
+        stream = _bool(body.get("stream"), "stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise _Refusal(400, "`stream_options` must be an object", param="stream_options")
         messages = _messages(body.get("messages"), self.limits.max_messages)
         # OpenAI's newer name wins; the older one is what most agents still send.
         field = (
@@ -570,7 +575,8 @@ class Endpoint:
             logprobs=_bool(body.get("logprobs"), "logprobs"),
             return_token_ids=_bool(body.get("return_token_ids"), "return_token_ids"),
         )
-        return call, {}
+        usage = _bool(options.get("include_usage"), "stream_options.include_usage")
+        return call, {"stream": stream, "stream_usage": usage}
 
     def _parse_tokens(self, body: dict[str, Any]) -> tuple[TokenCall, dict[str, Any]]:
         self._check_model(body, required=False)
@@ -705,6 +711,39 @@ async def _http_errors(request: web.Request, handler: Handler) -> web.StreamResp
         if exc.status < 400:
             raise
         return _Refusal(exc.status, exc.reason).response()
+
+
+async def _streamed(request: web.Request, body: dict[str, Any], usage: bool) -> web.StreamResponse:
+    """A whole chat completion sent as server-sent events (`stream: true`): the answer
+    exists in full before it is sent (the stage answers a call index at once), so it goes
+    as one chunk with the message, one with the finish reason (and, with
+    `stream_options.include_usage`, one with the usage), then `[DONE]`, the frames
+    OpenAI's clients assemble."""
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    choice = body["choices"][0]
+    message = choice["message"]
+    delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
+    if "tool_calls" in message:
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    head = {k: body[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+    first: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+    first["logprobs"] = choice["logprobs"]
+    if "token_ids" in choice:
+        first["token_ids"] = choice["token_ids"]
+    chunks: list[dict[str, Any]] = [{**head, "choices": [first]}]
+    if "prompt_token_ids" in body:
+        chunks[0]["prompt_token_ids"] = body["prompt_token_ids"]
+    last = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
+    chunks.append({**head, "choices": [last]})
+    if usage:
+        chunks.append({**head, "choices": [], "usage": body["usage"]})
+    for chunk in chunks:
+        await out.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
+    await out.write(b"data: [DONE]\n\n")
+    await out.write_eof()
+    return out
 
 
 def _digest(key: str) -> bytes:
