@@ -1,14 +1,20 @@
 """Agent processes (`rftpipe.agents.pool`): what an agent returns or how it fails comes back
 as one event per episode, a killed episode takes its child processes along and sends
-nothing, a SIGKILLed run leaves no agent process behind, and another interpreter gets none
-of the trainer's packages. The agents (tests/agents_toy.py) call no endpoint."""
+nothing (even when its reply was on its way), a SIGKILLed run leaves no agent process
+behind (nor the zygote, nor what the agent's module started), episodes are forked from a
+zygote that imported the agent's module once (and one that fails to import fails each
+episode), and another interpreter gets none of the trainer's packages. The agents
+(tests/agents_toy.py, and modules written here) call no endpoint."""
 
 from __future__ import annotations
 
 import json
+import os
 import queue
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from rftpipe.agents import pool as agent_pool
 from rftpipe.agents.pool import (
     AgentProcesses,
     AgentSpec,
@@ -193,7 +200,9 @@ def test_kill_takes_the_agents_children_along_and_sends_nothing(tmp_path: Path) 
         assert waits.running() == {0}
         waits.kill(0)
         assert not waits.running()
-        assert _gone(list(pids.values())), pids
+        episode = [pids["agent"], pids["child"], pids["supervisor"]]
+        assert _gone(episode), pids
+        assert _alive(pids["zygote"]) and _alive(pids["keeper"])  # for the next episodes
         # The other episode's event comes; none for the killed one, then or later.
         assert _collect(inbox, 1) == {2: Finished(episode=2, reward=1.0, info={})}
         with pytest.raises(queue.Empty):
@@ -218,23 +227,198 @@ def test_close_kills_every_agent_and_is_final(tmp_path: Path) -> None:
 
 
 def test_a_sigkilled_run_takes_its_agents_and_their_children_along(tmp_path: Path) -> None:
+    # The agent's module starts a process when imported (in the zygote): it goes too.
+    (tmp_path / "agents_toy_spawns_at_import.py").write_text(
+        f"""
+import subprocess
+from pathlib import Path
+from agents_toy import spawns_and_waits
+_child = subprocess.Popen(["sleep", "600"])
+Path({str(tmp_path / "import_child")!r}).write_text(str(_child.pid))
+"""
+    )
     pid_file = tmp_path / "pids"
     run = f"""
 import queue, sys, time
-sys.path.insert(0, {str(TESTS)!r})
+sys.path[:0] = [{str(TESTS)!r}, {str(tmp_path)!r}]
 from rftpipe.agents.pool import AgentProcesses, AgentSpec
-spec = AgentSpec(path="agents_toy:spawns_and_waits", kwargs={{"pid_file": {str(pid_file)!r}}})
+spec = AgentSpec(
+    path="agents_toy_spawns_at_import:spawns_and_waits",
+    kwargs={{"pid_file": {str(pid_file)!r}}},
+)
 AgentProcesses(spec, queue.Queue()).start(0, {{}}, {URL!r}, "key", "policy")
 time.sleep(600)
 """
     parent = subprocess.Popen([sys.executable, "-c", run], cwd=ROOT)
     try:
         pids = _pids(pid_file)
-        assert pids["worker"] != parent.pid
+        pids["import_child"] = int((tmp_path / "import_child").read_text())
+        assert _alive(pids["import_child"])
+        assert parent.pid not in pids.values()
+        assert len(set(pids.values())) == len(pids), pids
     finally:
         parent.kill()
         parent.wait()
+    # The agent, its child, its supervisor, the zygote and its keeper, and what the
+    # module's import started.
     assert _gone(list(pids.values())), pids
+
+
+def _module(tmp_path: Path, name: str, source: str) -> str:
+    """Write an agent module `name` into tmp_path, which the agent processes' path holds."""
+    (tmp_path / f"{name}.py").write_text(source)
+    return name
+
+
+def test_episodes_fork_from_the_module_as_imported_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # Printed at import, and still in the zygote's buffer: each copy must not print it again.
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    name = _module(
+        tmp_path,
+        "agents_toy_prints_at_import",
+        "print('imported agents_toy_prints_at_import')\nfrom agents_toy import scripted\n",
+    )
+    inbox: queue.Queue[Any] = queue.Queue()
+    pool = AgentProcesses(AgentSpec(path=f"{name}:scripted", kwargs={}), inbox)
+    try:
+        for episode in range(3):
+            pool.start(episode, {"prompt_id": episode}, URL, "key", "policy")
+        events = _collect(inbox, 3)
+        pool.start(3, {"prompt_id": 3}, URL, "key", "policy")  # after the others ended
+        events |= _collect(inbox, 1)
+    finally:
+        pool.close()
+    infos = [e.info for e in events.values() if isinstance(e, Finished)]
+    assert len(infos) == 4, events
+    # Imported once, by the zygote, which forked each episode's process ...
+    (zygote,) = {info["imported_in"] for info in infos}
+    assert zygote != os.getpid()
+    assert all(info["pid"] != zygote for info in infos)
+    assert len({info["pid"] for info in infos}) == 4
+    # ... a copy of the module's state as imported: what one episode changed, no other saw.
+    assert sorted(tuple(info["calls"]) for info in infos) == [(0,), (1,), (2,), (3,)]
+    assert capfd.readouterr().out.count("imported agents_toy_prints_at_import") == 1
+
+
+def test_a_module_that_does_not_import_fails_every_episode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    imports = tmp_path / "imports"
+    name = _module(
+        tmp_path,
+        "agents_toy_broken",
+        f"""
+with open({str(imports)!r}, "a") as f:
+    f.write("imported\\n")
+raise RuntimeError("no config file")
+""",
+    )
+    inbox: queue.Queue[Any] = queue.Queue()
+    pool = AgentProcesses(AgentSpec(path=f"{name}:fn", kwargs={}), inbox)
+    try:
+        for episode in range(3):
+            pool.start(episode, {}, URL, "key", "policy")
+        events = _collect(inbox, 3)
+        pool.start(3, {}, URL, "key", "policy")  # after the failure is known: at once
+        events |= _collect(inbox, 1)
+        assert not pool.running()
+    finally:
+        pool.close()
+    for event in events.values():
+        message = _failed(event, "import")
+        assert message == f"cannot import {name}: RuntimeError: no config file"
+    assert imports.read_text() == "imported\n"  # once, by the zygote
+
+
+def test_a_module_that_starts_a_thread_is_imported_by_each_episode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A process with threads cannot be forked safely: the zygote goes on without the module.
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = _module(
+        tmp_path,
+        "agents_toy_thread",
+        """
+import os, threading, time
+IMPORTED_IN = os.getpid()
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+
+async def fn(task, client, model):
+    return {"reward": 1.0, "info": {"imported_in": IMPORTED_IN, "pid": os.getpid()}}
+
+def plain(task, client, model):
+    return 1.0
+""",
+    )
+    events = _run(
+        {
+            0: AgentSpec(path=f"{name}:fn", kwargs={}),
+            1: AgentSpec(path=f"{name}:fn", kwargs={}),
+            2: AgentSpec(path=f"{name}:plain", kwargs={}),
+        }
+    )
+    for episode in (0, 1):
+        event = events[episode]
+        assert isinstance(event, Finished), event
+        assert event.info["imported_in"] == event.info["pid"]  # imported by the episode
+    assert "not an async function" in _failed(events[2], "not_async")
+
+
+def test_a_kill_racing_the_agents_reply_puts_no_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The reply is read; the episode is killed before its event is put.
+    read, go = threading.Event(), threading.Event()
+    replies: list[bytes | None] = []
+
+    def held(reader: Any) -> bytes | None:
+        replies.append(real(reader))
+        read.set()
+        assert go.wait(EVENT_S)
+        return replies[-1]
+
+    real = agent_pool._read_reply
+    monkeypatch.setattr(agent_pool, "_read_reply", held)
+    inbox: queue.Queue[Any] = queue.Queue()
+    pool = AgentProcesses(_spec("mapping"), inbox)
+    try:
+        pool.start(0, {}, URL, "key", "policy")
+        assert read.wait(EVENT_S)
+        assert replies[0] is not None and b"finished" in replies[0]
+        assert pool.running() == {0}
+        pool.kill(0)
+        assert not pool.running()
+        go.set()
+        with pytest.raises(queue.Empty):
+            inbox.get(timeout=0.5)
+        # The pool goes on: the next episode's reply is its event.
+        read.clear()
+        pool.start(0, {}, URL, "key", "policy")
+        assert _collect(inbox, 1) == {0: Finished(episode=0, reward=-2.0, info={"via": "mapping"})}
+    finally:
+        go.set()
+        pool.close()
+
+
+def test_a_dead_zygote_fails_its_episodes_and_another_one_starts(tmp_path: Path) -> None:
+    inbox: queue.Queue[Any] = queue.Queue()
+    pool = AgentProcesses(_spec("scripted"), inbox)
+    try:
+        pool.start(0, {"pid_file": str(tmp_path / "0"), "wait": True}, URL, "key", "policy")
+        pids = _pids(tmp_path / "0")
+        os.kill(pids["zygote"], signal.SIGKILL)
+        (event,) = _collect(inbox, 1).values()
+        assert "died without a result (its zygote exited)" in _failed(event, "died")
+        assert not pool.running()
+        assert _gone(list(pids.values())), pids
+        pool.start(1, {"reward": 2.0}, URL, "key", "policy")
+        (event,) = _collect(inbox, 1).values()
+        assert isinstance(event, Finished) and event.reward == 2.0
+        assert event.info["imported_in"] != pids["zygote"]
+    finally:
+        pool.close()
 
 
 def test_another_interpreter_gets_none_of_the_trainers_packages(tmp_path: Path) -> None:

@@ -5,16 +5,37 @@ An agent is ``async def fn(task, client, model, **kwargs)`` returning the episod
 (`rftpipe.agents.AgentResult` for the reward with an info dict, or a mapping with the same
 keys). It runs its own loop for as long as it likes, so unlike an environment's calls there
 is nothing to time out call by call: the stage bounds each episode's time and `kill`s it.
-An episode gets a process of its own (``python -m rftpipe.agents.worker``,
-`rftpipe.agents.worker` says how it is built) because an agent's state, threads and child
-processes must all end with its episode, which only a killed process group guarantees; a
-fresh process per episode also keeps one agent's leaks from the next.
+An episode gets a process of its own because an agent's state, threads and child processes
+must all end with its episode, which only a killed process group guarantees; a process per
+episode also keeps one agent's leaks from the next.
 
-Each process starts in a session of its own: its process group holds the agent's children
-too, and `kill` SIGKILLs the group. It dies, group and all, with the run. It imports only
-the agent's module and `openai`, never the run's torch, and under `AgentSpec.python` it may
-be another interpreter, one whose packages conflict with the trainer's: it then gets none
-of the trainer's installed packages (`isolated_sys_path`).
+Those processes are forked, not started: an interpreter spends a second of CPU importing
+`openai` alone. At its first `start`, `AgentProcesses` starts a *zygote*
+(``python -m rftpipe.agents.worker``; `rftpipe.agents.worker` says how it is built) that
+imports `openai` and the agent's module (on the run's import path as it is then) and checks
+the agent function once, and then, until `close`, forks each episode's process, which
+starts with all of that done: milliseconds instead of a second. What this means for an
+agent:
+
+- **Its module is imported once**, by the zygote, not once per episode: its module-level
+  state is what the import left, and every episode starts from that same state, a
+  copy-on-write copy (what one episode changes, no other sees). What the import opened
+  (files, sockets) every episode's process inherits and shares, and a process the import
+  started is the zygote's child, not an episode's (it ends with the zygote): an agent's
+  module should only define things, and leave the rest to the agent function.
+- **A module that does not import fails every episode alike**, each as ``import`` (so does
+  a function that is not ``async def``, as ``not_async``); its traceback is in the run's log
+  once.
+- **A module whose import starts a thread** cannot be forked safely: the zygote then starts
+  over without it (the run's log says so), each episode's process imports the module
+  itself, as slow as a fresh interpreter, and import failures come back per episode.
+
+Each episode's process starts in a session of its own: its process group holds the agent's
+children too, and `kill` SIGKILLs the group, from this process, at once. It dies, group and
+all, with the run, and so does the zygote, with whatever the agent's module started. They
+import only the agent's module and `openai`, never the run's torch, and under
+`AgentSpec.python` they may run another interpreter, one whose packages conflict with the
+trainer's: it then gets none of the trainer's installed packages (`isolated_sys_path`).
 
 Results come back as events on the caller's queue, exactly one `Finished` or `Failed` per
 episode unless it was killed, so the stage can wait on its endpoint's calls and its
@@ -28,8 +49,10 @@ import contextlib
 import json
 import os
 import queue
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,13 +60,15 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, cast, get_args
+from typing import Any, BinaryIO, Literal, get_args
 
-from rftpipe.workers import frame, read_frame
+from rftpipe.agents.worker import RESTARTING, WORKER, recv_frame, send_frame
+from rftpipe.workers import read_frame
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 """The rftpipe package directory."""
-WORKER = "rftpipe.agents.worker"
+_CLOSE_S = 10.0
+"""How long `close` waits for the zygote's keeper to end after SIGTERM (it ends at once)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,6 +141,89 @@ def isolated_sys_path(
     return out
 
 
+class _Zygote:
+    """The pool's side of one zygote: its keeper process (ours to reap), the socket, and
+    what its handshake said. Its state changes under the pool's lock only."""
+
+    def __init__(self, keeper: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self.keeper, self.sock = keeper, sock
+        self.ready = False
+        self.failure: tuple[FailureKind, str] | None = None
+        """Why every episode fails (an ``import`` or ``not_async`` failure)."""
+        self.pidfd: int | None = None
+        """The zygote's own pidfd, readable once it has exited."""
+        self.lost = False
+        """A request found the socket closed: the zygote has exited."""
+        self.handshaken = False
+        """The handshake thread is done with the socket (else it closes it at its end)."""
+        self.closed = False
+
+    def alive(self) -> bool:
+        """Whether the zygote still runs, so that its supervisors are still unreaped unless
+        it reaped them on request. (Once it has exited they are orphans: the kernel's
+        reaper may reap them, and their pids then name other processes.)"""
+        if self.lost or self.closed:
+            return False
+        if self.pidfd is not None:
+            poll = select.poll()
+            poll.register(self.pidfd, select.POLLIN)
+            return not poll.poll(0)
+        # No pidfd (not Linux, or before 5.3): the keeper ends as soon as the zygote does.
+        try:
+            info = os.waitid(os.P_PID, self.keeper.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+        return info is None
+
+    def request(self, message: dict[str, Any], fd: int | None = None) -> dict[str, Any] | None:
+        """Send a request (with `fd`) and return the reply; None once the zygote has
+        exited. Only once ready, and under the pool's lock: one conversation at a time."""
+        if self.lost:
+            return None
+        try:
+            send_frame(
+                self.sock, json.dumps(message, default=str).encode(), [] if fd is None else [fd]
+            )
+            raw, _ = recv_frame(self.sock)
+        except OSError:
+            raw = None
+        if raw is None:
+            self.lost = True
+            return None
+        reply: dict[str, Any] = json.loads(raw)
+        return reply
+
+    def close(self) -> None:
+        """End the zygote: its keeper SIGKILLs its group and whatever it started, and its
+        supervisors SIGKILL theirs (those that `AgentProcesses` did not kill already)."""
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # a handshake waiting on it wakes up
+        if self.handshaken:
+            self.sock.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+        self.keeper.terminate()
+        try:
+            self.keeper.wait(_CLOSE_S)
+        except subprocess.TimeoutExpired:
+            self.keeper.kill()
+            self.keeper.wait()
+
+
+@dataclass(slots=True)
+class _Episode:
+    """A started episode: waiting for its zygote, or with its supervisor's pid (the id of
+    its process group) and the pipe its result comes on."""
+
+    episode: int
+    request: dict[str, Any]
+    zygote: _Zygote
+    pid: int | None = None
+    reader: BinaryIO | None = None
+
+
 class AgentProcesses:
     """The agent processes of one rollout stage, by episode; each one's end arrives in
     `inbox` as a `Finished` or `Failed` (an episode `kill`ed sends none)."""
@@ -124,10 +232,11 @@ class AgentProcesses:
         self.spec, self.inbox = spec, inbox
         self._python = spec.python or sys.executable
         self._lock = threading.Lock()
-        """Held to start, reap or kill a process, and to put its event: a process is reaped
-        (so its pid, its group's id, may be reused) only under it, and no event follows a
-        `kill`."""
-        self._running: dict[int, subprocess.Popen[bytes]] = {}
+        """Held to start, reap or kill a process, to talk to the zygote, and to put an
+        event: a supervisor is reaped (so its pid, its group's id, may be reused) only
+        under it, and no event follows a `kill`."""
+        self._running: dict[int, _Episode] = {}
+        self._zygote: _Zygote | None = None
         self._closed = False
         self._link_dir: str | None = None
         if spec.python is not None:
@@ -142,14 +251,92 @@ class AgentProcesses:
         self, episode: int, task: dict[str, Any], base_url: str, api_key: str, model: str
     ) -> None:
         """Start `episode`'s agent process and return at once; its `Finished` or `Failed`
-        comes to `inbox` (a `Failed` of kind ``import`` at once when the interpreter does not
-        start at all).
+        comes to `inbox` (a `Failed` at once when the agent's module does not import or
+        the interpreter does not start at all).
 
-        The process is started from the calling thread, and that thread must outlive it (the
-        stage's own thread does): a process learns of its parent's death by
-        PR_SET_PDEATHSIG, which Linux sends when the *thread* that started it exits, so a
-        process started from a short-lived thread would be killed, group and all, when that
-        thread ends."""
+        Once the zygote is up, the episode's process exists and leads its process group when
+        this returns. Until then (the first `start`s, while the zygote imports) the episode
+        waits for it, and `kill` just withdraws it. The zygote is started from the calling
+        thread, and that thread must outlive it (the stage's own thread does): a process
+        learns of its parent's death by PR_SET_PDEATHSIG, which Linux sends when the
+        *thread* that started it exits, so a zygote started from a short-lived thread would
+        be killed, episodes and all, when that thread ends."""
+        # The key travels in the request, not in argv or the environment (which /proc
+        # shows). Values JSON cannot hold become their `str`, as an environment's do.
+        request = {
+            "op": "start",
+            "episode": episode,
+            "task": task,
+            "base_url": base_url,
+            "api_key": api_key,
+            "model": model,
+        }
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the agent processes are closed")
+            if episode in self._running:
+                raise ValueError(f"episode {episode}'s agent is already running")
+            z = self._zygote
+            if z is not None and z.failure is None and z.ready and not z.alive():
+                z.close()  # it died (its episodes died with it): another one starts
+                z = self._zygote = None
+            if z is None:
+                try:
+                    z = self._zygote = self._spawn()
+                except OSError as exc:
+                    self.inbox.put(
+                        Failed(
+                            episode=episode,
+                            kind="import",
+                            message=f"cannot start the agent's interpreter {self._python}: {exc}",
+                        )
+                    )
+                    return
+            if z.failure is not None:
+                kind, message = z.failure
+                self.inbox.put(Failed(episode=episode, kind=kind, message=message))
+                return
+            ep = _Episode(episode=episode, request=request, zygote=z)
+            self._running[episode] = ep
+            if z.ready:
+                self._fork(ep)
+
+    def kill(self, episode: int) -> None:
+        """SIGKILL `episode`'s process group (the agent's own child processes too) and reap
+        it; no event comes for it after this, even one that was on its way. An episode that
+        is not running is left alone."""
+        with self._lock:
+            ep = self._running.pop(episode, None)
+            if ep is not None and ep.pid is not None:
+                self._end(ep)
+
+    def running(self) -> set[int]:
+        """The episodes whose process has not ended (or been killed)."""
+        with self._lock:
+            return set(self._running)
+
+    def close(self) -> None:
+        """Kill every process still running, and the zygote. Idempotent; also run at exit."""
+        with self._lock:
+            self._closed = True
+            started = [ep for ep in self._running.values() if ep.pid is not None]
+            self._running.clear()
+            for ep in started:  # all at once first: killed groups exit meanwhile
+                if ep.pid is not None and ep.zygote.alive():
+                    _kill_group(ep.pid)
+            for ep in started:
+                self._end(ep)
+            if self._zygote is not None:
+                self._zygote.close()
+                self._zygote = None
+        atexit.unregister(self.close)
+        if self._link_dir is not None:
+            shutil.rmtree(self._link_dir, ignore_errors=True)
+            self._link_dir = None
+
+    # -- the zygote ------------------------------------------------------------------------
+    def _spawn(self) -> _Zygote:
+        """Start a zygote (its handshake goes on in a thread of its own)."""
         if self.spec.python is None:
             # This interpreter: the run's own import path, so the user's modules import as
             # they do in the run.
@@ -162,124 +349,159 @@ class AgentProcesses:
             )
             replace, roots = False, [self._link_dir]  # not the trainer's PYTHONPATH either
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, roots)))
-        # The key travels in the job, not in argv or the environment (which /proc shows).
-        # Values JSON cannot hold become their `str`, as an environment's do.
-        job = json.dumps(
-            {
-                "episode": episode,
-                "path": self.spec.path,
-                "kwargs": self.spec.kwargs,
-                "task": task,
-                "base_url": base_url,
-                "api_key": api_key,
-                "model": model,
-                "sys_path": sys_path,
-                "replace_path": replace,
-            },
-            default=str,
-        ).encode()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the agent processes are closed")
-            if episode in self._running:
-                raise ValueError(f"episode {episode}'s agent is already running")
-            try:
-                proc = subprocess.Popen(
-                    [self._python, "-m", WORKER, str(os.getpid())],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    # The agent's prints and tracebacks join the run's log (stdout), as a
-                    # reward or environment worker's do (`rftpipe.workers`).
-                    stderr=1,
-                    env=env,
-                    start_new_session=True,
-                )
-            except OSError as exc:
-                self.inbox.put(
-                    Failed(
-                        episode=episode,
-                        kind="import",
-                        message=f"cannot start the agent's interpreter {self._python}: {exc}",
-                    )
-                )
-                return
-            self._running[episode] = proc
+        config = {
+            "path": self.spec.path,
+            "kwargs": self.spec.kwargs,
+            "sys_path": sys_path,
+            "replace_path": replace,
+        }
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            keeper = subprocess.Popen(
+                [self._python, "-m", WORKER, str(os.getpid()), str(theirs.fileno())],
+                stdin=subprocess.DEVNULL,
+                # The agent's prints and tracebacks join the run's log (stdout), as a
+                # reward or environment worker's do (`rftpipe.workers`).
+                stderr=1,
+                env=env,
+                start_new_session=True,
+                pass_fds=(theirs.fileno(),),
+            )
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        z = _Zygote(keeper, mine)
+        data = json.dumps(config, default=str).encode()
         threading.Thread(
-            target=self._watch, args=(episode, proc, job), name=f"agent-{episode}", daemon=True
+            target=self._handshake, args=(z, data), name="agent-zygote", daemon=True
+        ).start()
+        return z
+
+    def _handshake(self, z: _Zygote, config: bytes) -> None:
+        """The zygote's start: send the configuration, wait until it has imported, then
+        start the episodes waiting for it (or fail them all)."""
+        raw: bytes | None = None
+        fds: list[int] = []
+        with contextlib.suppress(OSError):
+            while True:
+                send_frame(z.sock, config)
+                raw, fds = recv_frame(z.sock, 1)
+                if raw is None or raw != RESTARTING:
+                    break
+                # It left a thread running and execs itself without the agent's module.
+        code = None
+        if raw is None:  # it exited: the keeper's exit code says how
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = z.keeper.wait(_CLOSE_S)
+        with self._lock:
+            z.handshaken = True
+            if z.closed:
+                z.sock.close()
+                for fd in fds:
+                    os.close(fd)
+                return
+            z.failure = self._greeting(z, raw, fds, code)
+            z.ready = z.failure is None
+            for ep in [ep for ep in self._running.values() if ep.zygote is z]:
+                if z.failure is None:
+                    self._fork(ep)
+                else:
+                    del self._running[ep.episode]
+                    kind, message = z.failure
+                    self.inbox.put(Failed(episode=ep.episode, kind=kind, message=message))
+
+    def _greeting(
+        self, z: _Zygote, raw: bytes | None, fds: list[int], code: int | None
+    ) -> tuple[FailureKind, str] | None:
+        """What the zygote's first reply says: None when it is ready, else the failure
+        of every episode."""
+        if raw is None:
+            status = "it did not end" if code is None else _status(code)
+            return (
+                "import",
+                f"the agent's interpreter {self._python} cannot run {WORKER} "
+                f"({status}; its error is in the run's log)",
+            )
+        try:
+            msg = json.loads(raw)
+            if msg["kind"] == "ready":
+                z.pidfd = fds.pop() if fds else None
+                return None
+            if msg["kind"] in ("import", "not_async"):
+                return msg["kind"], str(msg["message"])
+        except (ValueError, KeyError, TypeError):
+            pass
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return "import", f"the agent's zygote sent {raw[:200]!r}"
+
+    # -- episodes --------------------------------------------------------------------------
+    def _fork(self, ep: _Episode) -> None:
+        """Have the zygote fork `ep`'s process and watch for its result (under the lock)."""
+        r, w = os.pipe()
+        try:
+            reply = ep.zygote.request(ep.request, fd=w)
+        finally:
+            os.close(w)  # the supervisor's alone now: its end of output is its exit
+        ep.request = {}  # the api key: no longer needed
+        if reply is None or "pid" not in reply:
+            os.close(r)
+            del self._running[ep.episode]
+            why = (
+                "its zygote exited (its error, if any, is in the run's log)"
+                if reply is None
+                else f"{reply.get('error')}"
+            )
+            message = f"the agent's process did not start: {why}"
+            self.inbox.put(Failed(episode=ep.episode, kind="died", message=message))
+            return
+        ep.pid = int(reply["pid"])
+        ep.reader = os.fdopen(r, "rb")
+        threading.Thread(
+            target=self._watch, args=(ep,), name=f"agent-{ep.episode}", daemon=True
         ).start()
 
-    def kill(self, episode: int) -> None:
-        """SIGKILL `episode`'s process group (the agent's own child processes too) and reap
-        it; no event comes for it after this, even one that was on its way. An episode that
-        is not running is left alone."""
-        with self._lock:
-            proc = self._running.pop(episode, None)
-            if proc is not None:
-                _kill_group(proc)
-                proc.wait()
+    def _end(self, ep: _Episode) -> int | None:
+        """SIGKILL `ep`'s group and have the zygote reap its supervisor (under the lock): its
+        exit code, or None when the zygote is gone (its supervisors took their groups down
+        with them, and another process may have their pids by now)."""
+        assert ep.pid is not None
+        if not ep.zygote.alive():
+            return None
+        _kill_group(ep.pid)
+        reply = ep.zygote.request({"op": "reap", "pid": ep.pid})
+        return None if reply is None or reply["code"] is None else int(reply["code"])
 
-    def running(self) -> set[int]:
-        """The episodes whose process has not ended (or been killed)."""
-        with self._lock:
-            return set(self._running)
-
-    def close(self) -> None:
-        """Kill every process still running. Idempotent; also run at exit."""
-        with self._lock:
-            self._closed = True
-            procs = list(self._running.values())
-            self._running.clear()
-            for proc in procs:
-                _kill_group(proc)
-            for proc in procs:
-                proc.wait()
-        atexit.unregister(self.close)
-        if self._link_dir is not None:
-            shutil.rmtree(self._link_dir, ignore_errors=True)
-            self._link_dir = None
-
-    def _watch(self, episode: int, proc: subprocess.Popen[bytes], job: bytes) -> None:
-        """The episode's reader thread: send the job, read the process's frames until its
-        reply or its end, reap it and put its event (unless it was killed meanwhile)."""
-        assert proc.stdin is not None and proc.stdout is not None
-        with contextlib.suppress(OSError):  # it died first: its end shows below
-            proc.stdin.write(frame(job))
+    def _watch(self, ep: _Episode) -> None:
+        """The episode's reader thread: read the supervisor's reply until it comes or the
+        supervisor exits, then end the episode and put its event (unless it was killed
+        meanwhile)."""
+        assert ep.reader is not None
+        reply = None
         with contextlib.suppress(OSError):
-            proc.stdin.close()
-        started = reply = None
-        out = cast(BinaryIO, proc.stdout)
-        with contextlib.suppress(OSError):
-            started = read_frame(out)
-            if started is not None:
-                reply = read_frame(out)
+            reply = _read_reply(ep.reader)
         try:
             with self._lock:
-                if self._running.get(episode) is not proc:
-                    return  # killed: `kill` or `close` reaped it, and no event follows
-                del self._running[episode]
-                # The worker kills its group after replying; this also takes the group down
-                # when the worker itself was killed (while unreaped, its id is not reused).
-                _kill_group(proc)
-                code = proc.wait()
-                self.inbox.put(self._event(episode, started, reply, code))
+                if self._running.get(ep.episode) is not ep:
+                    return  # killed: `kill` or `close` ended it, and no event follows
+                del self._running[ep.episode]
+                # The supervisor kills its group after replying; this also takes the group
+                # down when the supervisor itself was killed.
+                code = self._end(ep)
+                self.inbox.put(self._event(ep.episode, reply, code))
         finally:
-            proc.stdout.close()
+            ep.reader.close()
 
-    def _event(
-        self, episode: int, started: bytes | None, reply: bytes | None, code: int
-    ) -> Finished | Failed:
-        if started is None:
-            return Failed(
-                episode=episode,
-                kind="import",
-                message=f"the agent's interpreter {self._python} cannot run {WORKER} "
-                f"({_status(code)}; its error is in the run's log)",
-            )
+    def _event(self, episode: int, reply: bytes | None, code: int | None) -> Finished | Failed:
         if reply is None:
+            status = "its zygote exited" if code is None else _status(code)
             return Failed(
                 episode=episode,
                 kind="died",
-                message=f"the agent's process died without a result ({_status(code)})",
+                message=f"the agent's process died without a result ({status})",
             )
         try:
             msg = json.loads(reply)
@@ -294,11 +516,16 @@ class AgentProcesses:
         )
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL `proc`'s process group (its id is its pid: it leads its own session). Only
-    before `proc` is reaped: until then no other group can take that id."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+def _read_reply(reader: BinaryIO) -> bytes | None:
+    """A supervisor's reply frame, or None when it exited without one."""
+    return read_frame(reader)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the process group `pgid` (a supervisor's pid: it leads its own session). Only
+    while the supervisor is unreaped: until then no other group can take that id."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def _status(code: int) -> str:
