@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from jobs.submit import local_rank_env
+from rftpipe.engines.rollout.base import SampleOutput
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny_dense.yaml"
@@ -334,3 +336,64 @@ def episode_prompts(tok, n: int = 2) -> list:  # -> list[rftpipe.data.prompts.Pr
             )
         )
     return out
+
+
+class EngineSpy:
+    """The real HF engine, with every `generate_rows` call's prompts and the tokens it
+    answered with kept: the engine boundary the record is compared with.
+
+    `script` maps (engine call index, row) to token ids that replace what the engine
+    sampled there (logprobs 0, finish "stop"): a scripted policy, for answers a random-init
+    model never gives, such as a tool call. The boundary then holds the scripted tokens,
+    which are what the agent was answered with and what the record must keep."""
+
+    def __init__(self, engine: Any, script: dict[tuple[int, int], list[int]] | None = None) -> None:
+        self.engine = engine
+        self.script = script or {}
+        self.calls: list[list[tuple[list[int], list[int]]]] = []
+
+    def generate_rows(self, prompts, seeds, max_new, keys=None, **kw):  # noqa: ANN001
+        outs = self.engine.generate_rows(prompts, seeds, max_new, keys, **kw)
+        c = len(self.calls)
+        outs = [
+            o
+            if (t := self.script.get((c, r))) is None
+            else SampleOutput(tokens=list(t), logprobs=[0.0] * len(t), finish_reason="stop")
+            for r, o in enumerate(outs)
+        ]
+        self.calls.append([(list(p), list(o.tokens)) for p, o in zip(prompts, outs, strict=True)])
+        return outs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
+def run_agent_episodes(
+    tiny,
+    agent,  # rftpipe.config.schema.AgentConfig
+    n: int = 2,
+    prompts: int = 2,
+    max_new: int = 6,
+    script: dict[tuple[int, int], list[int]] | None = None,
+    **rollout: Any,
+):  # -> (episodes, AgentStats, EngineSpy)
+    """`rftpipe.stages.agents.run` on `prompts` episode prompts x `n` samples, in this
+    process, with the real HF engine on `tiny` (model, tokenizer) behind an `EngineSpy`."""
+    from rftpipe.config.schema import RolloutConfig
+    from rftpipe.engines.rollout.hf import HFGenerateEngine
+    from rftpipe.stages import agents
+
+    model, tok = tiny
+    cfg = RolloutConfig(n=n, max_new_tokens=max_new, agent=agent, **rollout)
+    engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    spy = EngineSpy(engine, script)
+    inp = agents.AgentInputs(
+        cfg=cfg,
+        agent=agent,
+        run_seed=0,
+        step=1,
+        stage="rollout",
+        calls=[episode_prompts(tok, prompts)],
+    )
+    out, stats = agents.run(inp, spy, tok, OneRankLog())
+    return out.episodes, stats, spy

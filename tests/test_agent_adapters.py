@@ -15,17 +15,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from helpers import OneRankLog, episode_prompts
+from helpers import run_agent_episodes
 
-from rftpipe.config.schema import AgentConfig, RolloutConfig
+from rftpipe.config.schema import AgentConfig
 from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
-from rftpipe.engines.rollout.base import SampleOutput
-from rftpipe.engines.rollout.hf import HFGenerateEngine
-from rftpipe.stages import agents
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,60 +33,9 @@ def tiny():
     return load_causal_lm(path, "float32"), load_tokenizer(path)
 
 
-class Spy:
-    """The real HF engine, with every `generate_rows` call's prompts and the tokens it
-    answered with kept: the engine boundary the record is compared with.
-
-    `script` maps (engine call index, row) to token ids that replace what the engine
-    sampled there (logprobs 0, finish "stop"): a scripted policy, for answers a random-init
-    model never gives, such as a tool call. The boundary then holds the scripted tokens,
-    which are what the agent was answered with and what the record must keep."""
-
-    def __init__(
-        self, engine: HFGenerateEngine, script: dict[tuple[int, int], list[int]] | None = None
-    ) -> None:
-        self.engine = engine
-        self.script = script or {}
-        self.calls: list[list[tuple[list[int], list[int]]]] = []
-
-    def generate_rows(self, prompts, seeds, max_new, keys=None, **kw):  # noqa: ANN001
-        outs = self.engine.generate_rows(prompts, seeds, max_new, keys, **kw)
-        c = len(self.calls)
-        outs = [
-            o
-            if (t := self.script.get((c, r))) is None
-            else SampleOutput(tokens=list(t), logprobs=[0.0] * len(t), finish_reason="stop")
-            for r, o in enumerate(outs)
-        ]
-        self.calls.append([(list(p), list(o.tokens)) for p, o in zip(prompts, outs, strict=True)])
-        return outs
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-
-def _run(
-    tiny,
-    agent: AgentConfig,
-    n: int = 2,
-    prompts: int = 2,
-    script: dict[tuple[int, int], list[int]] | None = None,
-):
-    model, tok = tiny
-    cfg = RolloutConfig(n=n, max_new_tokens=6, agent=agent)
-    spy = Spy(
-        HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id), script
-    )
-    inp = agents.AgentInputs(
-        cfg=cfg,
-        agent=agent,
-        run_seed=0,
-        step=1,
-        stage="rollout",
-        calls=[episode_prompts(tok, prompts)],
-    )
-    out, stats = agents.run(inp, spy, tok, OneRankLog())
-    return {e.slot: e for e in out.episodes}, stats, spy
+def _run(tiny, agent: AgentConfig, n: int = 2, prompts: int = 2, script=None):  # noqa: ANN001
+    eps, stats, spy = run_agent_episodes(tiny, agent, n=n, prompts=prompts, script=script)
+    return {e.slot: e for e in eps}, stats, spy
 
 
 def _logged(path: Path) -> dict[tuple[int, int], dict]:

@@ -5,24 +5,24 @@ engine boundary, not against itself."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
 from helpers import (
     TESTS_ON_PATH,
     TINY,
+    EngineSpy,
     OneRankLog,
     episode_prompts,
     events,
     final_weights,
+    run_agent_episodes,
     submit,
     trajectories,
 )
@@ -44,37 +44,8 @@ def tiny():
     return load_causal_lm(path, "float32"), load_tokenizer(path)
 
 
-class Spy:
-    """The real HF engine, with every `generate_rows` call's prompts and sampled tokens
-    kept: the engine boundary the record is compared with."""
-
-    def __init__(self, engine: HFGenerateEngine) -> None:
-        self.engine = engine
-        self.calls: list[list[tuple[list[int], list[int]]]] = []
-
-    def generate_rows(self, prompts, seeds, max_new, keys=None, **kw):  # noqa: ANN001
-        outs = self.engine.generate_rows(prompts, seeds, max_new, keys, **kw)
-        self.calls.append([(list(p), list(o.tokens)) for p, o in zip(prompts, outs, strict=True)])
-        return outs
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-
-def _run(tiny, agent: AgentConfig, n: int = 2, prompts: int = 2, max_new: int = 6, **kw):
-    model, tok = tiny
-    cfg = RolloutConfig(n=n, max_new_tokens=max_new, agent=agent, **kw)
-    spy = Spy(HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id))
-    inp = agents.AgentInputs(
-        cfg=cfg,
-        agent=agent,
-        run_seed=0,
-        step=1,
-        stage="rollout",
-        calls=[episode_prompts(tok, prompts)],
-    )
-    out, stats = agents.run(inp, spy, tok, OneRankLog())
-    return out.episodes, stats, spy
+def _run(tiny, agent: AgentConfig, n: int = 2, prompts: int = 2, max_new: int = 6, **kw):  # noqa: ANN001
+    return run_agent_episodes(tiny, agent, n=n, prompts=prompts, max_new=max_new, **kw)
 
 
 def _lines(path: Path) -> list[dict]:
@@ -397,7 +368,7 @@ def test_eight_episodes_make_one_engine_call_per_group_and_call_index(tiny) -> N
     model, tok = tiny
     agent = AgentConfig(path="agents_e2e:even_tokens", kwargs={"calls": 2})
     cfg = RolloutConfig(n=2, max_new_tokens=4, agent=agent, groups_per_call=2)
-    spy = Spy(HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id))
+    spy = EngineSpy(HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id))
     prompts = episode_prompts(tok, 4)
     inp = agents.AgentInputs(
         cfg=cfg, agent=agent, run_seed=0, step=1, stage="rollout", calls=[prompts[:2], prompts[2:]]
@@ -456,27 +427,6 @@ def test_held_out_greedy_episodes_draw_nothing(tiny) -> None:
     assert g0.response == g1.response and s0.response != s1.response
 
 
-class ScriptedFirstCall(Spy):
-    """The real HF engine, except that call index 0's sampled tokens are replaced by the
-    tokens of `text` and EOS (logprobs 0): a scripted policy, because a random model does
-    not write tool calls. Later calls are the engine's own. The boundary kept is what the
-    stage got."""
-
-    def __init__(self, engine: HFGenerateEngine, tok, text: str) -> None:  # noqa: ANN001
-        super().__init__(engine)
-        self.script = [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
-
-    def generate_rows(self, prompts, seeds, max_new, keys=None, **kw):  # noqa: ANN001
-        outs = self.engine.generate_rows(prompts, seeds, max_new, keys, **kw)
-        if not self.calls:
-            outs = [
-                dataclasses.replace(o, tokens=list(self.script), logprobs=[0.0] * len(self.script))
-                for o in outs
-            ]
-        self.calls.append([(list(p), list(o.tokens)) for p, o in zip(prompts, outs, strict=True)])
-        return outs
-
-
 # Spaced unlike json.dumps: the arguments parsed to JSON and rendered back are other text.
 TOOL_TEXT = '<tool_call>{"name": "add", "arguments": {"a": 1,   "b": 2}}</tool_call>'
 
@@ -492,14 +442,12 @@ def test_a_tool_call_round_trips_as_sampled_and_logprobs_are_the_trainers(
         kwargs={"calls": 2, "log": str(log), "tools": True},
         max_total_tokens=400,
     )
-    cfg = RolloutConfig(n=1, max_new_tokens=40, agent=agent)
-    engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
-    spy = ScriptedFirstCall(engine, tok, TOOL_TEXT)
-    inp = agents.AgentInputs(
-        cfg=cfg, agent=agent, run_seed=0, step=1, stage="rollout", calls=[episode_prompts(tok, 1)]
+    # A scripted first answer (a random model writes no tool call); later ones sampled.
+    script = [*tok(TOOL_TEXT, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    eps, _, spy = run_agent_episodes(
+        tiny, agent, n=1, prompts=1, max_new=40, script={(0, 0): script}
     )
-    out, _ = agents.run(inp, spy, tok, OneRankLog())
-    (e,) = out.episodes
+    (e,) = eps
     seen = _lines(log)
     # The agent was answered with a parsed tool call, and sent back its result.
     assert seen[0]["tool_calls"] == ["add"] and seen[0]["content"] is None
@@ -507,8 +455,8 @@ def test_a_tool_call_round_trips_as_sampled_and_logprobs_are_the_trainers(
     sent = msgs[len(episode_prompts(tok, 1)[0].messages)]
     assert sent["tool_calls"][0]["function"]["arguments"] == '{"a": 1, "b": 2}'
     # The record keeps the sampled tokens, not a rendering of the parsed call.
-    first = e.response[e.turn_offsets[0] : e.turn_offsets[0] + len(spy.script)]
-    assert first == spy.script == spy.calls[0][0][1]
+    first = e.response[e.turn_offsets[0] : e.turn_offsets[0] + len(script)]
+    assert first == script == spy.calls[0][0][1]
     assert spy.calls[1][0][0] == e.prompt_ids + e.response[: e.turn_offsets[1]]
     # Rendering the agent's returned messages again (the JSON call, content None) gives
     # other ids than were sampled: the re-tokenization a framework that re-renders trains on.
@@ -522,10 +470,10 @@ def test_a_tool_call_round_trips_as_sampled_and_logprobs_are_the_trainers(
     # The call's info names the tool, as environments' do: `episode/tool_calls_mean` counts it.
     assert json.loads(e.turn_infos[0])["tool_calls"] == ["add"]
     rows = rollout.episode_rows(
-        rollout.RolloutInputs(step=1, rank=0, run_seed=0, prompts=inp.calls[0]),
-        engine,
+        rollout.RolloutInputs(step=1, rank=0, run_seed=0, prompts=episode_prompts(tok, 1)),
+        spy,
         tok,
-        out.episodes,
+        eps,
     )
     assert EpisodeCounts.of(rows).metrics()["episode/tool_calls_mean"] == 1.0
     # The second call's sampled tokens carry the engine's logprobs, which are the trainer's
@@ -534,6 +482,6 @@ def test_a_tool_call_round_trips_as_sampled_and_logprobs_are_the_trainers(
     span = [i for i in range(second, len(e.response)) if e.loss_mask[i]]
     mb = build_micro_batch([e.prompt_ids], [e.response], pad_id=0)
     with torch.no_grad():
-        lp, _ = response_logprobs(model, mb, cfg.temperature, with_entropy=False)
+        lp, _ = response_logprobs(model, mb, 1.0, with_entropy=False)
     diff = max(abs(lp[0, i].item() - e.logprobs[i]) for i in span)
     assert span and diff < 1e-4, diff
