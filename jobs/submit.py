@@ -200,11 +200,32 @@ def _end_adopted(ranks: list[subprocess.Popen]) -> None:
                 os.waitpid(pid, 0)
 
 
+def _reap_adopted(ranks: list[subprocess.Popen]) -> None:
+    """Reap the adopted processes that have exited (not the ranks, whose status Popen
+    reads): an agent's processes end by the dozen each step (`rollout.agent`), and
+    unreaped they would hold their pids for the whole run."""
+    mine = str(os.getpid())
+    ranks_pids = {p.pid for p in ranks}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        if fields[0] == "Z" and fields[1] == mine and pid not in ranks_pids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+
+
 def _wait_all(procs: list[subprocess.Popen]) -> int:
     code = 0
+    polls = 0
     # Every process polled each time (not `any`, which stops at the first still running):
     # a rank that died while rank 0 runs must be seen.
     while None in [p.poll() for p in procs]:
+        polls += 1
+        if polls % 5 == 0:  # every second
+            _reap_adopted(procs)
         failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
         if failed and not code:
             code = failed[0]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import (
+    ROOT,
     TESTS_ON_PATH,
     TINY,
     EngineSpy,
@@ -165,10 +168,33 @@ RUN = (
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run; while it runs, the most exited-but-unreaped children its
+    launcher held at once is written to `zombies` (agents' processes end by the dozen each
+    step and are adopted by the launcher)."""
     run = tmp_path_factory.mktemp("agents") / "ref"
-    out = submit(run, *RUN, env=TESTS_ON_PATH)
-    assert out.returncode == 0, out.stderr[-3000:]
+    cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--run-dir", str(run)]
+    cmd += ["--config", str(TINY), *RUN]
+    env = {**os.environ, **TESTS_ON_PATH}
+    most = 0
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) as proc:
+        while proc.poll() is None:
+            most = max(most, _zombies_of(proc.pid))
+            time.sleep(0.5)
+        err = proc.stderr.read() if proc.stderr else ""
+    assert proc.returncode == 0, err[-3000:]
+    (run.parent / "zombies").write_text(str(most))
     return run
+
+
+def _zombies_of(pid: int) -> int:
+    count = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        count += fields[0] == "Z" and fields[1] == str(pid)
+    return count
 
 
 @pytest.mark.slow
@@ -179,6 +205,9 @@ def test_an_agent_run_trains_on_its_calls(reference: Path) -> None:
     assert all(r["agent/engine_calls"] == 8 and r["perf/agent_s"] > 0 for r in rows)
     t = trajectories(reference).to_pandas()
     assert (t["num_turns"] == 2).all()
+    # 4 steps of 16 episodes, each leaving processes to the launcher: it reaps them every
+    # second, so they never pile up past one step's (unreaped, 62 did on 2026-11-29).
+    assert int((reference.parent / "zombies").read_text()) <= 36
     # Advantages move, on the model's tokens only.
     assert any(any(a != 0 for a in r["advantages"]) for _, r in t.iterrows())
     for _, r in t.iterrows():
