@@ -183,10 +183,12 @@ def _adopt_orphans() -> None:
         ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
-def _end_adopted(ranks: list[subprocess.Popen]) -> None:
-    """Kill and reap every child of this process that is not a rank: what ranks left."""
+def _adopted(ranks: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    """(pid, state letter) of every child of this process that is not a rank: what the
+    ranks left, adopted (`_adopt_orphans`)."""
     mine = str(os.getpid())
     ranks_pids = {p.pid for p in ranks}
+    out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
@@ -194,25 +196,25 @@ def _end_adopted(ranks: list[subprocess.Popen]) -> None:
             continue
         pid = int(stat.parent.name)
         if fields[1] == mine and pid not in ranks_pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
+            out.append((pid, fields[0]))
+    return out
+
+
+def _end_adopted(ranks: list[subprocess.Popen]) -> None:
+    """Kill and reap every child of this process that is not a rank: what ranks left."""
+    for pid, _ in _adopted(ranks):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
 
 
 def _reap_adopted(ranks: list[subprocess.Popen]) -> None:
     """Reap the adopted processes that have exited (not the ranks, whose status Popen
     reads): an agent's processes end by the dozen each step (`rollout.agent`), and
     unreaped they would hold their pids for the whole run."""
-    mine = str(os.getpid())
-    ranks_pids = {p.pid for p in ranks}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        pid = int(stat.parent.name)
-        if fields[0] == "Z" and fields[1] == mine and pid not in ranks_pids:
+    for pid, state in _adopted(ranks):
+        if state == "Z":
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,7 +51,14 @@ from rftpipe.errors import UserError
 from rftpipe.faults import fault
 from rftpipe.observe.events import events
 from rftpipe.seeding import derive_seed
-from rftpipe.stages.episodes import Episode, EpisodeOutput, TurnLog
+from rftpipe.stages.episodes import (
+    Episode,
+    EpisodeOutput,
+    TurnLog,
+    eos_ids,
+    template_text,
+    text_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +119,9 @@ class _Live:
     pending: PendingCall | None = None
     pending_ids: list[int] | None = None
     """The pending call's whole prompt (the episode's tokens plus the new ones)."""
+    pending_text: str = ""
+    """A pending chat call's prompt as the template's text (the episode's `text` once
+    answered)."""
     deadline: float = 0.0
     """When the agent must have called or returned (it is not waiting for the model)."""
     ended: bool = False
@@ -184,9 +195,7 @@ class _Server:
         self.inp, self.engine, self.tokenizer = inp, engine, tokenizer
         self.endpoint, self.pool, self.inbox = endpoint, pool, inbox
         self.acfg = inp.agent
-        self.eos = {int(t) for t in inp.cfg.eos_token_ids}
-        if tokenizer.eos_token_id is not None:
-            self.eos.add(int(tokenizer.eos_token_id))
+        self.eos = eos_ids(tokenizer, inp.cfg)
         self.parse = PARSERS[self.acfg.tool_parser]
         self.live: list[_Live] = []
         self.from_record = 0
@@ -321,7 +330,7 @@ class _Server:
         try:
             if lv.calls and kind != lv.kind:
                 raise _Refused(f"a {kind} call after {lv.kind} calls: an episode uses one endpoint")
-            ids, render, convo = self._render(lv, pc.call)
+            ids, render, convo, lv.pending_text = self._render(lv, pc.call)
         except _Refused as exc:
             pc.refuse(400, str(exc))
             lv.deadline = time.monotonic() + self.acfg.timeout_s
@@ -346,9 +355,10 @@ class _Server:
 
     def _render(
         self, lv: _Live, call: ChatCall | TokenCall
-    ) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]]]:
-        """The call's whole prompt in tokens, and the conversation as rendered and as the
-        agent sees it; `_Refused` when it does not extend the episode's tokens."""
+    ) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]], str]:
+        """The call's whole prompt in tokens, the conversation as rendered and as the
+        agent sees it, and the prompt's template text (a token call's: the episode's, as
+        it was); `_Refused` when it does not extend the episode's tokens."""
         e = lv.e
         if isinstance(call, TokenCall):
             ids = list(call.prompt_token_ids)
@@ -357,19 +367,19 @@ class _Server:
                     "prompt_token_ids do not extend the episode's earlier tokens (its "
                     "prompt and answers): branches are not built yet"
                 )
-            return ids, lv.render, lv.convo
+            return ids, lv.render, lv.convo, e.text
         convo = [_norm(m) for m in call.messages]
         if not lv.calls:
             render = [_for_template(m) for m in call.messages]
-            text = _template(self.tokenizer, render, call.tools)
-            return _tokens(self.tokenizer, text), render, convo
+            text = template_text(self.tokenizer, render, call.tools or None)
+            return text_tokens(self.tokenizer, text), render, convo, text
         if convo[: len(lv.convo)] != lv.convo:
             raise _Refused(
                 f"the messages do not extend the episode's call {lv.calls - 1} and its "
                 "answer (a rewritten history): branches are not built yet"
             )
         render = [*lv.render, *(_for_template(m) for m in call.messages[len(lv.convo) :])]
-        text = _template(self.tokenizer, render, call.tools)
+        text = template_text(self.tokenizer, render, call.tools or None)
         head = e.text + e.last_action
         if not text.startswith(head):
             name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
@@ -379,11 +389,11 @@ class _Server:
                 f"({self._where(lv)}): its prefix is unstable, so the new messages' tokens "
                 "cannot be cut from it; use a template that renders earlier messages unchanged"
             )
-        new = _tokens(self.tokenizer, text[len(head) :])
+        new = text_tokens(self.tokenizer, text[len(head) :])
         stopped = bool(e.response) and e.response[-1] in self.eos
         if stopped and new and new[0] == e.response[-1]:
             new = new[1:]  # the sampled EOS already closed the assistant turn
-        return e.prompt_ids + e.response + new, render, convo
+        return e.prompt_ids + e.response + new, render, convo, text
 
     def _from_record(
         self,
@@ -512,11 +522,10 @@ class _Server:
         stopped = bool(tokens) and tokens[-1] in self.eos
         action = self.tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
         if isinstance(call, ChatCall):
-            e.text = _template(self.tokenizer, lv.render, call.tools)
+            e.text = lv.pending_text  # rendered by `_render`
         e.last_action = action
-        calls, error = self.parse(action) if isinstance(call, ChatCall) else ([], None)
-        if error is not None:
-            calls = []
+        # A malformed call comes back as no calls (and why), so the answer is its text.
+        calls, _ = self.parse(action) if isinstance(call, ChatCall) else ([], None)
         tool_calls = [
             (f"call_{lv.calls}_{j}", c.name, json.dumps(c.arguments, ensure_ascii=False))
             for j, c in enumerate(calls)
@@ -617,17 +626,4 @@ def _for_template(m: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _without_tool_calls(text: str) -> str:
-    import re
-
     return re.sub(r"<tool_call>.*?</tool_call>", "", text, flags=re.DOTALL).strip()
-
-
-def _template(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> str:
-    text: str = tokenizer.apply_chat_template(
-        messages, tools=tools or None, add_generation_prompt=True, tokenize=False
-    )
-    return text
-
-
-def _tokens(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -187,7 +187,7 @@ def run(
     next."""
     cfg, env_cfg = inp.cfg, inp.env_cfg
     samples = range(cfg.n) if inp.samples is None else inp.samples
-    eos = _eos_ids(tokenizer, cfg)
+    eos = eos_ids(tokenizer, cfg)
     images = _EpisodeImages(inp.encoder, env_cfg)
     by_call: list[list[Episode]] = []
     clock = _Clock()
@@ -433,7 +433,7 @@ def _restore(
     env = fresh.env
     assert env is not None, "a reset episode has its environment"
     e.env, e.tools = env, fresh.tools
-    e.text = _template(tokenizer, messages, e.tools)
+    e.text = template_text(tokenizer, messages, e.tools)
     where = f"prompt_id {p.prompt_id} sample_idx {k}"
     if fresh.status == "error":
         # It succeeded before the restart and fails now (under `end_episode`).
@@ -517,12 +517,12 @@ def _reset(
     # Tool schemas an environment offers go to the template's `tools=` (Hermes/Qwen
     # templates render them into the system turn; others ignore them).
     tools = info.get("tools") or None
-    text = _template(tokenizer, messages, tools)
+    text = template_text(tokenizer, messages, tools)
     e = Episode(
         prompt=p,
         sample_idx=k,
         env=env,
-        prompt_ids=_tokens(tokenizer, text),
+        prompt_ids=text_tokens(tokenizer, text),
         text=text,
         messages=[dict(m) for m in messages],
         tools=tools,
@@ -535,7 +535,9 @@ def _reset(
     return e
 
 
-def _template(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> str:
+def template_text(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> str:
+    """The chat template's text of `messages`, generation prompt included (an episode's
+    and an agent call's, `stages.agents`)."""
     text: str = tokenizer.apply_chat_template(
         messages, tools=tools, add_generation_prompt=True, tokenize=False
     )
@@ -632,7 +634,7 @@ def _observation_tokens(
     """The tokens after the model's action up to the next generation prompt, and the
     conversation's new template text."""
     history = [*e.messages, *[dict(m) for m in result.observations]]
-    text = _template(tokenizer, history, e.tools)
+    text = template_text(tokenizer, history, e.tools)
     head = e.text + action
     if not text.startswith(head):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
@@ -643,17 +645,19 @@ def _observation_tokens(
             "observation tokens cannot be cut from it; use a template that renders earlier "
             "messages unchanged"
         )
-    ids = _tokens(tokenizer, text[len(head) :])
+    ids = text_tokens(tokenizer, text[len(head) :])
     if stopped and ids and ids[0] == e.response[-1]:
         ids = ids[1:]  # the sampled EOS already closed the assistant turn
     return ids, text
 
 
-def _tokens(tokenizer: Any, text: str) -> list[int]:
+def text_tokens(tokenizer: Any, text: str) -> list[int]:
+    """Template text as token ids (the template holds the special tokens itself)."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _eos_ids(tokenizer: Any, cfg: RolloutConfig) -> set[int]:
+def eos_ids(tokenizer: Any, cfg: RolloutConfig) -> set[int]:
+    """Every id that ends a sampled turn: `rollout.eos_token_ids` and the tokenizer's."""
     ids = {int(t) for t in cfg.eos_token_ids}
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
