@@ -157,7 +157,10 @@ def run_local(run_dir: Path, args: argparse.Namespace) -> int:
     If one rank fails, the others are stopped: they would otherwise wait forever in the
     next collective. The first failing exit code is returned.
     """
-    cmd = [sys.executable, "-m", "rftpipe.run.worker", str(run_dir)]
+    # RFTPIPE_WORKER_VIA=MODULE starts each rank as `python -m MODULE rftpipe.run.worker ...`,
+    # a stand-in that becomes that process: the test suite's warm forks (tools/zygote.py).
+    via = os.environ.get("RFTPIPE_WORKER_VIA")
+    cmd = [sys.executable, "-m", *([via] if via else []), "rftpipe.run.worker", str(run_dir)]
     cmd += ["--repair"] if args.repair else []
     cmd += ["--allow-fingerprint-mismatch"] if args.allow_fingerprint_mismatch else []
     _adopt_orphans()

@@ -68,6 +68,35 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cache
 
 
+@pytest.fixture(scope="session", autouse=True)
+def worker_zygote(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A warm interpreter per pytest process that forks the run workers `jobs.submit
+    --cluster local` starts (tools/zygote.py): each would otherwise spend most of a short
+    run importing torch and transformers. A launch whose environment differs from this
+    process's (but for per-launch variables) starts a new interpreter, as do launches in
+    the first seconds, before the server has imported. RFTPIPE_TEST_ZYGOTE=0 turns it off
+    (`tools.test` does for its lanes); a test sets RFTPIPE_WORKER_VIA="" for new
+    interpreters."""
+    if os.environ.get("RFTPIPE_TEST_ZYGOTE") == "0":
+        yield
+        return
+    sock = tmp_path_factory.getbasetemp() / "zygote.sock"
+    os.environ["RFTPIPE_ZYGOTE"] = str(sock)
+    os.environ["RFTPIPE_WORKER_VIA"] = "tools.zygote"
+    with open(f"{sock}.err", "wb") as err:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tools.zygote", "serve", str(sock)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    try:
+        yield
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
 @contextlib.contextmanager
 def build_lock(cache: Path) -> Iterator[None]:
     """Held while a model is built into the shared cache: the phases and workers that

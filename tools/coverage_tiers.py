@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -51,7 +52,10 @@ def run_tier(out: Path, tier: str, pytest_args: list[str]) -> int:
     cmd = [*cov, "run", f"--rcfile={rc}", "-m", "tools.test", *TIERS[tier]]
     cmd += ["--", *pytest_args] if pytest_args else []
     print(f"tools.coverage_tiers: {' '.join(cmd[1:])}", flush=True)
-    code = subprocess.run(cmd, cwd=ROOT, check=False).returncode
+    # Run workers start as new interpreters, which coverage.py's subprocess patch measures,
+    # not as forks of the suite's warm ones (tools/zygote.py).
+    env = {**os.environ, "RFTPIPE_TEST_ZYGOTE": "0"}
+    code = subprocess.run(cmd, cwd=ROOT, check=False, env=env).returncode
     subprocess.run([*cov, "combine", f"--rcfile={rc}", "-q"], cwd=ROOT, check=True)
     subprocess.run(
         [*cov, "json", f"--rcfile={rc}", "-q", "-o", str(d / "coverage.json")],

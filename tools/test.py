@@ -109,9 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not os.environ.get("RFTPIPE_TEST_CACHE"):
             os.environ["RFTPIPE_TEST_CACHE"] = str(tmp / "cache")
+        # The shared phase's run workers are forked from warm interpreters (tools/zygote.py,
+        # tests/conftest.py); the lanes' and the serial phase's start as new ones: vLLM's
+        # engine processes and Slurm's tasks are not the local launcher's, and a server's
+        # imports beside the serial tests would load the machine their timeouts assume idle.
+        cold = {**os.environ, "RFTPIPE_TEST_ZYGOTE": "0"}
         for lane, marks in LANES.items():
             with (tmp / f"{lane}.log").open("w") as sink:
-                lanes[lane] = _pytest(args(*marks), stdout=sink, stderr=subprocess.STDOUT)
+                lanes[lane] = _pytest(args(*marks), stdout=sink, stderr=subprocess.STDOUT, env=cold)
                 started.append(lanes[lane])
         # The serial phase collects now, while the others run (about 10 s of imports and
         # assertion rewriting, on the critical path if it started afterwards), then waits
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 args(*SERIAL),
                 stdout=sink,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, GATE: str(gate)},
+                env={**cold, GATE: str(gate)},
             )
             started.append(serial)
         procs = {"shared phase": _pytest([*xdist, *args(*SHARED)]), **lanes}

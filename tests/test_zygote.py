@@ -1,0 +1,153 @@
+"""tools/zygote.py: the warm interpreter that forks the shared phase's run workers.
+
+A forked worker must be the process a new interpreter would have been: the same run,
+bitwise, the same exit (code or signal) for its launcher, dead when its stand-in dies,
+and a launch the server cannot reproduce (another environment, a PYTHONPATH that shadows
+what it imported) must start a new interpreter instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, TINY, events, final_weights, trajectories
+
+from tools import zygote
+
+
+def _request(env: dict[str, str], cwd: str = str(ROOT), module: str = "rftpipe.run.worker"):
+    return {"module": module, "args": ["RUN"], "env": env, "cwd": cwd}
+
+
+def test_refusals_name_what_differs(tmp_path: Path) -> None:
+    env = {"PATH": "/bin", "PYTHONPATH": str(ROOT)}
+    added = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/x"}
+    cwd = str(ROOT)
+    ok = {**env, "RANK": "1", "RFTPIPE_FAULT": "train_mid_step", "PYTEST_CURRENT_TEST": "t"}
+    assert zygote._refusal(_request(ok), env, added, cwd) is None
+    # A variable the server's imports set: the same value, or absent, is what it would be.
+    assert zygote._refusal(_request({**env, **added}), env, added, cwd) is None
+    why = zygote._refusal(_request({**env, "TORCHINDUCTOR_CACHE_DIR": "/o"}), env, added, cwd)
+    assert why and "TORCHINDUCTOR_CACHE_DIR" in why
+    why = zygote._refusal(_request({**env, "OMP_NUM_THREADS": "1"}), env, added, cwd)
+    assert why and "OMP_NUM_THREADS" in why
+    assert "working directory" in str(zygote._refusal(_request(env, cwd="/tmp"), env, added, cwd))
+    assert "module" in str(zygote._refusal(_request(env, module="jobs.submit"), env, added, cwd))
+    # A PYTHONPATH entry of the test's own is taken; one that shadows an imported module not.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "reward_mod.py").write_text("")
+    extra = {**env, "PYTHONPATH": f"{mine}:{ROOT}"}
+    assert zygote._refusal(_request(extra), env, added, cwd) is None
+    (mine / "json").mkdir()  # `json` is imported here, as by the server
+    why = zygote._refusal(_request(extra), env, added, cwd)
+    assert why and "json" in why and "shadows" in why
+
+
+def test_worker_env_is_what_the_worker_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server sets, before its imports, exactly the variables the worker sets before
+    it imports transformers; a forked worker would otherwise miss what they do at import
+    (HF_HUB_OFFLINE is read once, when huggingface_hub is imported)."""
+    from rftpipe.run.worker import setup_logging
+
+    for key in zygote.WORKER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    before = dict(os.environ)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        setup_logging("INFO", 1)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        logging.captureWarnings(False)
+    added = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    assert added == zygote.WORKER_ENV
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, str], Path]]:
+    """A server of this module's own (the session's may be off, in a lane), and the
+    environment launches must have for it to fork them."""
+    sock = tmp_path_factory.mktemp("zygote") / "z.sock"
+    env = {**os.environ, zygote.ENV: str(sock), "RFTPIPE_WORKER_VIA": "tools.zygote"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tools.zygote", "serve", str(sock)], cwd=ROOT, env=env
+    )
+    deadline = time.time() + 180
+    while not sock.exists():
+        assert proc.poll() is None and time.time() < deadline, "the server did not start"
+        time.sleep(0.2)
+    yield env, Path(f"{sock}.log")
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def _submit(env: dict[str, str], run: Path, *overrides: str, **kw) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--run-dir", str(run)]
+    cmd += ["--config", str(TINY), *overrides]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
+    )
+
+
+def _forked(log: Path, run: Path) -> set[int]:
+    """The run's worker processes that the server forked (their pids are in the events)."""
+    pids = {e["pid"] for e in events(run) if e["event"] == "start"}
+    forked = {int(line.split()[1]) for line in log.read_text().splitlines() if "forked" in line}
+    return pids & forked
+
+
+@pytest.mark.slow
+@pytest.mark.tier1
+def test_a_forked_run_equals_a_new_interpreters_and_is_killed_like_one(
+    server: tuple[dict[str, str], Path], tmp_path: Path
+) -> None:
+    env, log = server
+    steps = ("total_steps=4",)
+    cold = tmp_path / "cold"
+    out = _submit({**env, "RFTPIPE_WORKER_VIA": ""}, cold, *steps).communicate(timeout=300)
+    assert not _forked(log, cold), out
+
+    # Killed by a fault point inside the forked worker: its launcher sees the SIGKILL.
+    warm = tmp_path / "warm"
+    proc = _submit({**env, "RFTPIPE_FAULT": "stage_after_commit"}, warm, *steps)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0, err
+    assert any(e["event"] == "fault" for e in events(warm))
+    # ...its stand-in killed with the launcher's process group: the worker dies too.
+    starts = sum(e["event"] == "start" for e in events(warm))
+    proc = _submit({**env, "RFTPIPE_SLOW": "train=30"}, warm, *steps, start_new_session=True)
+    deadline = time.time() + 120
+    while sum(e["event"] == "start" for e in events(warm)) == starts:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.1)
+    pid = [e for e in events(warm) if e["event"] == "start"][-1]["pid"]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 10
+    while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
+        assert time.time() < deadline, f"worker {pid} outlived its stand-in"
+        time.sleep(0.05)
+    out = _submit(env, warm, *steps).communicate(timeout=300)
+    assert len(_forked(log, warm)) == 3, (out, log.read_text())
+
+    assert trajectories(cold).equals(trajectories(warm))
+    wa, wb = final_weights(cold), final_weights(warm)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

@@ -1,0 +1,344 @@
+"""A warm interpreter that forks the test suite's run workers (a test aid, not shipped).
+
+Most of a short test run is its worker's start-up: a new interpreter imports torch and
+transformers (about 8 CPU s on the CI machine class) before its first stage, and the
+chaos tests start 18 of them per case. This server imports those packages once and forks
+a worker for each request; rftpipe itself is not imported before the fork, so the worker
+runs the same `rftpipe.run.worker` module, from the same files, as a new interpreter.
+
+    python -m tools.zygote serve SOCKET    # tests/conftest.py starts one per pytest process
+    python -m tools.zygote MODULE ARGS...  # the stand-in for `python -m MODULE ARGS...`
+
+`jobs.submit --cluster local` starts each rank through the stand-in when
+RFTPIPE_WORKER_VIA=tools.zygote (tests/conftest.py sets it). The stand-in asks the server
+named by RFTPIPE_ZYGOTE for a fork and then is that process for its launcher: it passes
+its stdin, stdout and stderr, forwards the signals it gets, and exits as the worker did
+(the same code, or killed by the same signal); a worker whose stand-in dies (the launcher
+killed its process group) SIGKILLs itself. The server forks only a request whose
+environment and directory equal its own but for the per-launch variables of
+`PER_LAUNCH`: any other difference could change what the imports did (a PYTHONPATH that
+shadows a package, ATen's kernel choice, thread counts), and the stand-in then execs the
+module in a new interpreter, as without it. So does a stand-in that finds no server.
+
+What differs from a new interpreter: the worker's process title is the server's, its
+Python hash seed is the server's (shared by every worker it forks), and the processes it
+leaves behind are the server's to reap and kill (the worker's session is killed when it
+exits), not the launcher's. Tests of those are run without it (RFTPIPE_WORKER_VIA="").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+
+ENV = "RFTPIPE_ZYGOTE"
+#: Variables a launch sets for each rank, or a test for one run, that nothing the server
+#: imports reads at import time: they may differ from the server's environment.
+PER_LAUNCH = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RFTPIPE_RENDEZVOUS",
+        "RFTPIPE_FAULT",
+        "RFTPIPE_FAULT_SKIP",
+        "RFTPIPE_SLOW",
+        "PYTEST_CURRENT_TEST",
+        "COLUMNS",  # the terminal's size, read when something formats for it
+        "LINES",
+        # Set by `import deepspeed` in a test's own process; torch reads it when asked
+        # whether CUDA is available, not at import.
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
+    }
+)
+#: What a run worker imports before its first stage that costs seconds.
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "pyarrow",
+    "pyarrow.parquet",
+    "pyarrow.dataset",
+    "pandas",
+    "numpy",
+    "yaml",
+    "safetensors.torch",
+)
+#: The variables the worker sets, if unset, before it imports transformers
+#: (`rftpipe.run.worker.setup_logging`), which transformers and huggingface_hub read at
+#: import: the server sets them before its imports (tests/test_zygote.py checks the two
+#: lists agree).
+WORKER_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
+_MODULES = frozenset({"rftpipe.run.worker"})
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+_MAX = 1 << 20
+
+
+def _entries(pythonpath: str | None) -> list[str]:
+    return [os.path.abspath(p) for p in (pythonpath or "").split(os.pathsep) if p]
+
+
+def _shadows(entry: str) -> str | None:
+    """A module already imported here that `entry`, put on the path, could replace."""
+    try:
+        names = os.listdir(entry)
+    except OSError:
+        return None
+    for name in names:
+        top = name.split(".", 1)[0]
+        if top in sys.modules:
+            return os.path.join(entry, name)
+    return None
+
+
+def _refusal(req: dict, env: dict[str, str], added: dict[str, str], cwd: str) -> str | None:
+    """Why `req` cannot be forked from this server (started in `cwd` with `env`, to which
+    its imports `added` variables), or None."""
+    if req.get("module") not in _MODULES:
+        return f"module {req.get('module')!r}"
+    if req.get("cwd") != cwd:
+        return "another working directory"
+    theirs = req.get("env", {})
+    differ = {k for k in set(theirs) | set(env) if theirs.get(k) != env.get(k)}
+    # ...where a variable the imports set here has the value they set (the client's own
+    # process imported the same packages) or is absent (the fork inherits it).
+    differ = {k for k in differ if k not in added or theirs[k] != added[k]}
+    differ -= PER_LAUNCH | {"PYTHONPATH"}
+    if differ:
+        return f"environment differs in {sorted(differ)}"
+    # A PYTHONPATH of its own (a test's reward functions, environments) is taken when no
+    # entry holds a module the server imported: a shadow package stands in for a missing one.
+    ours = {cwd, *_entries(env.get("PYTHONPATH"))}
+    for entry in set(_entries(theirs.get("PYTHONPATH"))) - ours:
+        if shadow := _shadows(entry):
+            return f"PYTHONPATH entry {shadow} shadows an imported module"
+    return None
+
+
+def _sys_path(pythonpath: str | None, base: list[str]) -> list[str]:
+    """The `sys.path` of `python -m` in the server's directory with this PYTHONPATH: the
+    directory, the entries, then the interpreter's own (`base`, the server's without its
+    directory and PYTHONPATH entries)."""
+    return [os.getcwd(), *_entries(pythonpath), *base]
+
+
+def _child(
+    conn: socket.socket, others: list[socket.socket], fds: list[int], req: dict, rng: object
+) -> None:
+    """In the forked worker: become the process `python -m MODULE ARGS` would have been."""
+    import random
+    import runpy
+    import threading
+
+    code: object = 1
+    try:
+        for other in others:  # the listener and the other workers' connections
+            other.close()
+        os.setsid()  # its own session: what it leaves behind is killed with it
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        for sig in _FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        sys.path[:] = _sys_path(req["env"].get("PYTHONPATH"), req["base_path"])
+        # A new interpreter's generators: Python's and NumPy's seeded from the OS, torch's
+        # default one as it was right after `import torch`.
+        random.seed()
+        import numpy
+        import torch
+
+        numpy.random.seed()
+        torch.set_rng_state(rng)
+
+        def die_with_stand_in() -> None:
+            while True:
+                try:
+                    if not conn.recv(16):
+                        break
+                except InterruptedError:
+                    continue
+                except OSError:
+                    break
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=die_with_stand_in, daemon=True).start()
+        sys.argv = [req["module"], *req["args"]]
+        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            print(code, file=sys.stderr, flush=True)
+            code = 1
+        os._exit(code)
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL what a finished worker left in its session (it was the session's leader)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # field 6 of stat, the session id
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+def serve(path: str) -> None:
+    import importlib
+    import select
+
+    env, cwd, parent = dict(os.environ), os.getcwd(), os.getppid()
+    for key, value in WORKER_ENV.items():
+        os.environ.setdefault(key, value)
+    import torch
+
+    rng = torch.get_rng_state()
+    for name in PRELOAD:
+        importlib.import_module(name)
+    transformers = sys.modules["transformers"]
+    for attr in ("AutoModelForCausalLM", "AutoTokenizer", "DynamicCache", "GenerationConfig"):
+        getattr(transformers, attr)  # lazy attributes: import the modules behind them now
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    # What the imports put in the environment (DeepSpeed's TORCHINDUCTOR_CACHE_DIR) a new
+    # interpreter's imports would put there too.
+    added = {k: v for k, v in os.environ.items() if k not in env}
+    # sys.path less what `python -m` put first: the directory, then PYTHONPATH's entries.
+    own = {cwd, *_entries(env.get("PYTHONPATH"))}
+    base_path = [p for p in sys.path if os.path.abspath(p) not in own]
+    with open(f"{path}.log", "a", buffering=1) as log:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(f"{path}.tmp")
+        listener.listen(64)
+        os.rename(f"{path}.tmp", path)  # clients see the socket once it accepts
+        live: dict[int, socket.socket] = {}
+        while os.getppid() == parent:
+            ready, _, _ = select.select([listener], [], [], 0.05)
+            if ready:
+                conn, _ = listener.accept()
+                fds: list[int] = []
+                try:
+                    data, fds, _, _ = socket.recv_fds(conn, _MAX, 3)
+                    req = json.loads(data)
+                    why = _refusal(req, env, added, cwd) if len(fds) == 3 else "no stdio"
+                    if why:
+                        conn.send(json.dumps({"refused": why}).encode())
+                        print(f"refused {req.get('module')}: {why}", file=log)
+                        conn.close()
+                    else:
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+                        pid = os.fork()
+                        if pid == 0:
+                            req["env"] = {**added, **req["env"]}
+                            req["base_path"] = base_path
+                            _child(conn, [listener, *live.values()], fds, req, rng)
+                        live[pid] = conn
+                        conn.send(json.dumps({"pid": pid}).encode())
+                        print(f"forked {pid}", file=log)
+                except (OSError, ValueError) as exc:
+                    print(f"failed request: {exc!r}", file=log)
+                    conn.close()
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+            while True:  # reap the workers, and the orphans this subreaper adopted
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                conn = live.pop(pid, None)
+                if conn is not None:
+                    _kill_session(pid)
+                    with contextlib.suppress(OSError):
+                        conn.send(json.dumps({"status": status}).encode())
+                    conn.close()
+        for pid in live:  # the test session ended: so do its workers
+            _kill_session(pid)
+
+
+def stand_in(module: str, args: list[str]) -> None:
+    """Be `python -m module args` through the server, or exec it where the server says no."""
+    req = {"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}
+    reply: dict = {"refused": "no server"}
+    path = os.environ.get(ENV)
+    if path:
+        try:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            conn.connect(path)
+            socket.send_fds(conn, [json.dumps(req).encode()], [0, 1, 2])
+            reply = json.loads(conn.recv(_MAX) or b'{"refused": "server closed"}')
+        except OSError:
+            pass
+    if "pid" not in reply:
+        os.execv(sys.executable, [sys.executable, "-m", module, *args])
+    pid = reply["pid"]
+
+    def forward(sig: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    data = conn.recv(_MAX)
+    if not data:  # the server died under its worker
+        os.kill(pid, signal.SIGKILL)
+        os._exit(1)
+    status = json.loads(data)["status"]
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["serve"] and len(argv) == 2:
+        serve(argv[1])
+    elif argv:
+        stand_in(argv[0], argv[1:])
+    else:
+        raise SystemExit("usage: python -m tools.zygote serve SOCKET | MODULE ARGS...")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
