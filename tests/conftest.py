@@ -97,6 +97,29 @@ def worker_zygote(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -
         server.wait(timeout=60)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def module_environ() -> Iterator[None]:
+    """With the warm forks on: os.environ as it was before each test module, after it.
+
+    An in-process import can set variables for good (`import vllm` sets LD_PRELOAD and a
+    dozen VLLM_ ones; `import deepspeed` PYTORCH_NVML_BASED_CUDA_CHECK), and every later
+    subprocess of this pytest process inherited them: runs started after such a module
+    got another environment than runs started before it, and no longer matched the
+    server's (at 045f3d7 about half the shared phase's launches fell back to new
+    interpreters for this). Autouse and module-scoped, it is set up before a module's
+    other fixtures and torn down after them (a fixture's own variables, such as
+    test_slurm.py's SLURM_CONF, stay for its module). Off with the forks: the vLLM lane's
+    modules share one imported vLLM, whose variables its engines read later."""
+    if os.environ.get("RFTPIPE_TEST_ZYGOTE") == "0":
+        yield
+        return
+    before = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    os.environ.update(before)
+
+
 @contextlib.contextmanager
 def build_lock(cache: Path) -> Iterator[None]:
     """Held while a model is built into the shared cache: the phases and workers that

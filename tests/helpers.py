@@ -268,7 +268,9 @@ def launch_ranks(
             "OMP_NUM_THREADS": "1",
             **(env or {}),
         }
-        cmd = [sys.executable, str(ROOT / "tests" / script), *args]
+        # Through the shared phase's warm interpreter where there is one (tools/zygote.py).
+        via = os.environ.get("RFTPIPE_WORKER_VIA")
+        cmd = [sys.executable, *(["-m", via] if via else []), str(ROOT / "tests" / script), *args]
         procs = [
             subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
             for r in range(world)

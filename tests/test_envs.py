@@ -17,6 +17,7 @@ from rftpipe.config.schema import EnvConfig, RunConfig, ToolParserName
 from rftpipe.envs.base import StepResult, Task, call, checked_reset, checked_step_result
 from rftpipe.envs.loader import load_environment_class, make_environment
 from rftpipe.envs.tools import (
+    CALL_TEXT,
     PARSERS,
     ToolCall,
     ToolEnvironment,
@@ -24,6 +25,7 @@ from rftpipe.envs.tools import (
     parse_plain,
     render_plain_tools,
     tool_schema,
+    without_calls,
 )
 from rftpipe.errors import UserError
 from tests import env_fixtures as fx
@@ -229,6 +231,17 @@ def test_env_config_loads_and_defaults_to_no_environment() -> None:
 
 def test_every_parser_name_has_a_parser() -> None:
     assert set(PARSERS) == set(typing.get_args(ToolParserName))
+    assert set(CALL_TEXT) == set(typing.get_args(ToolParserName))
+
+
+def test_without_calls_removes_what_its_parser_read_and_nothing_else() -> None:
+    hermes = 'Adding.\n<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    plain = "Adding.\nCALL add(a=1)\nCALL mul(a=2, b=3)\n"
+    assert without_calls(hermes, "hermes") == "Adding."
+    assert without_calls(plain, "plain") == "Adding."
+    # Each parser's calls are plain text to the other, and stay in the content.
+    assert without_calls(hermes, "plain") == hermes.strip()
+    assert without_calls(plain, "hermes") == plain.strip()
 
 
 def test_envs_import_no_torch_or_transformers() -> None:

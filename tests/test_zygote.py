@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TINY, events, final_weights, trajectories
+from helpers import ROOT, TINY, backend_workers, events, final_weights, trajectories
 
 from tools import zygote
 
@@ -38,10 +38,19 @@ def test_refusals_name_what_differs(tmp_path: Path) -> None:
     assert zygote._refusal(_request({**env, **added}), env, added, cwd) is None
     why = zygote._refusal(_request({**env, "TORCHINDUCTOR_CACHE_DIR": "/o"}), env, added, cwd)
     assert why and "TORCHINDUCTOR_CACHE_DIR" in why
-    why = zygote._refusal(_request({**env, "OMP_NUM_THREADS": "1"}), env, added, cwd)
-    assert why and "OMP_NUM_THREADS" in why
+    why = zygote._refusal(_request({**env, "MKL_NUM_THREADS": "1"}), env, added, cwd)
+    assert why and "MKL_NUM_THREADS" in why
     assert "working directory" in str(zygote._refusal(_request(env, cwd="/tmp"), env, added, cwd))
     assert "module" in str(zygote._refusal(_request(env, module="jobs.submit"), env, added, cwd))
+    script = {**_request(env), "script": str(ROOT / "tests" / "backend_worker.py")}
+    assert zygote._refusal(script, env, added, cwd) is None
+    elsewhere = {**script, "script": str(tmp_path / "x_worker.py")}
+    assert "not a rank script" in str(zygote._refusal(elsewhere, env, added, cwd))
+    # A thread count the server did not start with is set in the fork; another is not.
+    threads = {**env, "OMP_NUM_THREADS": "1"}
+    assert zygote._refusal(_request(threads), env, added, cwd) is None
+    why = zygote._refusal(_request({**env, "OMP_NUM_THREADS": "2"}), threads, added, cwd)
+    assert why and "OMP_NUM_THREADS" in why
     # A PYTHONPATH entry of the test's own is taken; one that shadows an imported module not.
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -151,3 +160,23 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+@pytest.mark.slow
+def test_a_forked_rank_script_equals_a_new_interpreters(
+    server: tuple[dict[str, str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`launch_ranks` runs its rank scripts with OMP_NUM_THREADS=1, which the server did
+    not start with: the fork sets it, and trains as a new interpreter does, bitwise."""
+    env, log = server
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("RFTPIPE_WORKER_VIA", "")
+    cold = backend_workers(tmp_path / "cold", 1, "backend=single")
+    forks = log.read_text().count("forked")
+    monkeypatch.setenv("RFTPIPE_WORKER_VIA", "tools.zygote")
+    warm = backend_workers(tmp_path / "warm", 1, "backend=single")
+    assert log.read_text().count("forked") == forks + 1, log.read_text()
+    assert warm["metrics"] == cold["metrics"]
+    wa, wb = cold["weights"], warm["weights"]
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -102,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         selection = " and ".join([*select, *marks])
         return ["-m", selection, "-q", f"--junitxml={reports[-1]}", *a.pytest_args]
 
-    xdist = ["-n", str(a.workers), "--dist", "loadfile"] if a.workers > 1 else []
+    # In the order tests/conftest.py sorts them, the longest file first: pytest-xdist 3.8
+    # otherwise hands out the files with the most tests first (`--loadscope-reorder`, its
+    # default), and the chaos file, 5 tests and the longest, started last.
+    xdist = ["-n", str(a.workers), "--dist", "loadfile", "--no-loadscope-reorder"]
+    xdist = xdist if a.workers > 1 else []
     lanes: dict[str, subprocess.Popen] = {}
     started: list[subprocess.Popen] = []  # what `finally` stops if it is still running
     t0 = time.monotonic()

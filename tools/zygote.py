@@ -8,16 +8,19 @@ runs the same `rftpipe.run.worker` module, from the same files, as a new interpr
 
     python -m tools.zygote serve SOCKET    # tests/conftest.py starts one per pytest process
     python -m tools.zygote MODULE ARGS...  # the stand-in for `python -m MODULE ARGS...`
+    python -m tools.zygote SCRIPT ARGS...  # ...for `python SCRIPT ARGS...` (a *_worker.py)
 
 `jobs.submit --cluster local` starts each rank through the stand-in when
-RFTPIPE_WORKER_VIA=tools.zygote (tests/conftest.py sets it). The stand-in asks the server
+RFTPIPE_WORKER_VIA=tools.zygote (tests/conftest.py sets it), and so does
+`tests/helpers.launch_ranks` its rank scripts. The stand-in asks the server
 named by RFTPIPE_ZYGOTE for a fork and then is that process for its launcher: it passes
 its stdin, stdout and stderr, forwards the signals it gets, and exits as the worker did
 (the same code, or killed by the same signal); a worker whose stand-in dies (the launcher
 killed its process group) SIGKILLs itself. The server forks only a request whose
 environment and directory equal its own but for the per-launch variables of
-`PER_LAUNCH`: any other difference could change what the imports did (a PYTHONPATH that
-shadows a package, ATen's kernel choice, thread counts), and the stand-in then execs the
+`PER_LAUNCH` (and an OMP_NUM_THREADS the server was started without, which the fork sets
+with `torch.set_num_threads`): any other difference could change what the imports did (a
+PYTHONPATH that shadows a package, ATen's kernel choice), and the stand-in then execs the
 module in a new interpreter, as without it. So does a stand-in that finds no server.
 
 What differs from a new interpreter: the worker's process title is the server's, its
@@ -108,7 +111,11 @@ def _shadows(entry: str) -> str | None:
 def _refusal(req: dict, env: dict[str, str], added: dict[str, str], cwd: str) -> str | None:
     """Why `req` cannot be forked from this server (started in `cwd` with `env`, to which
     its imports `added` variables), or None."""
-    if req.get("module") not in _MODULES:
+    if "script" in req:
+        script = os.path.realpath(req["script"])
+        if not (script.startswith(os.path.join(cwd, "")) and script.endswith("_worker.py")):
+            return f"script {req['script']!r} is not a rank script of this checkout"
+    elif req.get("module") not in _MODULES:
         return f"module {req.get('module')!r}"
     if req.get("cwd") != cwd:
         return "another working directory"
@@ -118,6 +125,9 @@ def _refusal(req: dict, env: dict[str, str], added: dict[str, str], cwd: str) ->
     # process imported the same packages) or is absent (the fork inherits it).
     differ = {k for k in differ if k not in added or theirs[k] != added[k]}
     differ -= PER_LAUNCH | {"PYTHONPATH"}
+    # A thread count the server did not start with is set in the fork (`_child`).
+    if "OMP_NUM_THREADS" not in env and theirs.get("OMP_NUM_THREADS", "x").isdigit():
+        differ.discard("OMP_NUM_THREADS")
     if differ:
         return f"environment differs in {sorted(differ)}"
     # A PYTHONPATH of its own (a test's reward functions, environments) is taken when no
@@ -129,17 +139,18 @@ def _refusal(req: dict, env: dict[str, str], added: dict[str, str], cwd: str) ->
     return None
 
 
-def _sys_path(pythonpath: str | None, base: list[str]) -> list[str]:
-    """The `sys.path` of `python -m` in the server's directory with this PYTHONPATH: the
-    directory, the entries, then the interpreter's own (`base`, the server's without its
-    directory and PYTHONPATH entries)."""
-    return [os.getcwd(), *_entries(pythonpath), *base]
+def _sys_path(first: str, pythonpath: str | None, base: list[str]) -> list[str]:
+    """The `sys.path` of a new interpreter with this PYTHONPATH: `first` (the directory for
+    `python -m`, the script's own for `python SCRIPT`), the entries, then the interpreter's
+    own (`base`, the server's without its directory and PYTHONPATH entries)."""
+    return [first, *_entries(pythonpath), *base]
 
 
 def _child(
     conn: socket.socket, others: list[socket.socket], fds: list[int], req: dict, rng: object
 ) -> None:
-    """In the forked worker: become the process `python -m MODULE ARGS` would have been."""
+    """In the fork: become the process `python -m MODULE ARGS` (or `python SCRIPT ARGS`)
+    would have been."""
     import random
     import runpy
     import threading
@@ -159,7 +170,9 @@ def _child(
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(req["env"])
-        sys.path[:] = _sys_path(req["env"].get("PYTHONPATH"), req["base_path"])
+        script = req.get("script")
+        first = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()
+        sys.path[:] = _sys_path(first, req["env"].get("PYTHONPATH"), req["base_path"])
         # A new interpreter's generators: Python's and NumPy's seeded from the OS, torch's
         # default one as it was right after `import torch`.
         random.seed()
@@ -168,6 +181,8 @@ def _child(
 
         numpy.random.seed()
         torch.set_rng_state(rng)
+        if "OMP_NUM_THREADS" in req["env"]:  # read by OpenMP and torch when torch loads
+            torch.set_num_threads(int(req["env"]["OMP_NUM_THREADS"]))
 
         def die_with_stand_in() -> None:
             while True:
@@ -181,8 +196,12 @@ def _child(
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=die_with_stand_in, daemon=True).start()
-        sys.argv = [req["module"], *req["args"]]
-        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+        if script:
+            sys.argv = [script, *req["args"]]
+            runpy.run_path(script, run_name="__main__")
+        else:
+            sys.argv = [req["module"], *req["args"]]
+            runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code
@@ -260,7 +279,8 @@ def serve(path: str) -> None:
                     why = _refusal(req, env, added, cwd) if len(fds) == 3 else "no stdio"
                     if why:
                         conn.send(json.dumps({"refused": why}).encode())
-                        print(f"refused {req.get('module')}: {why}", file=log)
+                        what = req.get("module") or req.get("script")
+                        print(f"refused {what}: {why}", file=log)
                         conn.close()
                     else:
                         sys.stdout.flush()
@@ -296,9 +316,12 @@ def serve(path: str) -> None:
             _kill_session(pid)
 
 
-def stand_in(module: str, args: list[str]) -> None:
-    """Be `python -m module args` through the server, or exec it where the server says no."""
-    req = {"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}
+def stand_in(target: str, args: list[str]) -> None:
+    """Be `python -m target args` (or `python target args`, a script's path) through the
+    server, or exec it where the server says no."""
+    script = target.endswith(".py")
+    req = {"script" if script else "module": target, "args": args}
+    req |= {"env": dict(os.environ), "cwd": os.getcwd()}
     reply: dict = {"refused": "no server"}
     path = os.environ.get(ENV)
     if path:
@@ -310,7 +333,7 @@ def stand_in(module: str, args: list[str]) -> None:
         except OSError:
             pass
     if "pid" not in reply:
-        os.execv(sys.executable, [sys.executable, "-m", module, *args])
+        os.execv(sys.executable, [sys.executable, *([] if script else ["-m"]), target, *args])
     pid = reply["pid"]
 
     def forward(sig: int, _frame: object) -> None:
@@ -337,7 +360,7 @@ def main(argv: list[str]) -> None:
     elif argv:
         stand_in(argv[0], argv[1:])
     else:
-        raise SystemExit("usage: python -m tools.zygote serve SOCKET | MODULE ARGS...")
+        raise SystemExit("usage: python -m tools.zygote serve SOCKET | MODULE|SCRIPT ARGS...")
 
 
 if __name__ == "__main__":

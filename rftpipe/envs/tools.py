@@ -227,6 +227,15 @@ PARSERS: dict[ToolParserName, Callable[[str], Parsed]] = {
     "plain": parse_plain,
 }
 
+#: The text each parser reads as its calls (a test holds that every ToolParserName is here).
+CALL_TEXT: dict[ToolParserName, re.Pattern[str]] = {"hermes": _HERMES, "plain": _PLAIN}
+
+
+def without_calls(text: str, parser: ToolParserName) -> str:
+    """`text` less what `parser` read as calls: the `content` of an answer whose calls go
+    back as OpenAI `tool_calls` (the endpoint, `rftpipe.stages.agents`)."""
+    return CALL_TEXT[parser].sub("", text).strip()
+
 
 def render_plain_tools(schemas: Sequence[Mapping[str, Any]]) -> str:
     """A system-prompt text describing `schemas`' tools and the `plain` call format."""

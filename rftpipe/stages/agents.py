@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from rftpipe.agents.pool import AgentProcesses, AgentSpec, Failed, Finished
 from rftpipe.agents.server import Answer, ChatCall, Endpoint, Limits, PendingCall, TokenCall
 from rftpipe.config.schema import AgentConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt
-from rftpipe.envs.tools import PARSERS
+from rftpipe.envs.tools import PARSERS, without_calls
 from rftpipe.errors import UserError
 from rftpipe.faults import fault
 from rftpipe.observe.events import events
@@ -58,6 +57,7 @@ from rftpipe.stages.episodes import (
     eos_ids,
     template_text,
     text_tokens,
+    tokens_after,
 )
 
 log = logging.getLogger(__name__)
@@ -380,19 +380,12 @@ class _Server:
             )
         render = [*lv.render, *(_for_template(m) for m in call.messages[len(lv.convo) :])]
         text = template_text(self.tokenizer, render, call.tools or None)
-        head = e.text + e.last_action
-        if not text.startswith(head):
-            name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
-            raise UserError(
-                f"rollout.agent.path {self.acfg.path}: the chat template of {name} does not "
-                f"keep the conversation's earlier text when a call adds messages "
-                f"({self._where(lv)}): its prefix is unstable, so the new messages' tokens "
-                "cannot be cut from it; use a template that renders earlier messages unchanged"
-            )
-        new = text_tokens(self.tokenizer, text[len(head) :])
         stopped = bool(e.response) and e.response[-1] in self.eos
-        if stopped and new and new[0] == e.response[-1]:
-            new = new[1:]  # the sampled EOS already closed the assistant turn
+        closing = e.response[-1] if stopped else None
+        setting = f"rollout.agent.path {self.acfg.path}"
+        new = tokens_after(
+            self.tokenizer, text, e.text + e.last_action, closing, setting, self._where(lv)
+        )
         return e.prompt_ids + e.response + new, render, convo, text
 
     def _from_record(
@@ -530,7 +523,7 @@ class _Server:
             (f"call_{lv.calls}_{j}", c.name, json.dumps(c.arguments, ensure_ascii=False))
             for j, c in enumerate(calls)
         ]
-        content = _without_tool_calls(action) if tool_calls else action
+        content = without_calls(action, self.acfg.tool_parser) if tool_calls else action
         finish = "tool_calls" if tool_calls else ("stop" if stopped else "length")
         answer = Answer(
             prompt_token_ids=list(ids),
@@ -623,7 +616,3 @@ def _for_template(m: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in m.items() if k != "content" and v is not None}
     out["content"] = _text(m.get("content"))
     return out
-
-
-def _without_tool_calls(text: str) -> str:
-    return re.sub(r"<tool_call>.*?</tool_call>", "", text, flags=re.DOTALL).strip()

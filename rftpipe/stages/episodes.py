@@ -635,20 +635,31 @@ def _observation_tokens(
     conversation's new template text."""
     history = [*e.messages, *[dict(m) for m in result.observations]]
     text = template_text(tokenizer, history, e.tools)
-    head = e.text + action
+    where = f"prompt_id {e.prompt.prompt_id}, sample_idx {e.sample_idx}"
+    closing = e.response[-1] if stopped else None
+    setting = f"rollout.env.path {env_cfg.path}"
+    return tokens_after(tokenizer, text, e.text + action, closing, setting, where), text
+
+
+def tokens_after(
+    tokenizer: Any, text: str, head: str, closing: int | None, setting: str, where: str
+) -> list[int]:
+    """The tokens of template `text` after `head`, the template text the episode holds (an
+    environment's observations, an agent call's new messages). `closing`: the sampled EOS
+    that ended the last turn, which the template's text repeats. A template that renders
+    earlier messages otherwise when messages are added is refused (`setting`, at `where`)."""
     if not text.startswith(head):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise UserError(
-            f"rollout.env.path {env_cfg.path}: the chat template of {name} does not keep the "
-            f"conversation's earlier text when a turn is added (prompt_id "
-            f"{e.prompt.prompt_id}, sample_idx {e.sample_idx}): its prefix is unstable, so "
-            "observation tokens cannot be cut from it; use a template that renders earlier "
+            f"{setting}: the chat template of {name} does not keep the conversation's earlier "
+            f"text when messages are added ({where}): its prefix is unstable, so the new "
+            "messages' tokens cannot be cut from it; use a template that renders earlier "
             "messages unchanged"
         )
     ids = text_tokens(tokenizer, text[len(head) :])
-    if stopped and ids and ids[0] == e.response[-1]:
+    if closing is not None and ids and ids[0] == closing:
         ids = ids[1:]  # the sampled EOS already closed the assistant turn
-    return ids, text
+    return ids
 
 
 def text_tokens(tokenizer: Any, text: str) -> list[int]:
