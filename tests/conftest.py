@@ -18,6 +18,9 @@ import pytest
 from tools.test import GATE
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Whether this pytest process forks its run workers from a warm interpreter
+#: (`worker_zygote`); `tools.test` turns it off for its lanes and serial phase.
+FORKS = os.environ.get("RFTPIPE_TEST_ZYGOTE") != "0"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -77,7 +80,7 @@ def worker_zygote(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -
     the first seconds, before the server has imported. RFTPIPE_TEST_ZYGOTE=0 turns it off
     (`tools.test` does for its lanes); a test sets RFTPIPE_WORKER_VIA="" for new
     interpreters."""
-    if os.environ.get("RFTPIPE_TEST_ZYGOTE") == "0":
+    if not FORKS:
         yield
         return
     sock = tmp_path_factory.getbasetemp() / "zygote.sock"
@@ -110,7 +113,7 @@ def module_environ() -> Iterator[None]:
     other fixtures and torn down after them (a fixture's own variables, such as
     test_slurm.py's SLURM_CONF, stay for its module). Off with the forks: the vLLM lane's
     modules share one imported vLLM, whose variables its engines read later."""
-    if os.environ.get("RFTPIPE_TEST_ZYGOTE") == "0":
+    if not FORKS:
         yield
         return
     before = dict(os.environ)

@@ -126,6 +126,15 @@ def stage_history(run_dir: Path) -> dict[tuple[int, str], list[str]]:
     return out
 
 
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not: whoever reaps orphans here may be slow)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 def events(run_dir: Path) -> list[dict]:
     """The run's event log (one JSON object per line), empty before the first start."""
     path = run_dir / "events.jsonl"

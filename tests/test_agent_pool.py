@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import alive
 
 from rftpipe.agents import pool as agent_pool
 from rftpipe.agents.pool import (
@@ -86,18 +87,9 @@ def _failed(event: Any, kind: str) -> str:
     return event.message
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie does not: whoever reaps orphans here may be slow)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
 def _gone(pids: Sequence[int]) -> bool:
     deadline = time.monotonic() + GONE_S
-    while any(_alive(p) for p in pids):
+    while any(alive(p) for p in pids):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
@@ -110,7 +102,7 @@ def _pids(pid_file: Path) -> dict[str, int]:
         assert time.monotonic() < deadline, "the agent did not start"
         time.sleep(0.05)
     pids: dict[str, int] = json.loads(pid_file.read_text())
-    assert all(_alive(p) for p in pids.values()), pids
+    assert all(alive(p) for p in pids.values()), pids
     return pids
 
 
@@ -202,7 +194,7 @@ def test_kill_takes_the_agents_children_along_and_sends_nothing(tmp_path: Path) 
         assert not waits.running()
         episode = [pids["agent"], pids["child"], pids["supervisor"]]
         assert _gone(episode), pids
-        assert _alive(pids["zygote"]) and _alive(pids["keeper"])  # for the next episodes
+        assert alive(pids["zygote"]) and alive(pids["keeper"])  # for the next episodes
         # The other episode's event comes; none for the killed one, then or later.
         assert _collect(inbox, 1) == {2: Finished(episode=2, reward=1.0, info={})}
         with pytest.raises(queue.Empty):
@@ -253,7 +245,7 @@ time.sleep(600)
     try:
         pids = _pids(pid_file)
         pids["import_child"] = int((tmp_path / "import_child").read_text())
-        assert _alive(pids["import_child"])
+        assert alive(pids["import_child"])
         assert parent.pid not in pids.values()
         assert len(set(pids.values())) == len(pids), pids
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from envs_toy import EvenChars
-from helpers import ROOT
+from helpers import ROOT, alive
 
 from rftpipe.config.schema import EnvConfig
 from rftpipe.envs.base import StepResult, Task
@@ -131,18 +131,8 @@ def test_no_worker_outlives_a_killed_run(tmp_path: Path) -> None:
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 2
     deadline = time.monotonic() + 10
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
+    left = pids
+    while left and time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
         time.sleep(0.1)
-    assert not alive, alive
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by init) holds no environment.
-    status = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    return status != "Z"
+    assert not left, left

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TINY, backend_workers, events, final_weights, trajectories
+from helpers import ROOT, TINY, alive, backend_workers, events, final_weights, trajectories
 
 from tools import zygote
 
@@ -144,7 +144,7 @@ def test_a_forked_run_equals_a_new_interpreters_and_is_killed_like_one(
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.time() + 10
-    while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
+    while alive(pid):
         assert time.time() < deadline, f"worker {pid} outlived its stand-in"
         time.sleep(0.05)
     out = _submit(env, warm, *steps).communicate(timeout=300)
@@ -153,13 +153,6 @@ def test_a_forked_run_equals_a_new_interpreters_and_is_killed_like_one(
     assert trajectories(cold).equals(trajectories(warm))
     wa, wb = final_weights(cold), final_weights(warm)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
 
 
 @pytest.mark.slow
