@@ -8,6 +8,7 @@ episode), and another interpreter gets none of the trainer's packages. The agent
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -29,6 +30,7 @@ from rftpipe.agents.pool import (
     AgentSpec,
     Failed,
     Finished,
+    Started,
     isolated_sys_path,
 )
 
@@ -48,13 +50,20 @@ def _tests_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _collect(inbox: queue.Queue[Any], n: int) -> dict[int, Finished | Failed]:
-    """The next `n` events, by episode (one each)."""
+    """The next `n` ends, by episode (one each); an agent that ran was `Started` first."""
     out: dict[int, Finished | Failed] = {}
+    started: set[int] = set()
     deadline = time.monotonic() + EVENT_S
     while len(out) < n:
         event = inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+        if isinstance(event, Started):
+            assert event.episode not in started | set(out), event
+            started.add(event.episode)
+            continue
         assert isinstance(event, Finished | Failed), event
         assert event.episode not in out, f"two events for episode {event.episode}"
+        ran = isinstance(event, Finished) or event.kind in ("raised", "returned")
+        assert not ran or event.episode in started, f"no Started before {event}"
         out[event.episode] = event
     return out
 
@@ -197,8 +206,11 @@ def test_kill_takes_the_agents_children_along_and_sends_nothing(tmp_path: Path) 
         assert alive(pids["zygote"]) and alive(pids["keeper"])  # for the next episodes
         # The other episode's event comes; none for the killed one, then or later.
         assert _collect(inbox, 1) == {2: Finished(episode=2, reward=1.0, info={})}
-        with pytest.raises(queue.Empty):
-            inbox.get(timeout=0.5)
+        late = []  # the killed one's Started may come after the other's end
+        with contextlib.suppress(queue.Empty):
+            while True:
+                late.append(inbox.get(timeout=0.5))
+        assert late in ([], [Started(episode=0)]), late
         waits.kill(0)  # no longer running: nothing to do
     finally:
         waits.close()
@@ -215,7 +227,7 @@ def test_close_kills_every_agent_and_is_final(tmp_path: Path) -> None:
     pool.close()  # idempotent
     with pytest.raises(RuntimeError):
         pool.start(2, {}, URL, "key", "policy")
-    assert inbox.empty()
+    assert inbox.get_nowait() == Started(episode=1) and inbox.empty()  # and no end
 
 
 def test_a_sigkilled_run_takes_its_agents_and_their_children_along(tmp_path: Path) -> None:
@@ -378,6 +390,7 @@ def test_a_kill_racing_the_agents_reply_puts_no_event(monkeypatch: pytest.Monkey
     try:
         pool.start(0, {}, URL, "key", "policy")
         assert read.wait(EVENT_S)
+        assert inbox.get_nowait() == Started(episode=0)
         assert replies[0] is not None and b"finished" in replies[0]
         assert pool.running() == {0}
         pool.kill(0)

@@ -22,6 +22,7 @@ from helpers import (
     TINY,
     EngineSpy,
     OneRankLog,
+    alive,
     episode_prompts,
     events,
     final_weights,
@@ -131,9 +132,18 @@ def test_an_agent_past_its_timeout_is_killed_with_its_children(tiny, tmp_path: P
     assert e.status == "error" and "timeout_s=3" in json.loads(e.turn_infos[-1])["error"]
     for pid in map(int, pids.read_text().split()):
         deadline = time.monotonic() + 5
-        while _alive(pid) and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(pid), pid
+        assert not alive(pid), pid
+
+
+def test_an_agents_process_start_is_not_its_time(tiny) -> None:
+    # Its module's import (the agents' zygote's) takes 4 s, longer than its timeout_s: a
+    # start that long is a loaded node's, not the agent's.
+    agent = AgentConfig(path="agents_slow_start:returns_at_once", timeout_s=1)
+    eps, _, _ = _run(tiny, agent, n=1, prompts=1)
+    (e,) = eps
+    assert e.status == "done" and e.turn_rewards == [1.0]
 
 
 def test_a_failing_agent_stops_the_run_with_one_line(tiny) -> None:
@@ -142,15 +152,6 @@ def test_a_failing_agent_stops_the_run_with_one_line(tiny) -> None:
         _run(tiny, agent, n=1, prompts=1)
     msg = str(err.value)
     assert "\n" not in msg and "prompt_id 10 sample_idx 0 call 0" in msg and "step 1" in msg
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split()[2] == "Z")
 
 
 # ---------------------------------------------------------------------------------------------

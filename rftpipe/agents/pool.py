@@ -37,9 +37,10 @@ import only the agent's module and `openai`, never the run's torch, and under
 `AgentSpec.python` they may run another interpreter, one whose packages conflict with the
 trainer's: it then gets none of the trainer's installed packages (`isolated_sys_path`).
 
-Results come back as events on the caller's queue, exactly one `Finished` or `Failed` per
-episode unless it was killed, so the stage can wait on its endpoint's calls and its
-agents' ends together.
+Results come back as events on the caller's queue: a `Started` when an episode's process
+exists, then exactly one `Finished` or `Failed` per episode unless it was killed (a `Failed`
+without a `Started` when its process never started), so the stage can wait on its
+endpoint's calls and its agents' ends together.
 """
 
 from __future__ import annotations
@@ -81,6 +82,15 @@ class AgentSpec:
     """Passed to it by name after ``task, client, model`` (JSON values: the config's)."""
     python: str | None = None
     """The interpreter of the agent processes; None: the run's own (`sys.executable`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Started:
+    """An episode's agent process exists (forked by the zygote): its time starts now. The
+    first `start`s wait for the zygote's imports, and that wait is the pool's, not the
+    agent's."""
+
+    episode: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -460,6 +470,7 @@ class AgentProcesses:
             return
         ep.pid = int(reply["pid"])
         ep.reader = os.fdopen(r, "rb")
+        self.inbox.put(Started(episode=ep.episode))  # before its watcher can put its end
         threading.Thread(
             target=self._watch, args=(ep,), name=f"agent-{ep.episode}", daemon=True
         ).start()

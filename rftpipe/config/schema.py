@@ -547,7 +547,8 @@ class AgentConfig:
     timeout_s: float = 60.0
     """Longest an agent may take between an answer and its next call (or its return), and
     to make its first call: past it the agent's process group is killed and the episode
-    fails as `on_error` says. Time spent waiting for the model does not count."""
+    fails as `on_error` says. Time spent waiting for the model does not count, nor does
+    its process's start (the agents' interpreter importing its module: up to 300 s)."""
 
     max_calls: int = 4
     """Most model calls in one episode; the call past it is refused (HTTP 400) and the

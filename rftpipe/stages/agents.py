@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rftpipe.agents.pool import AgentProcesses, AgentSpec, Failed, Finished
+from rftpipe.agents.pool import AgentProcesses, AgentSpec, Failed, Finished, Started
 from rftpipe.agents.server import Answer, ChatCall, Endpoint, Limits, PendingCall, TokenCall
 from rftpipe.config.schema import AgentConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt
@@ -61,6 +61,11 @@ from rftpipe.stages.episodes import (
 )
 
 log = logging.getLogger(__name__)
+
+_START_S = 300.0
+"""How long an episode's agent process may take to start (at the stage's first episodes,
+the agents' interpreter importing `openai` and the agent's module), or `timeout_s` if
+longer: that start is not the agent's time, and on a loaded node it takes seconds."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,7 +128,10 @@ class _Live:
     """A pending chat call's prompt as the template's text (the episode's `text` once
     answered)."""
     deadline: float = 0.0
-    """When the agent must have called or returned (it is not waiting for the model)."""
+    """When the agent must have called or returned (it is not waiting for the model), or,
+    before it is `started`, when its process must have started."""
+    started: bool = False
+    """Its process runs (the pool's `Started` came)."""
     ended: bool = False
     """Its agent returned (or failed, or was killed)."""
 
@@ -237,7 +245,7 @@ class _Server:
             }
             key = self.endpoint.open_episode(lv.e.slot)
             self.pool.start(lv.e.slot, task, self.endpoint.base_url, key, self.acfg.model)
-            lv.deadline = now + self.acfg.timeout_s
+            lv.deadline = now + max(_START_S, self.acfg.timeout_s)
 
     def gather(self) -> None:
         """Wait until every running episode has a call pending or has ended; calls the
@@ -249,11 +257,21 @@ class _Server:
             except queue.Empty:
                 now = time.monotonic()
                 for lv in waiting:
-                    if lv.deadline <= now:
-                        self.pool.kill(lv.e.slot)
+                    if lv.deadline > now:
+                        continue
+                    self.pool.kill(lv.e.slot)
+                    if lv.started:
                         self._failed(lv, f"took over rollout.agent.timeout_s={self.acfg.timeout_s}")
+                    else:
+                        limit = max(_START_S, self.acfg.timeout_s)
+                        self._failed(lv, f"its agent process did not start in {limit:g} s")
                 continue
-            if isinstance(item, PendingCall):
+            if isinstance(item, Started):
+                lv = self.live[item.episode]
+                lv.started = True
+                if not lv.ended and lv.pending is None and lv.calls == 0:
+                    lv.deadline = time.monotonic() + self.acfg.timeout_s  # its clock starts
+            elif isinstance(item, PendingCall):
                 self._call(item)
             elif isinstance(item, Finished):
                 self._finished(self.live[item.episode], item)
