@@ -185,18 +185,23 @@ def test_preempted_four_times_at_known_stages(cluster, reference: Path, tmp_path
     _assert_equal_to_reference(run, reference)
 
 
+@pytest.mark.timeout(900)
 def test_time_limit_requeues_and_finishes(cluster, reference: Path, tmp_path: Path) -> None:
+    # USR2 comes 165 s into each allocation. The stretched stages (180 s of sleep) outlast
+    # the first one even when idle, and two allocations finish them even when start-up
+    # takes 40 s of each: with a 45 s window (2 minutes, 75 s early) a loaded CI machine's
+    # cold two-rank start-up left a stage or two per allocation, and the job ran past 600 s.
     run = tmp_path / "run"
     out = _slurm_submit(
         cluster,
         run,
         "--time",
-        "2",
+        "4",
         "--signal-delay",
         "75",
         "--wait",
-        env={"RFTPIPE_SLOW": SLOW},
-        timeout=600,
+        env={"RFTPIPE_SLOW": "rollout=9,score=9,advantage=9,train=9"},
+        timeout=840,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     stops = [e for e in _events(run, "stop") if e["rank"] == 0]
