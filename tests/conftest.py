@@ -18,9 +18,14 @@ import pytest
 from tools.test import GATE
 
 ROOT = Path(__file__).resolve().parent.parent
+_ZYGOTE = os.environ.get("RFTPIPE_TEST_ZYGOTE", "")
 #: Whether this pytest process forks its run workers from a warm interpreter
-#: (`worker_zygote`); `tools.test` turns it off for its lanes and serial phase.
-FORKS = os.environ.get("RFTPIPE_TEST_ZYGOTE") != "0"
+#: (`worker_zygote`); `tools.test` turns it off (RFTPIPE_TEST_ZYGOTE=0) for the Slurm lane
+#: and the serial phase.
+FORKS = _ZYGOTE != "0"
+#: The `tools.zygote.EXTRAS` the warm interpreter imports besides its `PRELOAD`
+#: (RFTPIPE_TEST_ZYGOTE=vllm: `tools.test`'s vLLM lane, whose runs start vLLM engines).
+PRELOAD = tuple(m for m in _ZYGOTE.split(",") if m not in ("", "0", "1"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -78,8 +83,8 @@ def worker_zygote(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -
     run importing torch and transformers. A launch whose environment differs from this
     process's (but for per-launch variables) starts a new interpreter, as do launches in
     the first seconds, before the server has imported. RFTPIPE_TEST_ZYGOTE=0 turns it off
-    (`tools.test` does for its lanes); a test sets RFTPIPE_WORKER_VIA="" for new
-    interpreters."""
+    (`tools.test` does for its Slurm lane), =vllm imports vLLM in it too; a test sets
+    RFTPIPE_WORKER_VIA="" for new interpreters."""
     if not FORKS:
         yield
         return
@@ -88,7 +93,7 @@ def worker_zygote(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -
     os.environ["RFTPIPE_WORKER_VIA"] = "tools.zygote"
     with open(f"{sock}.err", "wb") as err:
         server = subprocess.Popen(
-            [sys.executable, "-m", "tools.zygote", "serve", str(sock)],
+            [sys.executable, "-m", "tools.zygote", "serve", str(sock), *PRELOAD],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=err,
@@ -111,9 +116,10 @@ def module_environ() -> Iterator[None]:
     server's (at 045f3d7 about half the shared phase's launches fell back to new
     interpreters for this). Autouse and module-scoped, it is set up before a module's
     other fixtures and torn down after them (a fixture's own variables, such as
-    test_slurm.py's SLURM_CONF, stay for its module). Off with the forks: the vLLM lane's
-    modules share one imported vLLM, whose variables its engines read later."""
-    if not FORKS:
+    test_slurm.py's SLURM_CONF, stay for its module). Off without the forks and in the
+    vLLM lane: its modules share one imported vLLM, whose variables its engines read
+    later (and its server imported vLLM too, so what the import set is no difference)."""
+    if not FORKS or "vllm" in PRELOAD:
         yield
         return
     before = dict(os.environ)

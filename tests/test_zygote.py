@@ -8,6 +8,7 @@ what it imported) must start a new interpreter instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -19,7 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TINY, alive, backend_workers, events, final_weights, trajectories
+from helpers import (
+    ROOT,
+    TINY,
+    alive,
+    backend_workers,
+    events,
+    final_weights,
+    starts_vllm,
+    trajectories,
+)
 
 from tools import zygote
 
@@ -83,22 +93,30 @@ def test_worker_env_is_what_the_worker_sets(monkeypatch: pytest.MonkeyPatch) -> 
     assert added == zygote.WORKER_ENV
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, str], Path]]:
-    """A server of this module's own (the session's may be off, in a lane), and the
-    environment launches must have for it to fork them."""
-    sock = tmp_path_factory.mktemp("zygote") / "z.sock"
+@contextlib.contextmanager
+def _serving(root: Path, *preload: str) -> Iterator[tuple[dict[str, str], Path]]:
+    """A server of this module's own (the session's may be off, or import other modules),
+    and the environment launches must have for it to fork them."""
+    sock = root / "z.sock"
     env = {**os.environ, zygote.ENV: str(sock), "RFTPIPE_WORKER_VIA": "tools.zygote"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.zygote", "serve", str(sock)], cwd=ROOT, env=env
+        [sys.executable, "-m", "tools.zygote", "serve", str(sock), *preload], cwd=ROOT, env=env
     )
-    deadline = time.time() + 180
+    deadline = time.time() + 300
     while not sock.exists():
         assert proc.poll() is None and time.time() < deadline, "the server did not start"
         time.sleep(0.2)
-    yield env, Path(f"{sock}.log")
-    proc.terminate()
-    proc.wait(timeout=60)
+    try:
+        yield env, Path(f"{sock}.log")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, str], Path]]:
+    with _serving(tmp_path_factory.mktemp("zygote")) as served:
+        yield served
 
 
 def _submit(env: dict[str, str], run: Path, *overrides: str, **kw) -> subprocess.Popen:
@@ -172,4 +190,25 @@ def test_a_forked_rank_script_equals_a_new_interpreters(
     assert log.read_text().count("forked") == forks + 1, log.read_text()
     assert warm["metrics"] == cold["metrics"]
     wa, wb = cold["weights"], warm["weights"]
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+@starts_vllm
+def test_a_run_forked_from_an_interpreter_that_imported_vllm_equals_a_new_ones(
+    tmp_path: Path,
+) -> None:
+    """The vLLM lane's server imports vLLM before it forks (`serve SOCKET vllm`): a vLLM
+    run forked from it samples and trains what a new interpreter's does, bitwise."""
+    steps = ("rollout.engine=vllm", "total_steps=2")
+    with _serving(tmp_path, "vllm") as (env, log):
+        cold, warm = tmp_path / "cold", tmp_path / "warm"
+        for run, via in ((cold, ""), (warm, "tools.zygote")):
+            proc = _submit({**env, "RFTPIPE_WORKER_VIA": via}, run, *steps)
+            out = proc.communicate(timeout=600)
+            assert proc.returncode == 0, out
+        assert not _forked(log, cold)
+        assert len(_forked(log, warm)) == 1, (out, log.read_text())
+    assert trajectories(cold).equals(trajectories(warm))
+    wa, wb = final_weights(cold), final_weights(warm)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

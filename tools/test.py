@@ -46,6 +46,9 @@ NO_TESTS = 5  # pytest's exit status when a selection is empty
 # Each lane runs beside the shared phase, one test at a time; the serial phase runs last,
 # alone. A test with two of these marks runs where the first listed puts it.
 LANES = {"slurm": ("slurm",), "vllm": ("vllm", "not slurm")}
+#: Each lane's RFTPIPE_TEST_ZYGOTE (tests/conftest.py): 0, no warm forks; vllm, forks from
+#: an interpreter that imported vLLM.
+LANE_ZYGOTE = {"slurm": "0", "vllm": "vllm"}
 SHARED = ("not slurm", "not vllm", "not serial")
 SERIAL = ("serial", "not slurm", "not vllm")
 DURATIONS = ROOT / "tests" / "durations.json"
@@ -114,13 +117,16 @@ def main(argv: list[str] | None = None) -> int:
         if not os.environ.get("RFTPIPE_TEST_CACHE"):
             os.environ["RFTPIPE_TEST_CACHE"] = str(tmp / "cache")
         # The shared phase's run workers are forked from warm interpreters (tools/zygote.py,
-        # tests/conftest.py); the lanes' and the serial phase's start as new ones: vLLM's
-        # engine processes and Slurm's tasks are not the local launcher's, and a server's
-        # imports beside the serial tests would load the machine their timeouts assume idle.
+        # tests/conftest.py), and the vLLM lane's from one that imported vLLM too (about 9
+        # CPU s a worker on top of torch's and transformers'); the Slurm lane's and the
+        # serial phase's start as new ones: Slurm's tasks are not the local launcher's, and
+        # a server's imports beside the serial tests would load the machine their timeouts
+        # assume idle.
         cold = {**os.environ, "RFTPIPE_TEST_ZYGOTE": "0"}
         for lane, marks in LANES.items():
+            env = {**os.environ, "RFTPIPE_TEST_ZYGOTE": LANE_ZYGOTE[lane]}
             with (tmp / f"{lane}.log").open("w") as sink:
-                lanes[lane] = _pytest(args(*marks), stdout=sink, stderr=subprocess.STDOUT, env=cold)
+                lanes[lane] = _pytest(args(*marks), stdout=sink, stderr=subprocess.STDOUT, env=env)
                 started.append(lanes[lane])
         # The serial phase collects now, while the others run (about 10 s of imports and
         # assertion rewriting, on the critical path if it started afterwards), then waits

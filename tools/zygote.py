@@ -7,6 +7,7 @@ a worker for each request; rftpipe itself is not imported before the fork, so th
 runs the same `rftpipe.run.worker` module, from the same files, as a new interpreter.
 
     python -m tools.zygote serve SOCKET    # tests/conftest.py starts one per pytest process
+    python -m tools.zygote serve SOCKET vllm  # ...importing vLLM's engine too (`EXTRAS`)
     python -m tools.zygote MODULE ARGS...  # the stand-in for `python -m MODULE ARGS...`
     python -m tools.zygote SCRIPT ARGS...  # ...for `python SCRIPT ARGS...` (a *_worker.py)
 
@@ -37,6 +38,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 
 ENV = "RFTPIPE_ZYGOTE"
 #: Variables a launch sets for each rank, or a test for one run, that nothing the server
@@ -76,6 +78,20 @@ PRELOAD = (
     "yaml",
     "safetensors.torch",
 )
+#: What `serve SOCKET NAME` imports besides `PRELOAD`, by NAME. vLLM's package imports
+#: little: `vllm.LLM`'s first use imports 1850 more modules (4.1 CPU s on the machine of
+#: 2026-11-29) and the engine's start 713 (its CPU worker, model runner, attention backend
+#: and the Llama model), so the lane's runs would still import them each.
+EXTRAS = {
+    "vllm": (
+        "vllm",
+        "vllm.entrypoints.llm",
+        "vllm.v1.worker.cpu_worker",
+        "vllm.v1.worker.cpu_model_runner",
+        "vllm.v1.attention.backends.cpu_attn",
+        "vllm.model_executor.models.llama",
+    ),
+}
 #: The variables the worker sets, if unset, before it imports transformers
 #: (`rftpipe.run.worker.setup_logging`), which transformers and huggingface_hub read at
 #: import: the server sets them before its imports (tests/test_zygote.py checks the two
@@ -237,7 +253,9 @@ def _kill_session(sid: int) -> None:
                 os.kill(int(entry.name), signal.SIGKILL)
 
 
-def serve(path: str) -> None:
+def serve(path: str, extras: Sequence[str] = ()) -> None:
+    """Serve forks on the socket `path`, having imported `PRELOAD` and `EXTRAS[name]` for
+    each name of `extras`."""
     import importlib
     import select
 
@@ -247,7 +265,7 @@ def serve(path: str) -> None:
     import torch
 
     rng = torch.get_rng_state()
-    for name in PRELOAD:
+    for name in (*PRELOAD, *(m for extra in extras for m in EXTRAS[extra])):
         importlib.import_module(name)
     transformers = sys.modules["transformers"]
     for attr in ("AutoModelForCausalLM", "AutoTokenizer", "DynamicCache", "GenerationConfig"):
@@ -355,12 +373,14 @@ def stand_in(target: str, args: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["serve"] and len(argv) == 2:
-        serve(argv[1])
+    if argv[:1] == ["serve"] and len(argv) >= 2 and set(argv[2:]) <= set(EXTRAS):
+        serve(argv[1], argv[2:])
     elif argv:
         stand_in(argv[0], argv[1:])
     else:
-        raise SystemExit("usage: python -m tools.zygote serve SOCKET | MODULE|SCRIPT ARGS...")
+        raise SystemExit(
+            f"usage: python -m tools.zygote serve SOCKET [{'|'.join(EXTRAS)}] | MODULE|SCRIPT ARGS..."
+        )
 
 
 if __name__ == "__main__":
