@@ -26,6 +26,9 @@ FORKS = _ZYGOTE != "0"
 #: The `tools.zygote.EXTRAS` the warm interpreter imports besides its `PRELOAD`
 #: (RFTPIPE_TEST_ZYGOTE=vllm: `tools.test`'s vLLM lane, whose runs start vLLM engines).
 PRELOAD = tuple(m for m in _ZYGOTE.split(",") if m not in ("", "0", "1"))
+#: The longest the first test waits for the server (its launches start new interpreters
+#: after that, or once it has died).
+ZYGOTE_WAIT_S = 120.0
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -81,8 +84,10 @@ def worker_zygote(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -
     """A warm interpreter per pytest process that forks the run workers `jobs.submit
     --cluster local` starts (tools/zygote.py): each would otherwise spend most of a short
     run importing torch and transformers. A launch whose environment differs from this
-    process's (but for per-launch variables) starts a new interpreter, as do launches in
-    the first seconds, before the server has imported. RFTPIPE_TEST_ZYGOTE=0 turns it off
+    process's (but for per-launch variables) starts a new interpreter. The first test
+    waits until the server has imported (at most `ZYGOTE_WAIT_S`): the longest files come
+    first and launch runs at once, and each launch before the server is up would be a new
+    interpreter importing the same packages beside it. RFTPIPE_TEST_ZYGOTE=0 turns it off
     (`tools.test` does for its Slurm lane), =vllm imports vLLM in it too; a test sets
     RFTPIPE_WORKER_VIA="" for new interpreters."""
     if not FORKS:
@@ -98,6 +103,9 @@ def worker_zygote(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -
             stdout=subprocess.DEVNULL,
             stderr=err,
         )
+    deadline = time.monotonic() + ZYGOTE_WAIT_S
+    while not sock.exists() and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
     try:
         yield
     finally:
