@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tools import zygote
 from tools.test import GATE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +26,7 @@ _ZYGOTE = os.environ.get("RFTPIPE_TEST_ZYGOTE", "")
 FORKS = _ZYGOTE != "0"
 #: The `tools.zygote.EXTRAS` the warm interpreter imports besides its `PRELOAD`
 #: (RFTPIPE_TEST_ZYGOTE=vllm: `tools.test`'s vLLM lane, whose runs start vLLM engines).
-PRELOAD = tuple(m for m in _ZYGOTE.split(",") if m not in ("", "0", "1"))
+EXTRAS = tuple(m for m in _ZYGOTE.split(",") if m not in ("", "0", "1"))
 #: The longest the first test waits for the server (its launches start new interpreters
 #: after that, or once it has died).
 ZYGOTE_WAIT_S = 120.0
@@ -97,15 +98,9 @@ def worker_zygote(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -
     os.environ["RFTPIPE_ZYGOTE"] = str(sock)
     os.environ["RFTPIPE_WORKER_VIA"] = "tools.zygote"
     with open(f"{sock}.err", "wb") as err:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "tools.zygote", "serve", str(sock), *PRELOAD],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
+        server = zygote.start_server(
+            str(sock), EXTRAS, wait_s=ZYGOTE_WAIT_S, stdout=subprocess.DEVNULL, stderr=err
         )
-    deadline = time.monotonic() + ZYGOTE_WAIT_S
-    while not sock.exists() and server.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
     try:
         yield
     finally:
@@ -127,7 +122,7 @@ def module_environ() -> Iterator[None]:
     test_slurm.py's SLURM_CONF, stay for its module). Off without the forks and in the
     vLLM lane: its modules share one imported vLLM, whose variables its engines read
     later (and its server imported vLLM too, so what the import set is no difference)."""
-    if not FORKS or "vllm" in PRELOAD:
+    if not FORKS or "vllm" in EXTRAS:
         yield
         return
     before = dict(os.environ)

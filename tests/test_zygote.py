@@ -99,13 +99,8 @@ def _serving(root: Path, *preload: str) -> Iterator[tuple[dict[str, str], Path]]
     and the environment launches must have for it to fork them."""
     sock = root / "z.sock"
     env = {**os.environ, zygote.ENV: str(sock), "RFTPIPE_WORKER_VIA": "tools.zygote"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.zygote", "serve", str(sock), *preload], cwd=ROOT, env=env
-    )
-    deadline = time.time() + 300
-    while not sock.exists():
-        assert proc.poll() is None and time.time() < deadline, "the server did not start"
-        time.sleep(0.2)
+    proc = zygote.start_server(str(sock), preload, wait_s=300, env=env)
+    assert sock.exists(), "the server did not start"
     try:
         yield env, Path(f"{sock}.log")
     finally:

@@ -37,8 +37,10 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 ENV = "RFTPIPE_ZYGOTE"
 #: Variables a launch sets for each rank, or a test for one run, that nothing the server
@@ -253,6 +255,22 @@ def _kill_session(sid: int) -> None:
                 os.kill(int(entry.name), signal.SIGKILL)
 
 
+def start_server(
+    path: str, extras: Sequence[str] = (), *, wait_s: float, **popen: Any
+) -> subprocess.Popen[bytes]:
+    """Start `serve` on `path` from this checkout and wait until it accepts, it has died, or
+    `wait_s` has passed (a launch before then starts a new interpreter)."""
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "tools.zygote", "serve", path, *extras]
+    server = subprocess.Popen(cmd, cwd=root, **popen)
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path) and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return server
+
+
 def serve(path: str, extras: Sequence[str] = ()) -> None:
     """Serve forks on the socket `path`, having imported `PRELOAD` and `EXTRAS[name]` for
     each name of `extras`."""
@@ -373,14 +391,18 @@ def stand_in(target: str, args: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["serve"] and len(argv) >= 2 and set(argv[2:]) <= set(EXTRAS):
+    usage = (
+        f"usage: python -m tools.zygote serve SOCKET [{'|'.join(EXTRAS)}] | MODULE|SCRIPT ARGS..."
+    )
+    if argv[:1] == ["serve"]:
+        # An unknown extra is the caller's typo, not a module to run as a worker.
+        if len(argv) < 2 or not set(argv[2:]) <= set(EXTRAS):
+            raise SystemExit(usage)
         serve(argv[1], argv[2:])
     elif argv:
         stand_in(argv[0], argv[1:])
     else:
-        raise SystemExit(
-            f"usage: python -m tools.zygote serve SOCKET [{'|'.join(EXTRAS)}] | MODULE|SCRIPT ARGS..."
-        )
+        raise SystemExit(usage)
 
 
 if __name__ == "__main__":

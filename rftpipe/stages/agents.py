@@ -203,6 +203,8 @@ class _Server:
         self.inp, self.engine, self.tokenizer = inp, engine, tokenizer
         self.endpoint, self.pool, self.inbox = endpoint, pool, inbox
         self.acfg = inp.agent
+        self.start_s = max(_START_S, self.acfg.timeout_s)
+        """How long an episode's process may take to start (`_START_S`)."""
         self.eos = eos_ids(tokenizer, inp.cfg)
         self.parse = PARSERS[self.acfg.tool_parser]
         self.live: list[_Live] = []
@@ -245,7 +247,7 @@ class _Server:
             }
             key = self.endpoint.open_episode(lv.e.slot)
             self.pool.start(lv.e.slot, task, self.endpoint.base_url, key, self.acfg.model)
-            lv.deadline = now + max(_START_S, self.acfg.timeout_s)
+            lv.deadline = now + self.start_s
 
     def gather(self) -> None:
         """Wait until every running episode has a call pending or has ended; calls the
@@ -263,8 +265,7 @@ class _Server:
                     if lv.started:
                         self._failed(lv, f"took over rollout.agent.timeout_s={self.acfg.timeout_s}")
                     else:
-                        limit = max(_START_S, self.acfg.timeout_s)
-                        self._failed(lv, f"its agent process did not start in {limit:g} s")
+                        self._failed(lv, f"its agent process did not start in {self.start_s:g} s")
                 continue
             if isinstance(item, Started):
                 lv = self.live[item.episode]
