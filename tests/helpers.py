@@ -263,6 +263,14 @@ def exit_rank() -> None:
     os._exit(0)
 
 
+def script_command(script: Path, *args: str) -> list[str]:
+    """`python SCRIPT ARGS` (a tests/*_worker.py), through the warm interpreter of this
+    pytest process where there is one (tools/zygote.py): the script's imports of torch and
+    transformers (and vLLM's, in the vllm lane) are then done once, not once a process."""
+    via = os.environ.get("RFTPIPE_WORKER_VIA")
+    return [sys.executable, *(["-m", via] if via else []), str(script), *args]
+
+
 def launch_ranks(
     script: str, world: int, *args: str, timeout: float = 600, env: dict | None = None
 ) -> None:
@@ -277,9 +285,7 @@ def launch_ranks(
             "OMP_NUM_THREADS": "1",
             **(env or {}),
         }
-        # Through the shared phase's warm interpreter where there is one (tools/zygote.py).
-        via = os.environ.get("RFTPIPE_WORKER_VIA")
-        cmd = [sys.executable, *(["-m", via] if via else []), str(ROOT / "tests" / script), *args]
+        cmd = script_command(ROOT / "tests" / script, *args)
         procs = [
             subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
             for r in range(world)

@@ -14,13 +14,15 @@ stage step.
 With tokens=N, every rank then runs (first variant only) one forward+backward of a single row of N tokens (a
 16-token prompt, the rest response) and writes memory-RANK.json: its peak resident memory
 above the resident memory just before (the high-water mark reset through
-/proc/self/clear_refs) and the seconds it took. Run it with MALLOC_MMAP_THRESHOLD_=65536,
-so that large blocks go back to the system when freed and the resident set follows what
-is live rather than glibc's heap.
+/proc/self/clear_refs) and the seconds it took. It sets glibc's mmap threshold to 64 KiB
+first (what MALLOC_MMAP_THRESHOLD_=65536 sets in a new process, here also in one forked
+from the test suite's warm interpreter), so that large blocks go back to the system when
+freed and the resident set follows what is live rather than glibc's heap.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import random
 import sys
@@ -160,5 +162,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # M_MMAP_THRESHOLD (malloc.h): fixed, which also stops glibc from raising it on frees.
+    ctypes.CDLL(None).mallopt(-3, 65536)
     main()
     exit_rank()

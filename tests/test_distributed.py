@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT, events, final_weights, submit, trajectories
+from helpers import ROOT, events, final_weights, script_command, submit, trajectories
 from safetensors.torch import load_file
 
 from jobs.submit import local_rank_env
@@ -85,13 +84,9 @@ def _train_alone(table: Path, out: Path, world: int, nan_rank: int = -1) -> dict
         env["PYTHONPATH"] = str(ROOT)
         procs = [
             subprocess.Popen(
-                [
-                    sys.executable,
-                    str(ROOT / "tests" / "dp_train_worker.py"),
-                    str(table),
-                    str(out),
-                    str(nan_rank),
-                ],
+                script_command(
+                    ROOT / "tests" / "dp_train_worker.py", str(table), str(out), str(nan_rank)
+                ),
                 env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
             )
             for r in range(world)

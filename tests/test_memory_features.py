@@ -6,14 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT, count_calls
+from helpers import ROOT, count_calls, script_command
 from safetensors.torch import load_file
 
 from jobs.submit import local_rank_env
@@ -353,7 +352,7 @@ def _run_fsdp(table_path: Path, out: Path, variants: list[str], world: int = 2) 
         env["PYTHONPATH"] = str(ROOT)
         procs = [
             subprocess.Popen(
-                [sys.executable, str(worker), str(table_path), str(out), *variants],
+                script_command(worker, str(table_path), str(out), *variants),
                 env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
             )
             for r in range(world)

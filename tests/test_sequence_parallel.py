@@ -30,10 +30,10 @@ TOKENS = 4096
 
 
 def _launch(out: Path, world: int, *args: str) -> None:
-    # Large blocks are unmapped when freed, so the resident set follows live memory.
-    launch_ranks(
-        "sp_worker.py", world, str(out), *args, timeout=500, env={"MALLOC_MMAP_THRESHOLD_": "65536"}
-    )
+    # sp_worker.py sets glibc's mmap threshold itself (large blocks unmapped when freed, so
+    # the resident set follows live memory): in an environment of its own, it would start
+    # as a new interpreter, not from the warm one.
+    launch_ranks("sp_worker.py", world, str(out), *args, timeout=500)
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, STARTS_VLLM, save_perturbed_tiny, submit, trajectories
+from helpers import ROOT, STARTS_VLLM, save_perturbed_tiny, script_command, submit, trajectories
 
 from jobs.submit import local_rank_env
 
@@ -45,7 +44,7 @@ def _run_worker(model_dir: Path, out: Path, tp: int, world: int) -> dict[int, di
         for r in range(world):
             env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)} if world > 1 else base
             with open(out / f"log-{r}.txt", "w") as log:
-                cmd = [sys.executable, str(WORKER), str(model_dir), str(out), str(tp)]
+                cmd = script_command(WORKER, str(model_dir), str(out), str(tp))
                 procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         codes = [p.wait(timeout=400) for p in procs]
     if codes != [0] * world:

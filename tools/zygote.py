@@ -63,9 +63,21 @@ PER_LAUNCH = frozenset(
         # Set by `import deepspeed` in a test's own process; torch reads it when asked
         # whether CUDA is available, not at import.
         "PYTORCH_NVML_BASED_CUDA_CHECK",
+        # Read when a request is made (the reward tests' local servers bypass any proxy).
+        "NO_PROXY",
+        "no_proxy",
     }
 )
-#: What a run worker imports before its first stage that costs seconds.
+#: A variable named with one of these prefixes may differ too while the server has not
+#: imported the package that reads it: rftpipe's own (a reward server's token, a test's
+#: pid file) are read by rftpipe, which the server never imports, and vLLM's by vLLM
+#: outside the vLLM lane.
+OWN_PREFIXES = {"RFTPIPE_": "rftpipe", "VLLM_": "vllm"}
+#: What a run worker imports that costs seconds before its first stage, or tenths of one
+#: later, in every run (CPU s after the rest, 2026-11-29): TensorBoard's writer (0.1) at
+#: its start, aiohttp (0.2) with the agents stage's endpoint, and DeepSpeed (0.45) at the
+#: export, where transformers' `save_pretrained` asks accelerate whether the model is
+#: wrapped in a DeepSpeed engine.
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -79,6 +91,9 @@ PRELOAD = (
     "numpy",
     "yaml",
     "safetensors.torch",
+    "torch.utils.tensorboard",
+    "aiohttp",
+    "deepspeed",
 )
 #: What `serve SOCKET NAME` imports besides `PRELOAD`, by NAME. vLLM's package imports
 #: little: `vllm.LLM`'s first use imports 1850 more modules (4.1 CPU s on the machine of
@@ -143,6 +158,11 @@ def _refusal(req: dict, env: dict[str, str], added: dict[str, str], cwd: str) ->
     # process imported the same packages) or is absent (the fork inherits it).
     differ = {k for k in differ if k not in added or theirs[k] != added[k]}
     differ -= PER_LAUNCH | {"PYTHONPATH"}
+    differ = {
+        k
+        for k in differ
+        if not any(k.startswith(p) and m not in sys.modules for p, m in OWN_PREFIXES.items())
+    }
     # A thread count the server did not start with is set in the fork (`_child`).
     if "OMP_NUM_THREADS" not in env and theirs.get("OMP_NUM_THREADS", "x").isdigit():
         differ.discard("OMP_NUM_THREADS")

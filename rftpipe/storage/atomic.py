@@ -12,13 +12,14 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import xxhash
 
 from rftpipe.faults import fault
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 TMP_PREFIX = ".tmp-"
 
@@ -104,6 +105,9 @@ class ShardInfo:
 
 def write_parquet_atomic(path: Path, table: pa.Table, metadata: dict[str, str]) -> ShardInfo:
     """Write one Parquet shard atomically and return its checksum record."""
+    # Imported here: `jobs.submit` on a login node reads this module, not Parquet (0.35 CPU s).
+    import pyarrow.parquet as pq
+
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
     meta = dict(table.schema.metadata or {})

@@ -12,10 +12,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from rftpipe.faults import fault
 from rftpipe.observe.events import events
@@ -28,6 +25,9 @@ from rftpipe.storage.atomic import (
     write_parquet_atomic,
 )
 from rftpipe.storage.layout import MANIFEST, RunDir, list_steps, step_name
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 class StageStore:
@@ -167,6 +167,8 @@ class StageStore:
         d = self.run.stage_dir(step, stage)
         info = self.manifest(step, stage)["shards"][rank]
         verify_shard(d, info)
+        import pyarrow.parquet as pq  # not at import: `jobs.submit` reads this module
+
         return pq.read_table(d / info["file"])
 
     def read_for(
@@ -187,6 +189,8 @@ class StageStore:
     ) -> pa.Table:
         """The rows of `prompt_ids` found in the shards of `ranks` of a committed stage, in the
         order of `prompt_ids` (groups whole, by sample index within a group)."""
+        import pyarrow as pa
+
         # With no rank to read, rank 0's shard still gives the (empty) result its schema.
         table = pa.concat_tables([self.read(step, stage, r) for r in sorted(set(ranks)) or [0]])
         order = {pid: i for i, pid in enumerate(prompt_ids)}
