@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +45,9 @@ def test_refusals_name_what_differs(tmp_path: Path) -> None:
     cwd = str(ROOT)
     ok = {**env, "RANK": "1", "RFTPIPE_FAULT": "train_mid_step", "PYTEST_CURRENT_TEST": "t"}
     assert zygote._refusal(_request(ok), env, added, cwd) is None
+    # rftpipe's own variables, and a proxy list read when a request is made.
+    ok = {**env, "RFTPIPE_REWARD_TOKEN": "t", "NO_PROXY": "127.0.0.1"}
+    assert zygote._refusal(_request(ok), env, added, cwd) is None
     # A variable the server's imports set: the same value, or absent, is what it would be.
     assert zygote._refusal(_request({**env, **added}), env, added, cwd) is None
     why = zygote._refusal(_request({**env, "TORCHINDUCTOR_CACHE_DIR": "/o"}), env, added, cwd)
@@ -70,6 +74,49 @@ def test_refusals_name_what_differs(tmp_path: Path) -> None:
     (mine / "json").mkdir()  # `json` is imported here, as by the server
     why = zygote._refusal(_request(extra), env, added, cwd)
     assert why and "json" in why and "shadows" in why
+
+
+def test_vllms_variables_differ_only_where_the_server_has_not_imported_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = {"PATH": "/bin"}
+    req = _request({**env, "VLLM_LOGGING_LEVEL": "DEBUG"})
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    assert zygote._refusal(req, env, {}, str(ROOT)) is None
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    assert "VLLM_LOGGING_LEVEL" in str(zygote._refusal(req, env, {}, str(ROOT)))
+
+
+def test_rftpipe_reads_no_variable_a_fork_may_change_at_import() -> None:
+    """The server imports `PRELOAD_OWN` once, then forks launches whose RFTPIPE_* and
+    `PER_LAUNCH` variables differ from its own: right only if importing them reads none
+    of those (a module-level `os.environ.get("RFTPIPE_...")` would keep the server's)."""
+    code = """
+import importlib, os, sys
+from tools import zygote
+for name in zygote.PRELOAD:
+    importlib.import_module(name)
+read = set()
+get = os._Environ.__getitem__
+def spy(self, key):
+    read.add(key)
+    return get(self, key)
+os._Environ.__getitem__ = spy
+for name in zygote.PRELOAD_OWN:
+    importlib.import_module(name)
+os.environ.get("RFTPIPE_PROBE")  # the spy sees a read
+print("read:", *sorted(read))
+"""
+    env = {**os.environ, "RFTPIPE_PROBE": "1", "NO_PROXY": "127.0.0.1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    # The last line: DeepSpeed's import logs to stdout.
+    read = set(out.stdout.splitlines()[-1].split()[1:])
+    assert "RFTPIPE_PROBE" in read, read
+    free = {k for k in read - {"RFTPIPE_PROBE"} if k.startswith(zygote.OWN_PREFIX)}
+    assert not free | (read & zygote.PER_LAUNCH), read
 
 
 def test_worker_env_is_what_the_worker_sets(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,8 +3,10 @@
 Most of a short test run is its worker's start-up: a new interpreter imports torch and
 transformers (about 8 CPU s on the CI machine class) before its first stage, and the
 chaos tests start 18 of them per case. This server imports those packages once and forks
-a worker for each request; rftpipe itself is not imported before the fork, so the worker
-runs the same `rftpipe.run.worker` module, from the same files, as a new interpreter.
+a worker for each request. It imports the rftpipe modules every run imports too
+(`PRELOAD_OWN`, from the checkout the tests run, the files a new interpreter would read,
+another 0.5 CPU s a run), but not the worker's module: the fork runs `rftpipe.run.worker`
+as `__main__`, as `python -m` does.
 
     python -m tools.zygote serve SOCKET    # tests/conftest.py starts one per pytest process
     python -m tools.zygote serve SOCKET vllm  # ...importing vLLM's engine too (`EXTRAS`)
@@ -68,11 +70,13 @@ PER_LAUNCH = frozenset(
         "no_proxy",
     }
 )
-#: A variable named with one of these prefixes may differ too while the server has not
-#: imported the package that reads it: rftpipe's own (a reward server's token, a test's
-#: pid file) are read by rftpipe, which the server never imports, and vLLM's by vLLM
-#: outside the vLLM lane.
-OWN_PREFIXES = {"RFTPIPE_": "rftpipe", "VLLM_": "vllm"}
+#: rftpipe's own variables (a reward server's token, a fault point, a test's pid file) may
+#: differ too: rftpipe reads none at import (tests/test_zygote.py checks), so what the
+#: server imported of it does not depend on them.
+OWN_PREFIX = "RFTPIPE_"
+#: A variable named with one of these prefixes may differ while the server has not imported
+#: the package that reads it: vLLM's, outside the vLLM lane.
+UNIMPORTED_PREFIXES = {"VLLM_": "vllm"}
 #: What a run worker imports that costs seconds before its first stage, or tenths of one
 #: later, in every run (CPU s after the rest, 2026-11-29): TensorBoard's writer (0.1) at
 #: its start, aiohttp (0.2) with the agents stage's endpoint, and DeepSpeed (0.45) at the
@@ -94,6 +98,20 @@ PRELOAD = (
     "torch.utils.tensorboard",
     "aiohttp",
     "deepspeed",
+)
+#: The rftpipe modules a run worker imports (`rftpipe.run.worker`'s lazy imports, and
+#: through them the stages, the engines' base and the storage).
+PRELOAD_OWN = (
+    "rftpipe.checkpoint.folder",
+    "rftpipe.config.loader",
+    "rftpipe.dist",
+    "rftpipe.observe.events",
+    "rftpipe.run.generator",
+    "rftpipe.run.handoff",
+    "rftpipe.run.loop",
+    "rftpipe.run.placement",
+    "rftpipe.run.preemption",
+    "rftpipe.storage.fresh_start",
 )
 #: What `serve SOCKET NAME` imports besides `PRELOAD`, by NAME. vLLM's package imports
 #: little: `vllm.LLM`'s first use imports 1850 more modules (4.1 CPU s on the machine of
@@ -161,7 +179,10 @@ def _refusal(req: dict, env: dict[str, str], added: dict[str, str], cwd: str) ->
     differ = {
         k
         for k in differ
-        if not any(k.startswith(p) and m not in sys.modules for p, m in OWN_PREFIXES.items())
+        if not k.startswith(OWN_PREFIX)
+        and not any(
+            k.startswith(p) and m not in sys.modules for p, m in UNIMPORTED_PREFIXES.items()
+        )
     }
     # A thread count the server did not start with is set in the fork (`_child`).
     if "OMP_NUM_THREADS" not in env and theirs.get("OMP_NUM_THREADS", "x").isdigit():
@@ -303,7 +324,7 @@ def serve(path: str, extras: Sequence[str] = ()) -> None:
     import torch
 
     rng = torch.get_rng_state()
-    for name in (*PRELOAD, *(m for extra in extras for m in EXTRAS[extra])):
+    for name in (*PRELOAD, *(m for extra in extras for m in EXTRAS[extra]), *PRELOAD_OWN):
         importlib.import_module(name)
     transformers = sys.modules["transformers"]
     for attr in ("AutoModelForCausalLM", "AutoTokenizer", "DynamicCache", "GenerationConfig"):
