@@ -81,10 +81,14 @@ def test_a_rollout_rank_generates_what_the_colocated_run_generates(
     published = [e["version"] for e in events(run) if e["event"] == "handoff_publish"]
     assert published == list(range(1, STEPS - 1)), published
     assert not (run / "handoff").exists()
-    # Each role's busy seconds reached the trainer's metrics: generation's from rank 1.
+    # Each role's busy seconds reached the trainer's metrics: generation's from rank 1 (rank
+    # 0 generates nothing). Which of the trainer's steps see them grow depends on timing:
+    # rank 1 may finish two steps' generation between two of the trainer's readings, or
+    # before its first (3 of 6 steps saw growth in one fast-tier run, 4 or more before).
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
-    assert sum(m["perf/generation_busy_s"] > 0 for m in lines) >= STEPS - 2, lines
+    assert all(m["perf/generation_busy_s"] >= 0 for m in lines), lines
+    assert sum(m["perf/generation_busy_s"] for m in lines) > 0, lines
     assert all(m["perf/training_busy_s"] > 0 for m in lines)
     # Each step sampled from the weights of train step s-2 (the rows record it).
     t = trajectories(run)
