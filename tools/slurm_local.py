@@ -625,7 +625,11 @@ def _up_locked(
     old = layout.conf.read_text() if layout.conf.exists() else None
     changed = old != text
     if changed:
-        layout.conf.write_text(text)
+        # Replaced whole: a job's `scontrol` reading it mid-write found it empty and failed
+        # its requeue (test_preempted_four_times_at_known_stages, 2026-11-29).
+        tmp = layout.conf.with_name(f".{layout.conf.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, layout.conf)
     layout.settings_file.write_text(json.dumps(settings.__dict__) + "\n")
 
     alive = _alive(layout, names)
