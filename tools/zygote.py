@@ -55,10 +55,6 @@ PER_LAUNCH = frozenset(
         "LOCAL_WORLD_SIZE",
         "MASTER_ADDR",
         "MASTER_PORT",
-        "RFTPIPE_RENDEZVOUS",
-        "RFTPIPE_FAULT",
-        "RFTPIPE_FAULT_SKIP",
-        "RFTPIPE_SLOW",
         "PYTEST_CURRENT_TEST",
         "COLUMNS",  # the terminal's size, read when something formats for it
         "LINES",
@@ -70,7 +66,7 @@ PER_LAUNCH = frozenset(
         "no_proxy",
     }
 )
-#: rftpipe's own variables (a reward server's token, a fault point, a test's pid file) may
+#: rftpipe's own variables (the rendezvous file, a fault point, a reward server's token) may
 #: differ too: rftpipe reads none at import (tests/test_zygote.py checks), so what the
 #: server imported of it does not depend on them.
 OWN_PREFIX = "RFTPIPE_"
@@ -159,6 +155,14 @@ def _shadows(entry: str) -> str | None:
     return None
 
 
+def _may_differ(key: str) -> bool:
+    """Whether a launch's `key` may differ from the server's: nothing the server imported
+    read it (PYTHONPATH is checked apart, entry by entry)."""
+    if key in PER_LAUNCH or key == "PYTHONPATH" or key.startswith(OWN_PREFIX):
+        return True
+    return any(key.startswith(p) and m not in sys.modules for p, m in UNIMPORTED_PREFIXES.items())
+
+
 def _refusal(req: dict, env: dict[str, str], added: dict[str, str], cwd: str) -> str | None:
     """Why `req` cannot be forked from this server (started in `cwd` with `env`, to which
     its imports `added` variables), or None."""
@@ -175,15 +179,7 @@ def _refusal(req: dict, env: dict[str, str], added: dict[str, str], cwd: str) ->
     # ...where a variable the imports set here has the value they set (the client's own
     # process imported the same packages) or is absent (the fork inherits it).
     differ = {k for k in differ if k not in added or theirs[k] != added[k]}
-    differ -= PER_LAUNCH | {"PYTHONPATH"}
-    differ = {
-        k
-        for k in differ
-        if not k.startswith(OWN_PREFIX)
-        and not any(
-            k.startswith(p) and m not in sys.modules for p, m in UNIMPORTED_PREFIXES.items()
-        )
-    }
+    differ = {k for k in differ if not _may_differ(k)}
     # A thread count the server did not start with is set in the fork (`_child`).
     if "OMP_NUM_THREADS" not in env and theirs.get("OMP_NUM_THREADS", "x").isdigit():
         differ.discard("OMP_NUM_THREADS")
