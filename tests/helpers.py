@@ -76,8 +76,14 @@ def submit(
     timeout: float = 300,
     cluster: str = "local",
 ) -> subprocess.CompletedProcess:
-    """`python -m jobs.submit --cluster CLUSTER` on `run_dir`, captured."""
-    cmd = [sys.executable, "-m", "jobs.submit", "--cluster", cluster, "--run-dir", str(run_dir)]
+    """`python -m jobs.submit --cluster CLUSTER` on `run_dir`, captured. Where its ranks are
+    forked from this pytest process's warm interpreter (RFTPIPE_WORKER_VIA, tools/zygote.py)
+    the launcher is too; a test that sets RFTPIPE_WORKER_VIA="" gets new interpreters for
+    both."""
+    full = {**os.environ, **(env or {})}
+    via = full.get("RFTPIPE_WORKER_VIA")
+    cmd = [sys.executable, "-m", *([via] if via else []), "jobs.submit", "--cluster", cluster]
+    cmd += ["--run-dir", str(run_dir)]
     cmd += ["--config", str(config)] if config else []
     cmd += [*extra, *overrides]
     return subprocess.run(
@@ -86,7 +92,7 @@ def submit(
         text=True,
         cwd=ROOT,
         timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env=full,
     )
 
 

@@ -55,7 +55,9 @@ def test_refusals_name_what_differs(tmp_path: Path) -> None:
     why = zygote._refusal(_request({**env, "MKL_NUM_THREADS": "1"}), env, added, cwd)
     assert why and "MKL_NUM_THREADS" in why
     assert "working directory" in str(zygote._refusal(_request(env, cwd="/tmp"), env, added, cwd))
-    assert "module" in str(zygote._refusal(_request(env, module="jobs.submit"), env, added, cwd))
+    assert "module" in str(
+        zygote._refusal(_request(env, module="rftpipe.inspect"), env, added, cwd)
+    )
     script = {**_request(env), "script": str(ROOT / "tests" / "backend_worker.py")}
     assert zygote._refusal(script, env, added, cwd) is None
     elsewhere = {**script, "script": str(tmp_path / "x_worker.py")}
@@ -213,6 +215,27 @@ def test_a_forked_run_equals_a_new_interpreters_and_is_killed_like_one(
     assert trajectories(cold).equals(trajectories(warm))
     wa, wb = final_weights(cold), final_weights(warm)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_forked_launcher_answers_bad_input_as_a_new_one_does(
+    server: tuple[dict[str, str], Path], tmp_path: Path
+) -> None:
+    """`tests/helpers.submit` forks the launcher too: its exit code, stdout and stderr are a
+    new interpreter's (here a config error: exit 2, one line naming the value)."""
+    env, log = server
+    out = {}
+    for via in ("", "tools.zygote"):
+        forks = log.read_text().count("forked")
+        cmd = [sys.executable, "-m", *([via] if via else []), "jobs.submit", "--cluster"]
+        cmd += ["local", "--run-dir", str(tmp_path / f"run{via}"), "--config", str(TINY)]
+        out[via] = subprocess.run(
+            [*cmd, "train.lr=-1"], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        assert log.read_text().count("forked") == forks + bool(via), log.read_text()
+    cold, warm = out[""], out["tools.zygote"]
+    assert cold.returncode == warm.returncode == 2, (cold, warm)
+    assert "lr must be > 0" in cold.stderr and len(cold.stderr.strip().splitlines()) == 1, cold
+    assert (warm.stdout, warm.stderr) == (cold.stdout, cold.stderr)
 
 
 @pytest.mark.slow

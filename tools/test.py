@@ -114,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     started: list[subprocess.Popen] = []  # what `finally` stops if it is still running
     t0 = time.monotonic()
     try:
+        # Bytecode is written (under the checkout's git-ignored __pycache__ folders) even
+        # where the environment says not to, as this sandbox's does: otherwise every
+        # interpreter of the suite compiles the rftpipe modules it imports, and every pytest
+        # process rewrites the assertions of every test file it collects (about 7 CPU s a
+        # process). Installed packages have their bytecode from pip either way.
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
         if not os.environ.get("RFTPIPE_TEST_CACHE"):
             os.environ["RFTPIPE_TEST_CACHE"] = str(tmp / "cache")
         # The shared phase's run workers are forked from warm interpreters (tools/zygote.py,
