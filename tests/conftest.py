@@ -108,6 +108,19 @@ def worker_zygote(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -
         server.wait(timeout=60)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_a_worker() -> None:
+    """Under pytest-xdist (`tools.test`'s shared phase: a worker a core, the lanes beside
+    them), a test computes in its own process on one thread. Torch's default, a thread a
+    core, finds no idle core there: the second thread waits for one, spinning on a core
+    another process needs (OpenMP's wait policy), and the tests took more CPU in all.
+    The runs they start set their own (`launch.threads`)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def module_environ() -> Iterator[None]:
     """With the warm forks on: os.environ as it was before each test module, after it.
