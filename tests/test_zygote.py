@@ -163,8 +163,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str,
         yield served
 
 
-def _submit(env: dict[str, str], run: Path, *overrides: str, **kw) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--run-dir", str(run)]
+def _submit(
+    env: dict[str, str], run: Path, *overrides: str, via: str = "", **kw
+) -> subprocess.Popen:
+    """`python -m jobs.submit` on `run` (through the stand-in module `via`, if any)."""
+    cmd = [sys.executable, "-m", *([via] if via else []), "jobs.submit", "--cluster", "local"]
+    cmd += ["--run-dir", str(run)]
     cmd += ["--config", str(TINY), *overrides]
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
@@ -226,16 +230,14 @@ def test_a_forked_launcher_answers_bad_input_as_a_new_one_does(
     out = {}
     for via in ("", "tools.zygote"):
         forks = log.read_text().count("forked")
-        cmd = [sys.executable, "-m", *([via] if via else []), "jobs.submit", "--cluster"]
-        cmd += ["local", "--run-dir", str(tmp_path / f"run{via}"), "--config", str(TINY)]
-        out[via] = subprocess.run(
-            [*cmd, "train.lr=-1"], cwd=ROOT, env=env, capture_output=True, text=True
-        )
+        proc = _submit(env, tmp_path / f"run{via}", "train.lr=-1", via=via)
+        stdout, stderr = proc.communicate(timeout=120)
+        out[via] = (proc.returncode, stdout, stderr)
         assert log.read_text().count("forked") == forks + bool(via), log.read_text()
     cold, warm = out[""], out["tools.zygote"]
-    assert cold.returncode == warm.returncode == 2, (cold, warm)
-    assert "lr must be > 0" in cold.stderr and len(cold.stderr.strip().splitlines()) == 1, cold
-    assert (warm.stdout, warm.stderr) == (cold.stdout, cold.stderr)
+    assert cold[0] == warm[0] == 2, (cold, warm)
+    assert "lr must be > 0" in cold[2] and len(cold[2].strip().splitlines()) == 1, cold
+    assert warm[1:] == cold[1:]
 
 
 @pytest.mark.slow
