@@ -222,9 +222,14 @@ def _reap_adopted(ranks: list[subprocess.Popen]) -> None:
                 os.waitpid(pid, os.WNOHANG)
 
 
+#: Seconds the other ranks get to end by themselves after a rank exits 2 (`UserError`).
+USER_ERROR_GRACE_S = 10.0
+
+
 def _wait_all(procs: list[subprocess.Popen]) -> int:
     code = 0
     polls = 0
+    stop_at: float | None = None
     # Every process polled each time (not `any`, which stops at the first still running):
     # a rank that died while rank 0 runs must be seen.
     while None in [p.poll() for p in procs]:
@@ -234,6 +239,13 @@ def _wait_all(procs: list[subprocess.Popen]) -> int:
         failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
         if failed and not code:
             code = failed[0]
+            # A rank that exits 2 met a bad input or a failing user function, and may not be
+            # the rank that prints it: a rollout rank's error is printed by the trainers'
+            # first rank, which sees it within a poll (`rftpipe.run.handoff.wait`) and then
+            # ends by itself. Stopped at once, it would end with nothing printed.
+            stop_at = time.monotonic() + (USER_ERROR_GRACE_S if code == 2 else 0.0)
+        if stop_at is not None and time.monotonic() >= stop_at:
+            stop_at = None
             for p in procs:
                 if p.poll() is None:
                     p.terminate()

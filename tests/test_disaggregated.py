@@ -166,5 +166,7 @@ def test_a_failing_rollout_rank_stops_the_trainer(tmp_path: Path) -> None:
     )
     assert out.returncode == 2, out.stderr[-3000:]
     line = [x for x in out.stderr.splitlines() if x.startswith("rftpipe: error:")]
-    assert len(line) == 1 and "the rollout ranks failed" in line[0] and "boom" in line[0], line
+    assert len(line) == 1 and "the rollout ranks failed" in line[0] and "boom" in line[0], (
+        out.stderr[-5000:]
+    )
     assert not (run / "stages" / "step=1" / "score" / "MANIFEST.json").exists()
