@@ -5,8 +5,10 @@ reaches one of the named points (``RFTPIPE_FAULT_SKIP=k`` lets k hits pass first
 hit is appended to ``events.jsonl`` (`rftpipe.observe.events`) *before* the kill so tests
 can prove every fault point was exercised. ``RFTPIPE_SLOW=stage=seconds[,...]`` stretches
 a stage's compute (and ``STAGE_replay`` a restart's replay of a committed one, e.g.
-``train_replay``), so a test can aim a preemption at a known stage. Outside tests each
-check is one dict lookup.
+``train_replay``; ``stage@step`` that step's only), so a test can aim a preemption at a
+known stage. ``RFTPIPE_SLOW_ALLOCATIONS=n`` stretches only the first n allocations of a
+Slurm job (``SLURM_RESTART_COUNT`` below n): its requeued runs go at full speed. Outside
+tests each check is one dict lookup.
 """
 
 from __future__ import annotations
@@ -65,11 +67,16 @@ def fault(point: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def slow(stage: str) -> None:
-    """Sleep inside `stage` if ``RFTPIPE_SLOW`` names it (a test aid, like the fault points)."""
+def slow(stage: str, step: int | None = None) -> None:
+    """Sleep inside `stage` (of `step`) if ``RFTPIPE_SLOW`` names it (a test aid, like the
+    fault points): ``stage@step`` first, then ``stage``."""
     spec = os.environ.get("RFTPIPE_SLOW")
     if not spec:
         return
+    allocations = os.environ.get("RFTPIPE_SLOW_ALLOCATIONS")
+    if allocations and int(os.environ.get("SLURM_RESTART_COUNT", "0")) >= int(allocations):
+        return
     delays = dict(item.split("=", 1) for item in spec.split(","))
-    if stage in delays:
-        time.sleep(float(delays[stage]))
+    seconds = delays.get(f"{stage}@{step}", delays.get(stage))
+    if seconds is not None:
+        time.sleep(float(seconds))

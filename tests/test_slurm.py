@@ -26,6 +26,8 @@ from tools import slurm_local
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS = ("train.backend=fsdp2", "total_steps=5")
 SLOW = "rollout=3,score=3,advantage=3,train=3"
+# The preemption test's stretched stages: each the one right after its trigger's commit.
+PREEMPT_SLOW = "score@1=3,advantage@2=3,train@3=3,score@4=3"
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +152,7 @@ def test_two_node_run_equals_local_run(cluster, reference: Path, tmp_path: Path)
 
 def test_preempted_four_times_at_known_stages(cluster, reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    out = _slurm_submit(cluster, run, env={"RFTPIPE_SLOW": SLOW})
+    out = _slurm_submit(cluster, run, env={"RFTPIPE_SLOW": PREEMPT_SLOW})
     assert out.returncode == 0, out.stderr
     job = _job_id(run)
     # (trigger: commit of (step, stage), preempt action, cluster settings, expected stop)
@@ -187,20 +189,24 @@ def test_preempted_four_times_at_known_stages(cluster, reference: Path, tmp_path
 
 @pytest.mark.timeout(900)
 def test_time_limit_requeues_and_finishes(cluster, reference: Path, tmp_path: Path) -> None:
-    # USR2 comes 165 s into each allocation. The stretched stages (180 s of sleep) outlast
-    # the first one even when idle, and two allocations finish them even when start-up
-    # takes 40 s of each: with a 45 s window (2 minutes, 75 s early) a loaded CI machine's
-    # cold two-rank start-up left a stage or two per allocation, and the job ran past 600 s.
+    # USR2 comes 70 s into each allocation (2 minutes, 50 s early). The first allocation's
+    # stages are stretched (180 s of sleep), so it cannot finish before; the requeued ones
+    # run at full speed, and 70 s holds a loaded CI machine's cold two-rank start-up (most
+    # of 45 s there) and the tiny run. A later allocation that does not finish either is
+    # stopped and requeued the same way, which the assertions allow.
     run = tmp_path / "run"
     out = _slurm_submit(
         cluster,
         run,
         "--time",
-        "4",
+        "2",
         "--signal-delay",
-        "75",
+        "50",
         "--wait",
-        env={"RFTPIPE_SLOW": "rollout=9,score=9,advantage=9,train=9"},
+        env={
+            "RFTPIPE_SLOW": "rollout=9,score=9,advantage=9,train=9",
+            "RFTPIPE_SLOW_ALLOCATIONS": "1",
+        },
         timeout=840,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -233,7 +239,7 @@ def test_stop_during_replay_requeues_without_recomputing(cluster, tmp_path: Path
         config=None,
         cluster="slurm",
         extra=("--nodes", "1", "--partition", "low"),
-        env={**cluster, "RFTPIPE_SLOW": "train_replay=6"},
+        env={**cluster, "RFTPIPE_SLOW": "train_replay@1=6"},
     )
     assert out.returncode == 0, out.stderr
     job = _job_id(run)
@@ -340,7 +346,9 @@ def test_rollout_node_preempted_and_requeued_with_one_rollout_rank(cluster, tmp_
         "2",
         *async_k1,
         "launch.rollout_nodes=1",
-        env={"RFTPIPE_SLOW": "rollout=2,score=1,train=2"},
+        # Stretched until the preemption, so that it finds both roles at work; the requeued
+        # job at full speed.
+        env={"RFTPIPE_SLOW": "rollout=2,score=1,train=2", "RFTPIPE_SLOW_ALLOCATIONS": "1"},
     )
     assert out.returncode == 0, out.stderr
     job = _job_id(run)

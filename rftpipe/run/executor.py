@@ -31,7 +31,7 @@ def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None
     if store.is_committed(step, stage.name):
         manifest = store.manifest(step, stage.name)
         stage.replay(rt, plan, state.rows, manifest)
-        slow(f"{stage.name}_replay")
+        slow(f"{stage.name}_replay", step)
         state.manifests[stage.name] = manifest
         if manifest["shards"]:
             state.rows = _reader(rt, plan, stage.name)
@@ -45,7 +45,7 @@ def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None
     memory.reset_peak()
     t0 = time.perf_counter()
     out = stage.run(rt, plan, state.rows)
-    slow(stage.name)
+    slow(stage.name, step)
     t1 = time.perf_counter()
     roles.clock().add(stage.name, t1 - t0)
     # This rank's peak during the stage (the manifest keeps rank 0's; events every rank's).
