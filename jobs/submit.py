@@ -155,7 +155,8 @@ def run_local(run_dir: Path, args: argparse.Namespace) -> int:
     """Run `--tasks-per-node` worker processes here and block until they end.
 
     If one rank fails, the others are stopped: they would otherwise wait forever in the
-    next collective. The first failing exit code is returned.
+    next collective (after `USER_ERROR_GRACE_S` if it exited 2, time for the rank that
+    reports its error to do so). The first failing exit code is returned.
     """
     # RFTPIPE_WORKER_VIA=MODULE starts each rank as `python -m MODULE rftpipe.run.worker ...`,
     # a stand-in that becomes that process: the test suite's warm forks (tools/zygote.py).

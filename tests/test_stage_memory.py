@@ -144,7 +144,12 @@ def increments(runs: dict[str, Path]) -> dict[str, dict[tuple[int, str], float]]
     return {name: _increments(run) for name, run in runs.items()}
 
 
-def _close(a: float, b: float, rel: float = 0.10) -> bool:
+def _close(a: float, b: float, rel: float = 0.20) -> bool:
+    # Two runs of one setting differ by up to 8 % at a step (idle, 2026-11-29: step 2's
+    # train +0.361 to +0.391 GiB over three runs), so two settings that should agree were
+    # 11.3 % and 12.8 % apart at times, against the 10 % this bound was first: the test
+    # failed about one run in four with nothing wrong. The canary, which must fail it, is
+    # 63-66 % apart (+0.35 against +0.96 to +1.04).
     return abs(a - b) <= rel * max(a, b)
 
 
