@@ -34,7 +34,15 @@ def describe(run_dir: Path) -> dict:
     events = []
     if run.events_path.exists():
         events = [json.loads(x) for x in run.events_path.read_text().splitlines()[-200:]]
-    interesting = {"start", "stop", "requeue_decision", "user_error", "checkpoint", "repair"}
+    interesting = {
+        "start",
+        "stop",
+        "requeue_decision",
+        "requeue_failed",
+        "user_error",
+        "checkpoint",
+        "repair",
+    }
     return {
         "run_dir": str(run.root),
         "steps_committed": done,

@@ -21,6 +21,7 @@ import pytest
 import torch
 from helpers import ROOT, events, final_weights, stage_history, submit, trajectories
 
+from jobs.slurm import TERMINAL
 from tools import slurm_local
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -281,6 +282,26 @@ def test_scancel_stays_cancelled(cluster, tmp_path: Path) -> None:
     assert len(_events(run, "start")) == 1
     verdict = _events(run, "requeue_decision")[0]["verdict"]
     assert verdict != "requeue" and not verdict.startswith("Slurm is already"), verdict
+    assert not (run / "stages" / "step=5").exists()
+
+
+def test_a_requeue_that_fails_ends_the_job_failed(cluster, tmp_path: Path) -> None:
+    """USR2 asks rank 0 to requeue the job, but the job may no longer be requeued
+    (`scontrol update ... Requeue=0`, as an administrator's or a QOS's setting would have
+    it): `scontrol requeue` refuses, and with the run unfinished and nothing to start it
+    again the job must end FAILED, not COMPLETED."""
+    run = tmp_path / "run"
+    out = _slurm_submit(cluster, run, env={"RFTPIPE_SLOW": "score@1=3"})
+    assert out.returncode == 0, out.stderr
+    job = _job_id(run)
+    _wait_for(_committed(run, 1, "rollout"), 240, "the first commit")
+    _run_cmd(cluster, "scontrol", "update", f"JobId={job}", "Requeue=0")
+    _run_cmd(cluster, "scancel", "--signal=USR2", job)
+    states: list[str] = []  # Slurm lists an ended job for MinJobAge (5 s) only: polled
+    _wait_for(lambda: states.append(_job_state(job)) or states[-1] in TERMINAL, 120, "the end")
+    assert states[-1] == "FAILED", states
+    assert [e["verdict"] for e in _events(run, "requeue_decision")] == ["requeue"]
+    assert len(_events(run, "requeue_failed")) == 1 and len(_events(run, "start")) == 1
     assert not (run / "stages" / "step=5").exists()
 
 

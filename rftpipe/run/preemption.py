@@ -73,20 +73,25 @@ class NoStop:
         return None
 
 
-def requeue_after_stop(stop: StopRequested, dist: Dist, max_requeues: int) -> None:
-    """Rank 0 requeues the job if the policy says so; every rank then just exits."""
+def requeue_after_stop(stop: StopRequested, dist: Dist, max_requeues: int) -> int:
+    """Rank 0 requeues the job if the policy says so; every rank then exits with the code
+    returned: 1 on rank 0 when the requeue it decided failed, else 0."""
     job = SlurmJob.from_env()
     if not dist.is_main or job is None:
-        return
+        return 0
     verdict = decide_requeue(stop.signum, job_info(job.job_id), job.restarts, max_requeues)
     events().write("requeue_decision", job=job.job_id, restarts=job.restarts, verdict=verdict)
     if verdict != "requeue":
         log.warning("not requeueing job %s: %s", job.job_id, verdict)
-        return
+        return 0
     out = subprocess.run(
         ["scontrol", "requeue", job.job_id], capture_output=True, text=True, check=False
     )
     if out.returncode != 0:
+        # The run is unfinished and nothing will start it again: the job must end FAILED,
+        # not COMPLETED, so that the user (and `jobs.status`) sees it.
+        events().write("requeue_failed", job=job.job_id, error=out.stderr.strip()[:500])
         log.error("scontrol requeue %s failed: %s", job.job_id, out.stderr.strip())
-    else:
-        log.warning("requeued job %s (restart %d)", job.job_id, job.restarts + 1)
+        return 1
+    log.warning("requeued job %s (restart %d)", job.job_id, job.restarts + 1)
+    return 0

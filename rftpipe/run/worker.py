@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 dist.barrier()  # both roles end together (neither leaves the other's gloo)
             return code
         except StopRequested as req:
-            requeue_after_stop(req, dist, cfg.launch.max_requeues)
-            return 0
+            return requeue_after_stop(req, dist, cfg.launch.max_requeues)
         except BaseException as exc:
             if placement.disaggregated and not isinstance(exc, OtherRoleFailed):
                 report_failure(channel_of(run), placement.role, exc)
