@@ -47,6 +47,14 @@ def cluster() -> Iterator[dict[str, str]]:
         slurm_local.down()
 
 
+@pytest.fixture(autouse=True)
+def healthy_cluster(cluster: dict[str, str]) -> None:
+    """Each test starts on healthy nodes: one a test's job left drained (Slurm drains a
+    node whose processes outlive SIGKILL, "Kill task failed") would otherwise hold every
+    later test's job pending until its timeout. A no-op when the nodes are up."""
+    slurm_local.ensure_up()
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same job run locally on 2 ranks, never interrupted."""
