@@ -2,13 +2,15 @@
 run seeds, held-out greedy accuracy by evaluated step and the training accuracy by step.
 
     python -m tools.learning_staleness --root runs/learning --out docs/learning_staleness.json \
-        [--ks 0 1 2] [--seeds 0 1 2] [--extra-k 4 --extra-seeds 0] [--plot docs/learning_staleness.png]
+        [--ks 0 1 2] [--seeds 0 1 2] [--extra-k 4 --extra-seeds 0] [--plot docs/learning_staleness.png] \
+        [--set train.lr_schedule=linear ...]
 
 Each (k, seed) is a run directory under --root (`k<k>-s<seed>`), run one after another with
 `python -m jobs.submit`; a directory that already finished is only read, one that stopped
 resumes, so the tool can be stopped and started again. k >= 1 runs with `rollout.overlap`
 (the same results as without it, sooner), each thread on one core (`launch.threads=1`);
-k = 0 with both cores. Reads only each run's eval.json and trajectories.
+k = 0 with both cores. `--set` overrides go to every run alike (the recipe the comparison
+holds fixed; the JSON records them). Reads only each run's eval.json and trajectories.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,18 +29,18 @@ CONFIG = ROOT / "configs" / "grpo_smollm2_addition.yaml"
 GREEDY = "eval/greedy_accuracy"
 
 
-def run_overrides(k: int, seed: int) -> list[str]:
-    out = [f"seed={seed}", f"rollout.staleness={k}"]
+def run_overrides(k: int, seed: int, recipe: Sequence[str] = ()) -> list[str]:
+    out = [f"seed={seed}", f"rollout.staleness={k}", *recipe]
     if k >= 1:
         out += ["rollout.overlap=true", "launch.threads=1"]
     return out
 
 
-def run_one(root: Path, k: int, seed: int) -> Path:
+def run_one(root: Path, k: int, seed: int, recipe: Sequence[str] = ()) -> Path:
     run = root / f"k{k}-s{seed}"
     cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--run-dir", str(run)]
     cmd += ["--config", str(CONFIG)] if not (run / "config.yaml").exists() else []
-    cmd += run_overrides(k, seed)
+    cmd += run_overrides(k, seed, recipe)
     log = root / f"k{k}-s{seed}.log"
     with log.open("ab") as sink:
         code = subprocess.run(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT).returncode
@@ -128,19 +131,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra-k", type=int, nargs="*", default=[4], help="k run on --extra-seeds")
     p.add_argument("--extra-seeds", type=int, nargs="*", default=[0])
     p.add_argument("--plot", type=Path, default=None)
+    p.add_argument(
+        "--set",
+        dest="recipe",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override given to every run (repeat for more)",
+    )
     args = p.parse_args(argv)
     args.root.mkdir(parents=True, exist_ok=True)
     grid = [(k, s) for s in args.seeds for k in args.ks]
     grid += [(k, s) for k in args.extra_k for s in args.extra_seeds]
     runs: dict[str, dict[str, dict]] = {}
     for k, seed in grid:
-        run = run_one(args.root, k, seed)
+        run = run_one(args.root, k, seed, args.recipe)
         runs.setdefault(str(k), {})[str(seed)] = read_run(run)
         print(f"k={k} seed={seed}: {runs[str(k)][str(seed)]['held_out_greedy']}", flush=True)
     result = {
         "date": datetime.date.today().isoformat(),
         "config": str(CONFIG.relative_to(ROOT)),
-        "overrides": {f"k{k}": run_overrides(k, 0)[1:] for k in {k for k, _ in grid}},
+        "recipe": list(args.recipe),
+        "overrides": {
+            f"k{k}": run_overrides(k, 0, args.recipe)[1:] for k in sorted({k for k, _ in grid})
+        },
         "summary": summarize(runs),
         "runs": runs,
     }
