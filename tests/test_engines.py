@@ -364,3 +364,20 @@ def test_generate_rows_seeds_each_row_alone_and_cuts_at_its_limit(tiny) -> None:
     assert all(len(s.logprobs) == len(s.tokens) for s in a)
     assert all(lp <= 0 for s in a for lp in s.logprobs)
     assert engine.generate_rows(prompts, [1, 2, 3], [8, 5, 0]) == a  # reproducible
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        # 2 warm-up updates, then 4 more: the multiplier at updates 0..6.
+        ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+        ("linear", [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]),
+        ("cosine", [0.5, 1.0, 1.0, 0.8535534, 0.5, 0.1464466, 0.0]),
+    ],
+)
+def test_lr_schedules_warm_up_then_decay_to_their_end(schedule, expected) -> None:
+    from rftpipe.config.schema import TrainConfig
+    from rftpipe.engines.train.base import lr_lambda
+
+    f = lr_lambda(TrainConfig(lr_schedule=schedule, warmup_steps=2), total_updates=6)
+    assert [f(i) for i in range(7)] == pytest.approx(expected, abs=1e-7)

@@ -435,6 +435,8 @@ class DynamicSamplingConfig:
 
 
 ToolParserName = Literal["hermes", "plain"]
+LrScheduleName = Literal["constant", "linear", "cosine"]
+"""How the learning rate decays after warm-up (`rftpipe.engines.train.base.LR_DECAY`)."""
 """The tool-call parsers `rollout.env.tool_parser` takes (`rftpipe.envs.tools.PARSERS`)."""
 
 #: What `rollout.env.path` may look like: a class by import path, a registered skyrl-gym
@@ -1001,7 +1003,7 @@ class CriticConfig:
     lr: float = 1e-5
     """Peak learning rate of the critic's AdamW."""
 
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_schedule: LrScheduleName = "constant"
     """Decay after the critic's LR warm-up, over the run's optimizer steps."""
 
     lr_warmup_steps: int = 0
@@ -1184,7 +1186,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     """AdamW epsilon."""
 
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_schedule: LrScheduleName = "constant"
     """Decay after warm-up, over `total_steps` optimizer steps of the run."""
 
     warmup_steps: int = 0

@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from rftpipe.config.schema import TrainConfig
+from rftpipe.config.schema import LrScheduleName, TrainConfig
 from rftpipe.dist import Dist
 from rftpipe.engines.models import as_decoder_model
 from rftpipe.engines.train.ema import ParameterEMA
@@ -139,17 +139,23 @@ class TrainEngine(Protocol):
         ...
 
 
+LR_DECAY: dict[LrScheduleName, Callable[[float], float]] = {
+    "constant": lambda frac: 1.0,
+    "linear": lambda frac: 1.0 - frac,
+    "cosine": lambda frac: 0.5 * (1.0 + math.cos(math.pi * frac)),
+}
+"""`train.lr_schedule`: the learning rate's multiplier at a fraction of the updates after
+warm-up (0 at its end, 1 at the run's last update)."""
+
+
 def lr_lambda(cfg: TrainConfig, total_updates: int) -> Callable[[int], float]:
+    decay = LR_DECAY[cfg.lr_schedule]
+
     def f(i: int) -> float:
         if cfg.warmup_steps and i < cfg.warmup_steps:
             return (i + 1) / cfg.warmup_steps
         span = max(1, total_updates - cfg.warmup_steps)
-        frac = min(1.0, (i - cfg.warmup_steps) / span)
-        if cfg.lr_schedule == "linear":
-            return 1.0 - frac
-        if cfg.lr_schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * frac))
-        return 1.0
+        return decay(min(1.0, (i - cfg.warmup_steps) / span))
 
     return f
 
