@@ -91,6 +91,9 @@ def overrides(a: argparse.Namespace, steps: int, engine: str = "hf") -> list[str
         # Fixed-length responses end on the length limit; let them still earn accuracy.
         "reward.require_stop=false",
         f"train.lr={a.lr}",
+        # Constant, as TRL's side is configured, and because the restart measurement
+        # resumes the run with one step more (a decaying schedule refuses that).
+        "train.lr_schedule=constant",
         "train.ppo_epochs=1",
         "train.mini_batches=1",
         # 0: the whole step in one micro-batch, as TRL's batch; its logits and activations
