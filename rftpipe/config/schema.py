@@ -435,9 +435,10 @@ class DynamicSamplingConfig:
 
 
 ToolParserName = Literal["hermes", "plain"]
+"""The tool-call parsers `rollout.env.tool_parser` takes (`rftpipe.envs.tools.PARSERS`)."""
+
 LrScheduleName = Literal["constant", "linear", "cosine"]
 """How the learning rate decays after warm-up (`rftpipe.engines.train.base.LR_DECAY`)."""
-"""The tool-call parsers `rollout.env.tool_parser` takes (`rftpipe.envs.tools.PARSERS`)."""
 
 #: What `rollout.env.path` may look like: a class by import path, a registered skyrl-gym
 #: environment id or a skyrl-gym environment class by import path, or a TRL-style

@@ -144,8 +144,8 @@ LR_DECAY: dict[LrScheduleName, Callable[[float], float]] = {
     "linear": lambda frac: 1.0 - frac,
     "cosine": lambda frac: 0.5 * (1.0 + math.cos(math.pi * frac)),
 }
-"""`train.lr_schedule`: the learning rate's multiplier at a fraction of the updates after
-warm-up (0 at its end, 1 at the run's last update)."""
+"""`train.lr_schedule`: the learning rate's multiplier, given how far the updates after
+warm-up have gone (0 at warm-up's end, 1 at the run's last update)."""
 
 
 def lr_lambda(cfg: TrainConfig, total_updates: int) -> Callable[[int], float]:
