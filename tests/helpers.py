@@ -99,9 +99,10 @@ def submit(
 def trajectories(run_dir: Path) -> pa.Table:
     """The published dataset, sorted into a canonical row order."""
     table = ds.dataset(run_dir / "trajectories", format="parquet", partitioning="hive").to_table()
-    return table.sort_by(
-        [("step", "ascending"), ("prompt_id", "ascending"), ("sample_idx", "ascending")]
-    )
+    keys = [("step", "ascending"), ("prompt_id", "ascending"), ("sample_idx", "ascending")]
+    if "branch" in table.column_names:  # an agent episode's sequences
+        keys.append(("branch", "ascending"))
+    return table.sort_by(keys)
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -168,3 +168,8 @@ def hold_256mib_once(sample) -> float:
         time.sleep(1.0)
         del block
     return 0.0
+
+
+def last_digit(sample) -> float:
+    """The response's last character as a number (test_branches.py's rows end in one)."""
+    return float(sample.response[-1])

@@ -187,7 +187,7 @@ def test_a_verifiers_environment_runs_against_the_endpoint(
 
 
 @pytest.mark.slow
-def test_a_two_turn_verifiers_environment_extends_its_episode(
+def test_a_two_turn_verifiers_environment_extends_or_branches_its_episode(
     agents_python: str, tiny, tmp_path: Path
 ) -> None:
     """`rft_even_dialog`: verifiers' `Agent.interaction` answers the first reply with a
@@ -197,8 +197,8 @@ def test_a_two_turn_verifiers_environment_extends_its_episode(
     sampled tokens), so a later call extends the episode only when the answer's text
     tokenizes back to the sampled tokens. A scripted policy: episode 0 answers "Even.",
     which does; episode 1 the same with an invalid UTF-8 byte, which decodes to U+FFFD and
-    does not, so its second call is refused as a rewritten history (branches are not built
-    yet)."""
+    does not, so its second call starts the episode's second sequence, as verifiers' own
+    trace splits it into two branches."""
     _, tok = tiny
     log = tmp_path / "vf.jsonl"
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -211,8 +211,9 @@ def test_a_two_turn_verifiers_environment_extends_its_episode(
         prompts=1,
         script={(0, 0): said, (0, 1): garbled},
     )
-    e, refused = eps[0], eps[1]
-    assert [len(c) for c in spy.calls] == [2, 1] and stats.engine_calls == [1, 1]
+    e, branched = eps[0], eps[1]
+    assert [len(c) for c in spy.calls] == [2, 2] and stats.engine_calls == [1, 1]
+    assert stats.branches == 1
     # Episode 0: both calls, token-exact, and verifiers' own training sample is our record.
     assert e.status == "done", e.turn_infos
     first, second = _sampled(e)
@@ -227,8 +228,20 @@ def test_a_two_turn_verifiers_environment_extends_its_episode(
     assert mine["reply"] == tok.decode(second, skip_special_tokens=True).strip()
     assert mine["rewards"] == {"even": pytest.approx(_even_share(mine["reply"]))}
     assert sum(e.turn_rewards) == pytest.approx(mine["reward"])
-    # Episode 1: its second call re-rendered "Ev\ufffden." and was refused.
-    assert refused.status == "error" and len(refused.turn_offsets) == 1
-    info = json.loads(refused.turn_infos[-1])
-    assert info["call"] == 1
-    assert "prompt_token_ids do not extend the episode's earlier tokens" in info["error"]
+    # Episode 1: its second call re-rendered "Ev\ufffden.", so it is a second sequence:
+    # each sequence is what the engine saw and sampled, and verifiers' own trace has the
+    # same two branches, token for token, mask for mask.
+    assert branched.status == "done", branched.turn_infos
+    (head,) = branched.branches
+    assert len(head.turn_offsets) == len(branched.turn_offsets) == 1
+    assert spy.calls[0][1] == (head.prompt_ids, garbled)
+    assert spy.calls[1][1] == (branched.prompt_ids, _sampled(branched)[0])
+    assert "Ev\ufffden." in tok.decode(branched.prompt_ids)
+    mine = _logged(log)[(branched.prompt.prompt_id, branched.sample_idx)]
+    assert mine["turns"] == 2
+    assert mine["token_ids"] == [s.prompt_ids + s.response for s in (head, branched)]
+    assert mine["sampled_mask"] == [
+        [False] * len(s.prompt_ids) + [m == 1 for m in s.loss_mask] for s in (head, branched)
+    ]
+    # The episode's reward, paid on its last call.
+    assert sum(branched.turn_rewards) == pytest.approx(mine["reward"])

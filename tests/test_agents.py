@@ -5,7 +5,9 @@ engine boundary, not against itself."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import itertools
 import json
 import os
 import subprocess
@@ -111,12 +113,123 @@ def test_episodes_record_what_the_engine_sampled_call_by_call(tiny, tmp_path: Pa
         assert "Again, more even (1)." in text and text.endswith("<|im_start|>assistant\n")
 
 
-def test_a_call_that_rewrites_the_history_is_refused(tiny) -> None:
-    agent = AgentConfig(path="agents_e2e:rewrites_history", on_error="end_episode")
-    eps, _, _ = _run(tiny, agent, n=1, prompts=1)
+def _calls_of(e) -> list[tuple[list[int], list[int], list[float]]]:  # noqa: ANN001
+    """Each call of an episode as its record holds it, across its sequences: the whole
+    prompt the call sent, the tokens sampled and their logprobs (the mask-1 span)."""
+    out = []
+    for seq in [*e.branches, e]:
+        assert len(seq.response) == len(seq.logprobs) == len(seq.loss_mask)
+        bounds = [*seq.turn_offsets, len(seq.response)]
+        for a, b in itertools.pairwise(bounds):
+            span = seq.loss_mask[a:b]
+            k = span.count(1)
+            assert span == [1] * k + [0] * (len(span) - k)
+            assert all(lp == 0.0 for lp in seq.logprobs[a + k : b])
+            out.append(
+                (
+                    seq.prompt_ids + seq.response[:a],
+                    seq.response[a : a + k],
+                    seq.logprobs[a : a + k],
+                )
+            )
+    return out
+
+
+def test_a_rewritten_history_makes_a_branch(tiny, tmp_path: Path) -> None:
+    """An odd sample's agent drops its history before its second call: that call starts
+    the episode's second sequence, rendered whole, and the third extends it. Every call in
+    the record is what the engine saw and sampled, and what the agent was told."""
+    log = tmp_path / "calls.jsonl"
+    agent = AgentConfig(
+        path="agents_e2e:even_tokens",
+        kwargs={"calls": 3, "log": str(log), "summarize_odd": True},
+        max_total_tokens=400,
+    )
+    eps, stats, spy = _run(tiny, agent)
+    _, tok = tiny
+    seen = _lines(log)
+    assert stats.branches == 2 and stats.engine_calls == [1, 1, 1]
+    for e in eps:
+        assert e.status == "done" and len(e.branches) == e.sample_idx % 2
+        calls = _calls_of(e)
+        assert len(calls) == 3
+        mine = sorted(
+            (
+                r
+                for r in seen
+                if (r["prompt_id"], r["sample_idx"]) == (e.prompt.prompt_id, e.sample_idx)
+            ),
+            key=lambda r: r["call"],
+        )
+        for c, (prompt, sampled, _) in enumerate(calls):
+            # Every episode lives to the end, so each engine call's rows are in slot order.
+            assert (prompt, sampled) == tuple(spy.calls[c][e.slot])
+            assert (mine[c]["prompt_token_ids"], mine[c]["token_ids"]) == (prompt, sampled)
+        if e.branches:
+            (first,) = e.branches
+            # The second sequence is the summarised conversation rendered whole: it does
+            # not extend the first, and its first call is its prompt.
+            assert len(first.turn_offsets) == 1 and len(e.turn_offsets) == 2
+            assert e.prompt_ids == calls[1][0]
+            assert e.prompt_ids[: len(calls[0][0])] != calls[0][0] + calls[0][1]
+            assert "Summary: one answer" in tok.decode(e.prompt_ids)
+            # The agent's reward is paid on the episode's last call, in its last sequence.
+            assert sum(first.turn_rewards) == 0.0 and sum(e.turn_rewards) > 0
+    # As rows: one per sequence, consecutive in branch order, the episode's status on each.
+    inp = rollout.RolloutInputs(
+        step=1, rank=0, run_seed=0, prompts=episode_prompts(tok, 2), agent=agent
+    )
+    rows = rollout.episode_rows(inp, spy, tok, eps).to_pylist()
+    assert [(r["sample_idx"], r["branch"], r["branches"]) for r in rows] == [
+        (0, 0, 1),
+        (1, 0, 2),
+        (1, 1, 2),
+    ] * 2
+    assert all(r["episode_status"] == "done" for r in rows)
+    counts = EpisodeCounts.of(rollout.episode_rows(inp, spy, tok, eps))
+    assert counts.episodes == 4 and counts.metrics()["episode/branches_mean"] == 0.5
+
+
+def test_branches_refuse_answers_a_rewritten_history_with_400(tiny) -> None:
+    agent = AgentConfig(
+        path="agents_e2e:rewrites_history", on_error="end_episode", branches="refuse"
+    )
+    eps, stats, _ = _run(tiny, agent, n=1, prompts=1)
     (e,) = eps
-    assert e.status == "error" and len(e.turn_offsets) == 1
-    assert "branches are not built yet" in json.loads(e.turn_infos[-1])["error"]
+    assert e.status == "error" and len(e.turn_offsets) == 1 and not e.branches
+    assert "rollout.agent.branches=refuse" in json.loads(e.turn_infos[-1])["error"]
+    assert stats.branches == 0
+
+
+# Renders every assistant message but the last as "[...]": a template that rewrites earlier
+# text once messages follow (as Qwen3's drops earlier reasoning).
+HIDING = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and not loop.last %}[...]{% else %}{{ m['content'] }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_rewrites_earlier_text_makes_a_branch_per_call(tiny) -> None:
+    model, tok = tiny
+    hiding = copy.deepcopy(tok)
+    hiding.chat_template = HIDING
+    agent = AgentConfig(path="agents_e2e:even_tokens", kwargs={"calls": 3}, max_total_tokens=400)
+    eps, stats, spy = run_agent_episodes((model, hiding), agent, n=1, prompts=1)
+    (e,) = eps
+    # Each later call's rendering hides the answer before it: a new sequence each time,
+    # each its own whole rendering, which the engine saw.
+    assert stats.branches == 2 and len(e.branches) == 2
+    for c, (prompt, sampled, _) in enumerate(_calls_of(e)):
+        assert (prompt, sampled) == tuple(spy.calls[c][0])
+        if c:
+            assert "[...]" in hiding.decode(prompt)
+    refuse = AgentConfig(
+        path="agents_e2e:even_tokens", kwargs={"calls": 3}, max_total_tokens=400, branches="refuse"
+    )
+    with pytest.raises(UserError) as err:
+        run_agent_episodes((model, hiding), refuse, n=1, prompts=1)
+    assert "\n" not in str(err.value) and "prefix is unstable" in str(err.value)
 
 
 def test_an_agent_past_its_timeout_is_killed_with_its_children(tiny, tmp_path: Path) -> None:
@@ -160,7 +273,8 @@ def test_a_failing_agent_stops_the_run_with_one_line(tiny) -> None:
 
 RUN = (
     "rollout.agent.path=agents_e2e:even_tokens",
-    "rollout.agent.kwargs={calls: 2, max_tokens: 6}",
+    # Odd samples' agents rewrite their history before their second call: a branch.
+    "rollout.agent.kwargs={calls: 2, max_tokens: 6, summarize_odd: true}",
     "rollout.agent.max_total_tokens=96",
     "reward.functions=[]",
     "total_steps=4",
@@ -204,8 +318,27 @@ def test_an_agent_run_trains_on_its_calls(reference: Path) -> None:
     assert [r["rollout/reward_env"] for r in rows] == [r["rollout/reward_mean"] for r in rows]
     # 4 engine call groups (prompts_per_step 4, groups_per_call 1) x 2 call indices.
     assert all(r["agent/engine_calls"] == 8 and r["perf/agent_s"] > 0 for r in rows)
+    # Half the episodes (the odd samples) branch at their second call: 8 a step.
+    assert all(r["agent/branches"] == 8 and r["episode/branches_mean"] == 0.5 for r in rows)
     t = trajectories(reference).to_pandas()
-    assert (t["num_turns"] == 2).all()
+    assert len(t) == 4 * 24
+    even, odd = t[t["sample_idx"] % 2 == 0], t[t["sample_idx"] % 2 == 1]
+    assert (even["num_turns"] == 2).all() and (even["branches"] == 1).all()
+    assert (odd["num_turns"] == 1).all() and (odd["branches"] == 2).all()
+    # An episode's sequences share its reward (paid on its last call: the first
+    # sequence's own env_reward is 0) and its advantage.
+    for _, ep in odd.groupby(["step", "prompt_id", "sample_idx"]):
+        first, last = ep.sort_values("branch").to_dict("records")
+        assert (
+            first["env_reward"] == 0.0 and first["reward"] == last["reward"] == last["env_reward"]
+        )
+        assert {*first["advantages"]} == {*last["advantages"]} and len({*last["advantages"]}) == 1
+    # The step's reward mean is over episodes, not sequences.
+    episodes = t[t["branch"] == t["branches"] - 1]
+    for r in rows:
+        assert r["rollout/reward_mean"] == pytest.approx(
+            episodes[episodes["step"] == r["step"]]["reward"].mean()
+        )
     # 4 steps of 16 episodes, each leaving processes to the launcher: it reaps them every
     # second, so they never pile up past one step's (unreaped, 62 did on 2026-11-29).
     assert int((reference.parent / "zombies").read_text()) <= 36
@@ -214,6 +347,31 @@ def test_an_agent_run_trains_on_its_calls(reference: Path) -> None:
     for _, r in t.iterrows():
         mask = list(r["loss_mask"])
         assert all(a == 0.0 for a, m in zip(r["advantages"], mask, strict=True) if not m)
+
+
+@pytest.mark.slow
+def test_the_inspector_shows_an_episodes_sequences(reference: Path, tmp_path: Path) -> None:
+    def inspect(*args: str | Path) -> str:
+        cmd = [sys.executable, "-m", "rftpipe.inspect", str(reference), *map(str, args)]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    logged = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads(inspect("summary", "--json"))
+    for m, s in zip(logged, summary, strict=True):
+        # Recomputed offline from the rows: episodes, not sequences.
+        assert s["rollout/samples"] == 16
+        for k in ("rollout/reward_mean", "episode/branches_mean", "episode/turns_mean"):
+            assert s[k] == pytest.approx(m[k], rel=1e-12), k
+    text = inspect("samples", "--step", "1", "--limit", "3")
+    heads = [line for line in text.splitlines() if line.startswith("== ")]
+    assert "sample 0  reward" in heads[0]
+    assert "sample 1  sequence 1 of 2" in heads[1] and "sample 1  sequence 2 of 2" in heads[2]
+    page = tmp_path / "page.html"
+    inspect("html", "--step", "1", "--limit", "3", "--out", page)
+    html = page.read_text()
+    assert 'data-sample="1" data-branch="1"' in html and "sequence 2 of 2" in html
 
 
 @pytest.mark.slow
@@ -251,15 +409,17 @@ class MemoryLog:
     """Commits kept in memory as the rows a restart reads; the stage "dies" (raises) right
     after call index `kill_after` is committed."""
 
-    def __init__(self, engine, tok, prompts, kill_after: int | None = None) -> None:  # noqa: ANN001
-        self.inp = rollout.RolloutInputs(step=1, rank=0, run_seed=0, prompts=prompts)
+    def __init__(self, engine, tok, prompts, agent, kill_after: int | None = None) -> None:  # noqa: ANN001
+        self.inp = rollout.RolloutInputs(step=1, rank=0, run_seed=0, prompts=prompts, agent=agent)
         self.engine, self.tok, self.kill_after = engine, tok, kill_after
-        self.rows: dict[tuple[int, int], dict] = {}
+        self.rows: dict[tuple[int, int], list[dict]] = {}
         self.turns = 0
 
     def commit(self, turns: int, finished) -> None:  # noqa: ANN001
         table = rollout.episode_rows(self.inp, self.engine, self.tok, finished)
-        self.rows = {(r["prompt_id"], r["sample_idx"]): r for r in table.to_pylist()}
+        self.rows = {}
+        for r in table.to_pylist():
+            self.rows.setdefault((r["prompt_id"], r["sample_idx"]), []).append(r)
         self.turns = turns
         if turns == self.kill_after:
             raise _Killed
@@ -289,7 +449,7 @@ def _resumable(tiny, agent: AgentConfig, kill_after: int, n: int = 2):
         )
         return agents.run(inp, engine, tok, log)
 
-    first = MemoryLog(SimpleNamespace(weight_version=0), tok, prompts, kill_after)
+    first = MemoryLog(SimpleNamespace(weight_version=0), tok, prompts, agent, kill_after)
     with pytest.raises(_Killed):
         go(first)
     return (lambda: go(OneRankLog(), first.rows, first.turns)), (lambda: go(OneRankLog()))
@@ -297,6 +457,8 @@ def _resumable(tiny, agent: AgentConfig, kill_after: int, n: int = 2):
 
 def _same(a, b) -> None:  # noqa: ANN001
     for x, y in zip(a, b, strict=True):
+        assert len(x.branches) == len(y.branches)
+        _same(x.branches, y.branches)
         assert (x.prompt_ids, x.response, x.logprobs, x.loss_mask) == (
             y.prompt_ids,
             y.response,
@@ -317,6 +479,22 @@ def test_a_resumed_agent_is_answered_from_the_record(tiny) -> None:
     (got, stats), (want, _) = resume(), whole()
     # 2 episodes x 2 recorded calls answered from the record, the third generated.
     assert stats.from_record == 4 and stats.engine_calls == [1]
+    _same(got.episodes, want.episodes)
+
+
+def test_a_resumed_branch_is_answered_from_the_record(tiny) -> None:
+    """Killed after call index 1, where sample 1's call started its second sequence: the
+    restarted agents' calls 0 and 1 are answered from the record, that one across the
+    branch, and the episodes end as the uninterrupted ones did."""
+    agent = AgentConfig(
+        path="agents_e2e:even_tokens",
+        kwargs={"calls": 3, "summarize_odd": True},
+        max_total_tokens=400,
+    )
+    resume, whole = _resumable(tiny, agent, kill_after=2)
+    (got, stats), (want, _) = resume(), whole()
+    assert stats.from_record == 4 and stats.engine_calls == [1]
+    assert [len(e.branches) for e in want.episodes] == [0, 1]
     _same(got.episodes, want.episodes)
 
 

@@ -20,6 +20,7 @@ a trait of its entry (torch-free, read by the config check).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -554,3 +555,50 @@ def compute_advantages(
         # Baseline rows would otherwise join their group's statistics as ordinary samples.
         raise ValueError(f"advantage estimator {entry.name!r} takes no baseline rows")
     return estimator(inputs, settings, reduce_sum=reduce_sum)
+
+
+def compute_episode_advantages(
+    settings: AdvantageSettings,
+    inputs: AdvantageInputs,
+    last_row: Tensor,
+    *,
+    reduce_sum: Reducer = identity,
+) -> Tensor:
+    """`compute_advantages` for a batch where an episode may be several rows (an agent's
+    sequences, `rftpipe.storage.branch_rows`).
+
+    The estimator sees one row per episode, its last (``last_row[i] == i``), so group
+    statistics count episodes, not sequences; each earlier row gets the one advantage its
+    episode's last row got, on its own valid tokens. Only estimators whose trait
+    ``per_sequence`` is set give a row one advantage, and a per-token KL penalty would
+    make it vary too: both are refused (the config refuses them at load).
+
+    Args:
+        last_row: ``(B,)`` int64, the batch index of each row's episode's last row.
+
+    Returns:
+        ``(B, T)`` float64 advantages, exactly 0 where ``response_mask`` is False.
+    """
+    entry = ADVANTAGE_ESTIMATORS.of(settings)
+    if not entry.traits.per_sequence or inputs.token_kl_penalty is not None:
+        raise ValueError(
+            f"advantage estimator {entry.name!r} with a per-token KL penalty or per-token "
+            "advantages cannot give an episode's earlier sequences its advantage"
+        )
+    rows = torch.arange(last_row.numel(), device=last_row.device)
+    last = torch.nonzero(last_row == rows).flatten()
+    fields: dict[str, Tensor | None] = {
+        f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)
+    }
+    sub = dataclasses.replace(inputs, **{k: v[last] for k, v in fields.items() if v is not None})
+    adv_last = compute_advantages(settings, sub, reduce_sum=reduce_sum)
+    mask = sub.response_mask
+    # The row's one advantage is on every valid token: read it at the first (0 for an
+    # empty row).
+    first = mask.to(torch.int64).argmax(dim=-1, keepdim=True)
+    value = torch.where(mask.any(dim=-1), adv_last.gather(-1, first).squeeze(-1), 0.0)
+    per_row = torch.zeros(rows.numel(), dtype=torch.float64, device=last_row.device)
+    per_row[last] = value
+    adv = _broadcast(per_row[last_row], inputs.response_mask)
+    adv[last] = adv_last
+    return adv

@@ -76,6 +76,11 @@ class EstimatorTraits:
     """The estimator reads the critic's values: it needs `critic`, and a `critic` is only
     trained for such an estimator (its settings give the critic's GAE returns)."""
 
+    per_sequence: bool = False
+    """Every token of a row gets one advantage (without `kl.mode=reward`'s per-token
+    penalty), so an agent episode's earlier sequences can take its last one's
+    (`rollout.agent.branches=split`)."""
+
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageSettings, EstimatorTraits, Callable[..., Any]] = Registry(
     "advantage estimator", base=AdvantageSettings, traits=EstimatorTraits
@@ -117,7 +122,7 @@ class GRPOSettings(GroupStdSettings):
 
 
 ADVANTAGE_ESTIMATORS.register(
-    "grpo", settings=GRPOSettings, traits=EstimatorTraits(needs_groups=True)
+    "grpo", settings=GRPOSettings, traits=EstimatorTraits(needs_groups=True, per_sequence=True)
 )
 
 
@@ -127,7 +132,7 @@ class DrGRPOSettings(AdvantageSettings):
 
 
 ADVANTAGE_ESTIMATORS.register(
-    "dr_grpo", settings=DrGRPOSettings, traits=EstimatorTraits(needs_groups=True)
+    "dr_grpo", settings=DrGRPOSettings, traits=EstimatorTraits(needs_groups=True, per_sequence=True)
 )
 
 
@@ -137,7 +142,7 @@ class RLOOSettings(AdvantageSettings):
 
 
 ADVANTAGE_ESTIMATORS.register(
-    "rloo", settings=RLOOSettings, traits=EstimatorTraits(needs_groups=True)
+    "rloo", settings=RLOOSettings, traits=EstimatorTraits(needs_groups=True, per_sequence=True)
 )
 
 
@@ -171,7 +176,7 @@ class OPOSettings(AdvantageSettings):
 
 
 ADVANTAGE_ESTIMATORS.register(
-    "opo", settings=OPOSettings, traits=EstimatorTraits(needs_groups=True)
+    "opo", settings=OPOSettings, traits=EstimatorTraits(needs_groups=True, per_sequence=True)
 )
 
 
@@ -181,7 +186,9 @@ class GPGAdvantageSettings(AdvantageSettings):
 
 
 ADVANTAGE_ESTIMATORS.register(
-    "gpg", settings=GPGAdvantageSettings, traits=EstimatorTraits(needs_groups=True)
+    "gpg",
+    settings=GPGAdvantageSettings,
+    traits=EstimatorTraits(needs_groups=True, per_sequence=True),
 )
 
 
@@ -191,7 +198,9 @@ class GRPOPassKSettings(GroupStdSettings):
 
 
 ADVANTAGE_ESTIMATORS.register(
-    "grpo_passk", settings=GRPOPassKSettings, traits=EstimatorTraits(needs_groups=True)
+    "grpo_passk",
+    settings=GRPOPassKSettings,
+    traits=EstimatorTraits(needs_groups=True, per_sequence=True),
 )
 
 

@@ -575,6 +575,14 @@ class AgentConfig:
     nondeterministic agent): `fail` stops the run with one line naming the episode and
     call; `discard` drops the record from that call on and generates afresh."""
 
+    branches: Literal["split", "refuse"] = "split"
+    """A call that does not extend its episode's tokens (the agent rewrote or summarised
+    its history, or the chat template renders earlier messages otherwise once more follow):
+    `split` starts the episode's next sequence (another row, with the episode's reward and
+    advantage: a sequence-level `advantage.estimator` and no `kl.mode=reward`, checked at
+    load); `refuse` answers it with HTTP 400 (a template that rewrites earlier text then
+    stops the run)."""
+
     model: str = "policy"
     """The model name the endpoint serves (another is a 404) and the agent is given."""
 
@@ -1790,6 +1798,23 @@ class RunConfig:
         for bad, what in refused:
             if bad:
                 raise ValueError(f"rollout.agent with {what}: not built yet; docs/agents.md")
+        if self.rollout.agent.branches == "split":
+            # An episode's earlier sequences take the advantage of its last one, which is one
+            # number per sequence only for these.
+            estimator = ADVANTAGE_ESTIMATORS.of(self.advantage.estimator)
+            why = (
+                f"advantage.estimator={estimator.name} gives each token its own advantage"
+                if not estimator.traits.per_sequence
+                else "kl.mode=reward gives each token its own KL penalty"
+                if self.kl.mode == "reward"
+                else None
+            )
+            if why:
+                raise ValueError(
+                    f"rollout.agent.branches=split with {why}, which an episode's earlier "
+                    "sequences cannot share: use a sequence-level estimator (grpo, rloo, ...) "
+                    "or set rollout.agent.branches=refuse"
+                )
 
     def _check_dynamic_sampling(self, columns: list[str]) -> None:
         ds = self.rollout.dynamic_sampling

@@ -66,11 +66,18 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from rftpipe.inspect import images, page
-from rftpipe.inspect.episodes import EPISODE_FIELDS, episode_turns, message_line, printable
+from rftpipe.inspect.episodes import (
+    EPISODE_FIELDS,
+    episode_turns,
+    message_line,
+    printable,
+    sequence_text,
+)
 from rftpipe.inspect.summary import InspectError, Run, open_run, summarize
 from rftpipe.inspect.verify import verify_run
 from rftpipe.stages import ORDER as STAGES
 from rftpipe.stages.generation import ahead_line, generated_ahead
+from rftpipe.storage.branch_rows import BRANCH, BRANCHES
 from rftpipe.storage.episode_stats import has_episodes
 from rftpipe.storage.layout import IMAGES_COLUMN
 from rftpipe.storage.stage_store import StageStore
@@ -178,10 +185,13 @@ def sample_filter(run: Run, args: argparse.Namespace) -> ds.Expression:
 
 def select_samples(run: Run, args: argparse.Namespace, columns: list[str]) -> pa.Table:
     """Filtered rows in a stable order: by reward for --best/--worst, else by step,
-    prompt_id, sample_idx; then cut to --best/--worst K or --limit N."""
-    cols = list(dict.fromkeys(["step", "prompt_id", "sample_idx", "reward", *columns]))
+    prompt_id, sample_idx (and an agent episode's sequences in branch order, `branch`);
+    then cut to --best/--worst K or --limit N."""
+    branched = [c for c in (BRANCH, BRANCHES) if c in run.dataset.schema.names]
+    cols = list(dict.fromkeys(["step", "prompt_id", "sample_idx", *branched, "reward", *columns]))
     table = run.dataset.to_table(columns=cols, filter=sample_filter(run, args))
     key = [("step", "ascending"), ("prompt_id", "ascending"), ("sample_idx", "ascending")]
+    key += [(BRANCH, "ascending")] if branched else []
     if args.best is not None:
         table = table.sort_by([("reward", "descending"), *key]).slice(0, args.best)
     elif args.worst is not None:
@@ -209,8 +219,8 @@ def cmd_samples(args: argparse.Namespace) -> int:
     described: dict[str, str] = {}
     for r in table.to_pylist():
         print(
-            f"== step {r['step']}  prompt_id {r['prompt_id']}  sample {r['sample_idx']}  "
-            f"reward {r['reward']:.6g}  finish {r['finish_reason']} "
+            f"== step {r['step']}  prompt_id {r['prompt_id']}  sample {r['sample_idx']}"
+            f"{sequence_text(r, '  ')}  reward {r['reward']:.6g}  finish {r['finish_reason']} "
             f"({r['response_length']} tokens)"
         )
         for c in comps:

@@ -21,6 +21,15 @@ EPISODE_FIELDS = [
 """What `samples` reads of a multi-turn row (schema version 2) to print it turn by turn."""
 
 
+def sequence_text(r: dict[str, Any], sep: str) -> str:
+    """Which of its episode's sequences an agent row is (`sequence 2 of 3`, after `sep`),
+    when the episode has more than one (`rftpipe.storage.branch_rows`); else empty."""
+    n = r.get("branches")
+    if n is None or n < 2:
+        return ""
+    return f"{sep}sequence {r['branch'] + 1} of {n}"
+
+
 def printable(s: str) -> str:
     """`s` with control characters escaped (``\\x03``), newlines and tabs kept."""
     # Untrained models emit control bytes; escape them so they cannot corrupt the terminal.

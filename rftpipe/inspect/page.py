@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rftpipe.inspect import images
-from rftpipe.inspect.episodes import content_text, episode_turns, printable, role
+from rftpipe.inspect.episodes import content_text, episode_turns, printable, role, sequence_text
 from rftpipe.storage.layout import IMAGES_COLUMN
 
 STYLE = """
@@ -166,12 +166,14 @@ def rewards_html(r: dict[str, Any], components: Sequence[str]) -> str:
 
 def sample_html(r: dict[str, Any], components: Sequence[str], multi_turn: bool) -> str:
     head = (
-        f"sample {esc(r['sample_idx'])}: reward {esc(num(r.get('reward')))}, "
+        f"sample {esc(r['sample_idx'])}{esc(sequence_text(r, ', '))}: "
+        f"reward {esc(num(r.get('reward')))}, "
         f"finish {esc(r.get('finish_reason'))} ({esc(r.get('response_length'))} tokens)"
     )
     parts = [
         f'<article class="sample" data-step="{esc(r["step"])}" '
-        f'data-prompt-id="{esc(r["prompt_id"])}" data-sample="{esc(r["sample_idx"])}">'
+        f'data-prompt-id="{esc(r["prompt_id"])}" data-sample="{esc(r["sample_idx"])}" '
+        f'data-branch="{esc(r.get("branch", 0))}">'
         f"<h3>{head}</h3>",
         rewards_html(r, components),
     ]

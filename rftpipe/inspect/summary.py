@@ -19,7 +19,7 @@ import pyarrow.dataset as ds
 
 from rftpipe.stages import ORDER as STAGES
 from rftpipe.stages import generation
-from rftpipe.storage import episode_stats
+from rftpipe.storage import branch_rows, episode_stats
 from rftpipe.storage.baseline_rows import COLUMN, without_baseline
 from rftpipe.storage.layout import RunDir
 from rftpipe.storage.stage_store import StageStore
@@ -180,11 +180,14 @@ def _shard_stats(frag: ds.Fragment, components: list[str], has_adv: bool) -> Sha
     cols += [COLUMN] if COLUMN in names else []
     # A multi-turn shard's turn counts, statuses and loss mask (one int8 per token).
     episodes = episode_stats.has_episodes(names)
-    cols += episode_stats.COLUMNS if episodes else []
-    t = without_baseline(frag.to_table(columns=cols, use_threads=False))
+    cols += episode_stats.columns(names) if episodes else []
+    every = without_baseline(frag.to_table(columns=cols, use_threads=False))
     st = ShardStats(has_adv=has_adv)
     if episodes:
-        st.episodes = episode_stats.EpisodeCounts.of(t)
+        st.episodes = episode_stats.EpisodeCounts.of(every)
+    # An agent episode's sequences are one sample: its last row (the others share its
+    # reward); advantages count every trained token.
+    t = branch_rows.episode_rows(every)
     if t.num_rows == 0:
         return st
     reward = _numpy(t.column("reward"))
@@ -202,7 +205,7 @@ def _shard_stats(frag: ds.Fragment, components: list[str], has_adv: bool) -> Sha
     if has_adv:
         # list_flatten respects slice offsets; chunks are reduced one at a time and merged
         # so no step-sized float64 copy of every token is ever materialised.
-        for chunk in t.column("advantages").chunks:
+        for chunk in every.column("advantages").chunks:
             flat = pc.list_flatten(chunk)
             if flat.null_count:
                 flat = pc.drop_null(flat)

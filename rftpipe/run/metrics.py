@@ -26,6 +26,7 @@ from rftpipe.stages import ORDER, generation
 from rftpipe.storage import episode_stats
 from rftpipe.storage.atomic import atomic_write_json
 from rftpipe.storage.baseline_rows import COLUMN, baseline_flags, without_baseline
+from rftpipe.storage.branch_rows import episode_rows
 from rftpipe.storage.layout import list_steps
 from rftpipe.storage.stage_store import StageStore
 
@@ -168,7 +169,9 @@ def step_metrics(store: StageStore, step: int, env: EnvConfig | None = None) -> 
     version = ["weight_version"] if "weight_version" in schema.names else []
     baseline = [COLUMN] if COLUMN in schema.names else []
     # Multi-turn steps (schema version 2) also get episode/*; version 1 reads what it did.
-    episodes = episode_stats.COLUMNS if episode_stats.has_episodes(schema.names) else []
+    episodes = (
+        episode_stats.columns(schema.names) if episode_stats.has_episodes(schema.names) else []
+    )
     if episodes and env is not None:
         episodes = [*episodes, "metadata"]  # the rows' `env_class`
     tables = [
@@ -176,12 +179,15 @@ def step_metrics(store: StageStore, step: int, env: EnvConfig | None = None) -> 
         for f in files
     ]
     # ReMax's greedy rows are the baseline, not the policy's samples: kept out of the means.
-    rows = [without_baseline(t) for t in tables]
+    every = [without_baseline(t) for t in tables]
+    # An agent episode's sequences are one sample, its last row (they share its reward);
+    # the advantages and episode counts read every row.
+    rows = [episode_rows(t) for t in every]
     reward = np.concatenate([t.column("reward").to_numpy() for t in rows])
     length = np.concatenate([t.column("response_length").to_numpy() for t in rows])
     stops = sum(t.column("finish_reason").to_pylist().count("stop") for t in rows)
     adv = np.concatenate(
-        [np.asarray(t.column("advantages").combine_chunks().flatten()) for t in rows]
+        [np.asarray(t.column("advantages").combine_chunks().flatten()) for t in every]
     )
     out: dict[str, Any] = {
         "step": step,
@@ -220,7 +226,7 @@ def step_metrics(store: StageStore, step: int, env: EnvConfig | None = None) -> 
         out["rollout/reward_timeouts"] = codes.count("timeout")
     if episodes:
         counts = episode_stats.EpisodeCounts()
-        for t in rows:
+        for t in every:
             counts = counts.merge(episode_stats.EpisodeCounts.of(t))
         out.update(counts.metrics())
         if env is not None:
@@ -235,6 +241,8 @@ def step_metrics(store: StageStore, step: int, env: EnvConfig | None = None) -> 
             out["perf/agent_s"] = manifest["agent_s"]
             out["agent/from_record"] = manifest["agent_from_record"]
             out["agent/engine_calls"] = sum(manifest["agent_engine_calls"])
+            # Calls that did not extend their episode, each a new sequence (row).
+            out["agent/branches"] = counts.branches or 0
     # The advantage stage's own (rollout/logprob_abs_diff_* when the actor recomputes the
     # old logprobs); manifests committed before it reported any have none.
     out.update(store.manifest(step, "advantage").get("metrics", {}))

@@ -10,7 +10,13 @@ from functools import partial
 import pyarrow as pa
 import torch
 
-from rftpipe.algos.advantage import AdvantageInputs, Reducer, compute_advantages, gae_returns
+from rftpipe.algos.advantage import (
+    AdvantageInputs,
+    Reducer,
+    compute_advantages,
+    compute_episode_advantages,
+    gae_returns,
+)
 from rftpipe.algos.losses import kl_estimate
 from rftpipe.config.schema import AdvantageConfig, KLConfig, old_logprobs_source
 from rftpipe.stages import StageName
@@ -18,6 +24,7 @@ from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepP
 from rftpipe.stages.batching import model_token_mask, pad_ragged, turn_tokens
 from rftpipe.stages.images import RowImages, image_rows
 from rftpipe.storage.baseline_rows import baseline_flags
+from rftpipe.storage.branch_rows import has_branches, last_flags, last_row_index
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
 """Response logprobs of (prompts, responses) under some model: the reference, or the actor."""
@@ -124,7 +131,13 @@ def run(
         turn_rewards=turn_rewards,
         turn_starts=turn_starts,
     )
-    adv = compute_advantages(cfg.advantage.estimator, inputs, reduce_sum=reduce_sum)
+    if has_branches(scored):
+        # An agent episode of several sequences: one advantage per episode, on all of them.
+        adv = compute_episode_advantages(
+            cfg.advantage.estimator, inputs, _last_rows(scored), reduce_sum=reduce_sum
+        )
+    else:
+        adv = compute_advantages(cfg.advantage.estimator, inputs, reduce_sum=reduce_sum)
     table = out.append_column(
         pa.field("advantages", pa.list_(pa.float32())),
         pa.array(unpad(adv, padded), pa.list_(pa.float32())),
@@ -137,6 +150,12 @@ def run(
         )
         metrics = {**metrics, **_value_metrics(values, returns, mask, reduce_sum)}
     return table, metrics
+
+
+def _last_rows(table: pa.Table) -> torch.Tensor:
+    """Each row's episode's last row, as a row index of `table`."""
+    last = [i for i, f in enumerate(last_flags(table)) if f]
+    return torch.tensor([last[j] for j in last_row_index(table)], dtype=torch.int64)
 
 
 def _value_metrics(

@@ -18,9 +18,14 @@ row columns as an environment's episode):
   the answer as it was returned (tool calls matched by id, name and arguments), and only
   the new messages are rendered, as the template's text after the sampled action (the
   environment episodes' template-delta rule). The sampled tokens are kept as sampled,
-  never re-rendered from the parsed tool calls. A call of the token endpoint must extend
-  the episode's tokens. A call that does not (a rewritten history) is refused with HTTP
-  400: branches are not built yet.
+  never re-rendered from the parsed tool calls. A call of the token endpoint extends the
+  episode when its prompt starts with the episode's tokens.
+- **Branches.** A call that does not extend the episode (the agent rewrote or summarised
+  its history, a sub-agent's call, or a chat template that renders earlier text otherwise
+  once messages follow) starts the episode's next sequence, rendered whole like a first
+  call (`rollout.agent.branches=split`; `refuse` answers it with HTTP 400). The episode's
+  sequences are consecutive rows (`rftpipe.storage.branch_rows`); every one gets the
+  episode's reward and advantage, and its own sampled tokens are its loss mask.
 - **Durable call by call.** After a restart the agents of unfinished episodes start again;
   each call the record holds is answered from it when its rendered tokens equal the
   recorded ones, without generating, and the first call past the record is generated with
@@ -38,7 +43,7 @@ import logging
 import queue
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rftpipe.agents.pool import AgentProcesses, AgentSpec, Failed, Finished, Started
@@ -78,9 +83,9 @@ class AgentInputs:
     """The stage name in the seeds."""
     calls: Sequence[Sequence[Prompt]]
     """This rank's prompts, by engine call group (`rollout.groups_per_call` groups each)."""
-    resumed: Mapping[tuple[int, int], Mapping[str, Any]] = field(default_factory=dict)
+    resumed: Mapping[tuple[int, int], Sequence[Mapping[str, Any]]] = field(default_factory=dict)
     """The committed rows of the newest call index before a restart, by (prompt id,
-    sample)."""
+    sample): each episode's sequences in branch order."""
     resumed_turns: int = 0
     """How many call indices those rows hold."""
     samples: Sequence[int] | None = None
@@ -101,6 +106,9 @@ class AgentStats:
     """Calls answered from the committed record after a restart."""
     engine_calls: list[int]
     """Engine calls made at each call index this process ran."""
+    branches: int = 0
+    """Calls that started a new sequence of their episode (a restart counts the recorded
+    ones again, as its rows hold them)."""
 
 
 @dataclass(slots=True)
@@ -110,8 +118,8 @@ class _Live:
     e: Episode
     group: int
     """Its engine call group (index into `AgentInputs.calls`)."""
-    record: Mapping[str, Any] | None
-    """The committed row a restart answers calls from (None: nothing committed)."""
+    record: list[_Recorded]
+    """The committed calls a restart answers from, in call order (empty: none)."""
     convo: list[dict[str, Any]] = field(default_factory=list)
     """The conversation as the agent sees it: the last call's messages and the answer,
     normalised for comparison (`_norm`)."""
@@ -124,6 +132,8 @@ class _Live:
     pending: PendingCall | None = None
     pending_ids: list[int] | None = None
     """The pending call's whole prompt (the episode's tokens plus the new ones)."""
+    pending_starts: bool = False
+    """The pending call starts a sequence of the episode (its first call, or a branch)."""
     pending_text: str = ""
     """A pending chat call's prompt as the template's text (the episode's `text` once
     answered)."""
@@ -184,6 +194,7 @@ def run(
         agent_s=time.perf_counter() - t0,
         from_record=server.from_record,
         engine_calls=server.engine_calls,
+        branches=sum(len(lv.e.branches) for lv in server.live),
     )
     return EpisodeOutput(episodes=[lv.e for lv in server.live], env_s=stats.agent_s), stats
 
@@ -213,7 +224,7 @@ class _Server:
         for g, prompts in enumerate(inp.calls):
             for p in prompts:
                 for k in range(inp.cfg.n) if inp.samples is None else inp.samples:
-                    row = inp.resumed.get((p.prompt_id, k))
+                    rows = inp.resumed.get((p.prompt_id, k), ())
                     e = Episode(
                         prompt=p,
                         sample_idx=k,
@@ -224,10 +235,10 @@ class _Server:
                         slot=len(self.live),
                         greedy=k in inp.greedy_samples,
                     )
-                    lv = _Live(e=e, group=g, record=row)
-                    if row is not None and row["episode_status"] is not None:
+                    lv = _Live(e=e, group=g, record=_recorded(rows, self.eos))
+                    if rows and rows[-1]["episode_status"] is not None:
                         # It had returned before the restart: the record is the episode.
-                        _restore_ended(e, row)
+                        _restore_ended(e, rows)
                         lv.ended = True
                     self.live.append(lv)
 
@@ -349,20 +360,19 @@ class _Server:
         try:
             if lv.calls and kind != lv.kind:
                 raise _Refused(f"a {kind} call after {lv.kind} calls: an episode uses one endpoint")
-            ids, render, convo, lv.pending_text = self._render(lv, pc.call)
+            ids, render, convo, lv.pending_text, starts = self._render(lv, pc.call)
         except _Refused as exc:
             pc.refuse(400, str(exc))
             lv.deadline = time.monotonic() + self.acfg.timeout_s
             return
         lv.kind = kind
-        recorded = lv.record is not None and lv.calls < self.inp.resumed_turns
-        if recorded and self._from_record(lv, pc, ids, render, convo):
+        if lv.calls < len(lv.record) and self._from_record(lv, pc, ids, render, convo, starts):
             return
-        if lv.calls and len(ids) - len(e.prompt_ids) >= self.acfg.max_total_tokens:
+        if not starts and len(ids) - len(e.prompt_ids) >= self.acfg.max_total_tokens:
             limit = f"rollout.agent.max_total_tokens={self.acfg.max_total_tokens}"
             self._refuse(lv, pc, "truncated", limit)
             return
-        lv.pending, lv.pending_ids = pc, ids
+        lv.pending, lv.pending_ids, lv.pending_starts = pc, ids, starts
         lv.render, lv.convo = render, convo
 
     def _refuse(self, lv: _Live, pc: PendingCall, status: str, limit: str) -> None:
@@ -374,38 +384,47 @@ class _Server:
 
     def _render(
         self, lv: _Live, call: ChatCall | TokenCall
-    ) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]], str]:
+    ) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]], str, bool]:
         """The call's whole prompt in tokens, the conversation as rendered and as the
-        agent sees it, and the prompt's template text (a token call's: the episode's, as
-        it was); `_Refused` when it does not extend the episode's tokens."""
+        agent sees it, the prompt's template text (a token call's: the episode's, as it
+        was), and whether the call starts a sequence: the episode's first call, or one that
+        does not extend the episode's tokens (a branch; `_Refused` under `branches=refuse`)."""
         e = lv.e
         if isinstance(call, TokenCall):
             ids = list(call.prompt_token_ids)
-            if lv.calls and ids[: len(e.prompt_ids) + len(e.response)] != e.prompt_ids + e.response:
-                raise _Refused(
-                    "prompt_token_ids do not extend the episode's earlier tokens (its "
-                    "prompt and answers): branches are not built yet"
-                )
-            return ids, lv.render, lv.convo, e.text
-        convo = [_norm(m) for m in call.messages]
-        if not lv.calls:
-            render = [_for_template(m) for m in call.messages]
-            text = template_text(self.tokenizer, render, call.tools or None)
-            return text_tokens(self.tokenizer, text), render, convo, text
-        if convo[: len(lv.convo)] != lv.convo:
-            raise _Refused(
-                f"the messages do not extend the episode's call {lv.calls - 1} and its "
-                "answer (a rewritten history): branches are not built yet"
+            starts = not lv.calls or (
+                ids[: len(e.prompt_ids) + len(e.response)] != e.prompt_ids + e.response
             )
-        render = [*lv.render, *(_for_template(m) for m in call.messages[len(lv.convo) :])]
+            if starts and lv.calls:
+                self._branch_allowed(lv, "prompt_token_ids do not extend the episode's tokens")
+            return ids, lv.render, lv.convo, e.text, starts
+        convo = [_norm(m) for m in call.messages]
+        head = e.text + e.last_action
+        if lv.calls and convo[: len(lv.convo)] == lv.convo:
+            render = [*lv.render, *(_for_template(m) for m in call.messages[len(lv.convo) :])]
+            text = template_text(self.tokenizer, render, call.tools or None)
+            if text.startswith(head) or self.acfg.branches == "refuse":
+                stopped = bool(e.response) and e.response[-1] in self.eos
+                closing = e.response[-1] if stopped else None
+                setting = f"rollout.agent.path {self.acfg.path}"
+                # Under `refuse`, a template that rewrites earlier text stops the run here,
+                # as an environment episode's does.
+                new = tokens_after(self.tokenizer, text, head, closing, setting, self._where(lv))
+                return e.prompt_ids + e.response + new, render, convo, text, False
+            # The template renders the earlier messages otherwise once these follow.
+        elif lv.calls:
+            self._branch_allowed(
+                lv,
+                f"the messages do not extend the episode's call {lv.calls - 1} and its answer "
+                "(a rewritten history)",
+            )
+        render = [_for_template(m) for m in call.messages]
         text = template_text(self.tokenizer, render, call.tools or None)
-        stopped = bool(e.response) and e.response[-1] in self.eos
-        closing = e.response[-1] if stopped else None
-        setting = f"rollout.agent.path {self.acfg.path}"
-        new = tokens_after(
-            self.tokenizer, text, e.text + e.last_action, closing, setting, self._where(lv)
-        )
-        return e.prompt_ids + e.response + new, render, convo, text
+        return text_tokens(self.tokenizer, text), render, convo, text, True
+
+    def _branch_allowed(self, lv: _Live, why: str) -> None:
+        if self.acfg.branches == "refuse":
+            raise _Refused(f"{why}: a new sequence of the episode (rollout.agent.branches=refuse)")
 
     def _from_record(
         self,
@@ -414,17 +433,13 @@ class _Server:
         ids: list[int],
         render: list[dict[str, Any]],
         convo: list[dict[str, Any]],
+        starts: bool,
     ) -> bool:
         """Answer call `lv.calls` from the record if the agent asked what it asked before
         the restart; under `on_divergence=discard` a differing call drops the record from
         here on (False: generate it)."""
-        row = lv.record
-        assert row is not None
-        c = lv.calls
-        offsets = list(row["turn_offsets"])
-        response = list(row["response_token_ids"])
-        recorded_prompt = list(row["prompt_token_ids"]) + response[: offsets[c]]
-        if ids != recorded_prompt:
+        rec = lv.record[lv.calls]
+        if ids != rec.prompt or starts != rec.starts:
             if self.acfg.on_divergence == "fail":
                 raise UserError(
                     f"rollout.agent.path {self.acfg.path}: after a restart the agent's call "
@@ -432,22 +447,11 @@ class _Server:
                     "deterministic given its task and answers; make it so, or set "
                     "rollout.agent.on_divergence=discard"
                 )
-            lv.record = None
-            events().write("agent_divergence", step=self.inp.step, call=c, slot=lv.e.slot)
+            lv.record = []
+            events().write("agent_divergence", step=self.inp.step, call=lv.calls, slot=lv.e.slot)
             return False
-        mask = list(row["loss_mask"])
-        end = offsets[c]
-        while end < len(mask) and mask[end] == 1:
-            end += 1
-        tokens = response[offsets[c] : end]
-        logprobs = [float(x) for x in list(row["logprobs"])[offsets[c] : end]]
-        lv.pending_ids, lv.render, lv.convo = ids, render, convo
-        reason = (
-            str(row["finish_reason"])
-            if end == len(response)
-            else ("stop" if tokens and tokens[-1] in self.eos else "length")
-        )
-        a = self._take(lv, pc.call, tokens, logprobs, reason)
+        lv.pending_ids, lv.pending_starts, lv.render, lv.convo = ids, starts, render, convo
+        a = self._take(lv, pc.call, list(rec.tokens), list(rec.logprobs), rec.reason)
         self.from_record += 1
         self.answered(lv, a, pc)
         return True
@@ -466,7 +470,7 @@ class _Server:
             limits = []
             for lv in rows:
                 assert lv.pending is not None and lv.pending_ids is not None
-                used = len(lv.pending_ids) - len(lv.e.prompt_ids) if lv.calls else 0
+                used = 0 if lv.pending_starts else len(lv.pending_ids) - len(lv.e.prompt_ids)
                 asked = lv.pending.call.max_tokens or cfg.max_new_tokens
                 limits.append(
                     max(0, min(cfg.max_new_tokens, asked, self.acfg.max_total_tokens - used))
@@ -519,7 +523,9 @@ class _Server:
         e = lv.e
         ids = lv.pending_ids
         assert ids is not None
-        if not lv.calls:
+        if lv.pending_starts:
+            if lv.calls:
+                _close_sequence(e)
             e.prompt_ids = list(ids)
         else:
             new = ids[len(e.prompt_ids) + len(e.response) :]
@@ -582,7 +588,7 @@ class _Server:
         pc = pc or lv.pending
         assert pc is not None
         lv.calls += 1
-        lv.pending, lv.pending_ids = None, None
+        lv.pending, lv.pending_ids, lv.pending_starts = None, None, False
         lv.deadline = time.monotonic() + self.acfg.timeout_s
         pc.answer(a)
 
@@ -591,7 +597,60 @@ class _Refused(Exception):
     """A call the endpoint answers with HTTP 400 (the message says why)."""
 
 
-def _restore_ended(e: Episode, row: Mapping[str, Any]) -> None:
+@dataclass(frozen=True, slots=True)
+class _Recorded:
+    """A committed call: what its prompt was and what it was answered with."""
+
+    starts: bool
+    """It started a sequence of the episode (its first call, or a branch)."""
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    reason: str
+
+
+def _recorded(rows: Sequence[Mapping[str, Any]], eos: set[int]) -> list[_Recorded]:
+    """An episode's committed calls, in call order, from its rows (its sequences)."""
+    out = []
+    for row in rows:
+        offsets = list(row["turn_offsets"])
+        response = list(row["response_token_ids"])
+        mask = list(row["loss_mask"])
+        logprobs = [float(x) for x in row["logprobs"]]
+        for t, start in enumerate(offsets):
+            end = start
+            while end < len(mask) and mask[end] == 1:
+                end += 1
+            tokens = response[start:end]
+            reason = (
+                str(row["finish_reason"])
+                if end == len(response)
+                else ("stop" if tokens and tokens[-1] in eos else "length")
+            )
+            prompt = list(row["prompt_token_ids"]) + response[:start]
+            out.append(_Recorded(t == 0, prompt, tokens, logprobs[start:end], reason))
+    return out
+
+
+def _close_sequence(e: Episode) -> None:
+    """The episode's current sequence becomes one of its earlier ones (`branches`); the
+    next call's tokens start a new one."""
+    e.branches.append(replace(e, branches=[]))
+    e.response, e.logprobs, e.loss_mask = [], [], []
+    e.turn_offsets, e.turn_rewards, e.turn_infos = [], [], []
+    e.finish_reason, e.last_action = "length", ""
+
+
+def _restore_ended(e: Episode, rows: Sequence[Mapping[str, Any]]) -> None:
+    """An episode that had returned before the restart, from its rows."""
+    for row in rows[:-1]:
+        _restore_sequence(e, row)
+        _close_sequence(e)
+    _restore_sequence(e, rows[-1])
+    e.status = rows[-1]["episode_status"]
+
+
+def _restore_sequence(e: Episode, row: Mapping[str, Any]) -> None:
     e.prompt_ids = list(row["prompt_token_ids"])
     e.messages = json.loads(row["messages"])
     e.response = list(row["response_token_ids"])
@@ -601,7 +660,6 @@ def _restore_ended(e: Episode, row: Mapping[str, Any]) -> None:
     e.turn_rewards = list(row["turn_rewards"])
     e.turn_infos = list(row["turn_infos"])
     e.finish_reason = row["finish_reason"]
-    e.status = row["episode_status"]
     e.last_action = row["response"]
 
 

@@ -24,6 +24,7 @@ from rftpipe.dist import Dist
 from rftpipe.engines.train.forward import split_micro_batches
 from rftpipe.seeding import derive_seed
 from rftpipe.stages.images import RowImages, Vision
+from rftpipe.storage.branch_rows import BRANCH
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,24 +54,35 @@ def minibatch_plan(inp: TrainInputs, epoch: int, mini_batches: int) -> list[list
     """Local row indexes of each mini-batch, in a world-size-independent global order.
 
     Groups are shuffled as units (keyed by prompt id) and stay contiguous, so a micro-batch
-    holds whole groups and their shared prompt is computed once.
+    holds whole groups and their shared prompt is computed once. A sample is an episode: an
+    agent episode of several sequences (rows) goes into one mini-batch whole.
     """
     keyed = sorted(
         inp.global_samples,
         key=lambda s: (derive_seed(inp.run_seed, inp.step, f"train/{epoch}", s[0]), s[1]),
     )
     bounds = _minibatch_bounds(keyed, mini_batches)
-    local = {
-        (p, k): i
-        for i, (p, k) in enumerate(
-            zip(
-                inp.table.column("prompt_id").to_pylist(),
-                inp.table.column("sample_idx").to_pylist(),
-                strict=True,
-            )
-        )
-    }
-    return [[local[s] for s in keyed[a:b] if s in local] for a, b in itertools.pairwise(bounds)]
+    # Each sample's episodes on this rank, each a list of its rows (a prompt met twice in a
+    # step, across an epoch boundary, has two), taken in order as the sample comes up.
+    local: dict[tuple[int, int], list[list[int]]] = {}
+    table = inp.table
+    starts = (
+        [b == 0 for b in table.column(BRANCH).to_pylist()]
+        if BRANCH in table.column_names
+        else [True] * table.num_rows
+    )
+    keys = zip(
+        table.column("prompt_id").to_pylist(), table.column("sample_idx").to_pylist(), strict=True
+    )
+    for i, (key, new) in enumerate(zip(keys, starts, strict=True)):
+        episodes = local.setdefault(key, [])
+        if new or not episodes:
+            episodes.append([])
+        episodes[-1].append(i)
+    plan = []
+    for a, b in itertools.pairwise(bounds):
+        plan.append([i for s in keyed[a:b] if local.get(s) for i in local[s].pop(0)])
+    return plan
 
 
 def _minibatch_bounds(keyed: Sequence[tuple[int, int]], mini_batches: int) -> list[int]:

@@ -105,6 +105,9 @@ class Episode:
     vision: VisionInputs | None = None
     """An image prompt's images as the engine takes them, over `prompt_ids` (whose image
     pads are expanded to the images' token counts); None for a text prompt."""
+    branches: list[Episode] = field(default_factory=list)
+    """An agent episode's earlier sequences (`rftpipe.storage.branch_rows`), oldest first;
+    the fields above are its last one. Empty for an environment's episode."""
 
 
 def turn_columns(e: Episode) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from rftpipe.seeding import derive_seed
 from rftpipe.stages import agents, episodes, round_stage
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
 from rftpipe.stages.images import prompt_inputs, store_images, with_image_refs
+from rftpipe.storage.branch_rows import BRANCH, BRANCHES
 from rftpipe.storage.layout import schema_version
 from rftpipe.storage.stage_store import StageStore
 
@@ -59,6 +60,11 @@ EPISODE_COLUMNS = [
 ]
 """What a multi-turn row (`rollout.env`) adds: the trajectory schema's version 2."""
 EPISODE_SCHEMA = pa.schema([*ROLLOUT_SCHEMA, *EPISODE_COLUMNS])
+AGENT_SCHEMA = pa.schema(
+    [*EPISODE_SCHEMA, pa.field(BRANCH, pa.int32()), pa.field(BRANCHES, pa.int32())]
+)
+"""An agent run's rows (`rollout.agent`): an episode is one row per sequence
+(`rftpipe.storage.branch_rows`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,7 +181,7 @@ def _episode_table(
     """Multi-turn rows: this rank's calls' episodes run turn by turn (`stages.episodes`),
     each turn committed to `turns` (None: not durable, a test's direct call)."""
     g = engine.groups_per_call
-    resumed, done = turns.resume(inp) if turns is not None else ({}, 0)
+    rows, done = turns.resume(inp) if turns is not None else ([], 0)
     ep_inp = episodes.EpisodeInputs(
         cfg=cfg,
         env_cfg=env,
@@ -183,7 +189,7 @@ def _episode_table(
         step=inp.step,
         stage=inp.seed_stage,
         calls=[inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)],
-        resumed=resumed,
+        resumed={(r["prompt_id"], r["sample_idx"]): r for r in rows},
         resumed_turns=done,
         # ReMax's baseline: one greedy episode per prompt, after its samples.
         samples=[*range(cfg.n), cfg.n] if inp.baseline else None,
@@ -210,7 +216,10 @@ def _agent_table(
     if inp.encoder is not None:
         raise UserError("rollout.agent with image prompts: not built yet; docs/agents.md")
     g = engine.groups_per_call
-    resumed, done = turns.resume(inp) if turns is not None else ({}, 0)
+    rows, done = turns.resume(inp) if turns is not None else ([], 0)
+    resumed: dict[tuple[int, int], list[dict]] = {}
+    for r in rows:  # an episode's sequences are consecutive, in branch order
+        resumed.setdefault((r["prompt_id"], r["sample_idx"]), []).append(r)
     ag_inp = agents.AgentInputs(
         cfg=cfg,
         agent=agent,
@@ -232,33 +241,41 @@ def _agent_table(
 def episode_rows(
     inp: RolloutInputs, engine: RolloutEngine, tokenizer, finished: Sequence[episodes.Episode]
 ) -> pa.Table:
-    """Episodes as trajectory rows (schema version 2); a running one has no status yet."""
-    cols: dict[str, list] = {name: [] for name in EPISODE_SCHEMA.names}
+    """Episodes as trajectory rows (schema version 2; an agent's, one row per sequence of
+    each episode, in branch order); a running one has no status yet."""
+    schema = AGENT_SCHEMA if inp.agent is not None else EPISODE_SCHEMA
+    cols: dict[str, list] = {name: [] for name in schema.names}
     for e in finished:
-        row = _row(
-            inp,
-            engine,
-            tokenizer,
-            e.prompt,
-            e.sample_idx,
-            e.response,
-            e.logprobs,
-            e.finish_reason,
-            # What reward functions read as the response: the last action's text (the
-            # whole sequence holds environment tokens too, so it is not decoded).
-            response=e.last_action,
-        )
-        _append(
-            cols,
-            {
-                **row,
-                "prompt_token_ids": e.prompt_ids,
-                **episodes.turn_columns(e),
-                # ReMax's greedy baseline episode: scored, never trained on.
-                "is_baseline": e.greedy,
-            },
-        )
-    return pa.Table.from_pydict(cols, schema=EPISODE_SCHEMA)
+        sequences = [*e.branches, e]
+        for b, seq in enumerate(sequences):
+            row = _row(
+                inp,
+                engine,
+                tokenizer,
+                e.prompt,
+                e.sample_idx,
+                seq.response,
+                seq.logprobs,
+                seq.finish_reason,
+                # What reward functions read as the response: the last action's text (the
+                # whole sequence holds environment tokens too, so it is not decoded).
+                response=seq.last_action,
+            )
+            branch = {BRANCH: b, BRANCHES: len(sequences)} if inp.agent is not None else {}
+            _append(
+                cols,
+                {
+                    **row,
+                    "prompt_token_ids": seq.prompt_ids,
+                    **episodes.turn_columns(seq),
+                    # How the episode ended, on each of its sequences.
+                    "episode_status": e.status,
+                    # ReMax's greedy baseline episode: scored, never trained on.
+                    "is_baseline": e.greedy,
+                    **branch,
+                },
+            )
+    return pa.Table.from_pydict(cols, schema=schema)
 
 
 def env_maker(env: EnvConfig) -> episodes.EnvMaker:
@@ -309,12 +326,13 @@ class TurnStore:
             0,
         )
 
-    def resume(self, inp: RolloutInputs) -> tuple[dict[tuple[int, int], dict], int]:
-        """The rows of this rank's episodes in the newest committed turn, and its turns."""
+    def resume(self, inp: RolloutInputs) -> tuple[list[dict], int]:
+        """The rows of this rank's episodes in the newest committed turn (an agent
+        episode's sequences consecutive, in branch order), and its turns."""
         most = inp.env.max_turns if inp.env is not None else inp.agent.max_calls if inp.agent else 0
         k = self.newest(inp.step, most)
         if not k:
-            return {}, 0
+            return [], 0
         table = self.store.read_for(
             inp.step,
             self.name(k),
@@ -323,8 +341,7 @@ class TurnStore:
             [p.prompt_id for p in inp.prompts],
         )
         events().write("resume_turns", step=inp.step, stage=self.stage, turns=k)
-        rows = {(r["prompt_id"], r["sample_idx"]): r for r in table.to_pylist()}
-        return rows, k
+        return table.to_pylist(), k
 
     def log(self, inp: RolloutInputs, engine: RolloutEngine, tokenizer) -> episodes.TurnLog:
         return _StoreLog(self, inp, engine, tokenizer)

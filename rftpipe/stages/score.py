@@ -42,6 +42,7 @@ from rftpipe.rewards.types import (
 )
 from rftpipe.stages import generation, round_stage
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
+from rftpipe.storage.branch_rows import episode_rows, has_branches, last_row_index
 from rftpipe.storage.layout import IMAGES_COLUMN
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,26 @@ def run(
     run_root: Path | None = None,
 ) -> pa.Table:
     """`rollouts` with the reward columns appended; `run_root` is the run directory the
-    rows' `images` paths are under (needed only if some row has images)."""
+    rows' `images` paths are under (needed only if some row has images).
+
+    An agent episode of several sequences (`rftpipe.storage.branch_rows`) is scored once,
+    on its last one (what the agent ended on), and each of its rows gets those columns."""
+    if not has_branches(rollouts):
+        return _scored(cfg, components, rollouts, run_root)
+    last = _scored(cfg, components, episode_rows(rollouts), run_root)
+    take = pa.array(last_row_index(rollouts), pa.int64())
+    out = rollouts
+    for name in last.column_names[rollouts.num_columns :]:
+        out = out.append_column(last.schema.field(name), last.column(name).take(take))
+    return out
+
+
+def _scored(
+    cfg: RewardConfig,
+    components: Mapping[str, RewardComponent],
+    rollouts: pa.Table,
+    run_root: Path | None,
+) -> pa.Table:
     samples = [_sample(r, run_root) for r in rollouts.to_pylist()]
     weights = cfg.weights or (1.0,) * len(components)
     total = [0.0] * len(samples)

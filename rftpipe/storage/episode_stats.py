@@ -14,12 +14,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rftpipe.storage.branch_rows import BRANCH, BRANCHES, episode_rows
 from rftpipe.storage.layout import is_episode_shard
 
 EPISODE_STATUSES = ("done", "max_turns", "truncated", "error")
 """How an episode can end (`episode_status`); each has its `episode/<status>_frac`."""
 COLUMNS = ["num_turns", "episode_status", "loss_mask", "turn_infos"]
-"""The columns the metrics read (never the token ids or logprobs)."""
+"""The columns the metrics read (never the token ids or logprobs), and an agent run's
+branch columns (`AGENT_COLUMNS`) where the shard has them."""
+AGENT_COLUMNS = [BRANCH, BRANCHES]
 METRICS = (
     "episode/turns_mean",
     *(f"episode/{s}_frac" for s in EPISODE_STATUSES),
@@ -28,7 +31,13 @@ METRICS = (
     "episode/tool_calls_mean",
     "episode/tool_errors_mean",
 )
-"""The metric names, in the order `EpisodeCounts.metrics` gives them."""
+"""The metric names, in the order `EpisodeCounts.metrics` gives them (an agent run's also
+`episode/branches_mean`)."""
+
+
+def columns(names: list[str]) -> list[str]:
+    """The columns to read of a shard with these columns."""
+    return [*COLUMNS, *(c for c in AGENT_COLUMNS if c in names)]
 
 
 def has_episodes(names: list[str]) -> bool:
@@ -52,24 +61,31 @@ class EpisodeCounts:
     """Tool calls the environments reported (a turn info's `tool_calls`, a list of names)."""
     tool_errors: int = 0
     """Of those, the ones that failed or did not parse (a turn info's `tool_errors`)."""
+    branches: int | None = None
+    """An agent run's: sequences past each episode's first (calls that did not extend
+    their episode); None for an environment's."""
 
     @classmethod
     def of(cls, rows: pa.Table) -> EpisodeCounts:
-        """The counts of `rows` (a table holding at least `COLUMNS`)."""
+        """The counts of `rows` (a table holding at least `COLUMNS`); an agent episode's
+        sequences (rows) add up to one episode."""
+        agent = BRANCH in rows.column_names
         if rows.num_rows == 0:
-            return cls()
+            return cls(branches=0 if agent else None)
+        episodes = episode_rows(rows)
         mask = rows.column("loss_mask")
         # Sums over the flattened int8 mask widen to int64, so no per-token Python objects.
         total = int(pc.sum(pc.list_value_length(mask)).as_py() or 0)
         model = int(pc.sum(pc.list_flatten(mask)).as_py() or 0)
-        counts = pc.value_counts(rows.column("episode_status")).to_pylist()
+        counts = pc.value_counts(episodes.column("episode_status")).to_pylist()
         return cls(
-            episodes=rows.num_rows,
+            episodes=episodes.num_rows,
             turns=int(pc.sum(rows.column("num_turns")).as_py() or 0),
             statuses={c["values"]: int(c["counts"]) for c in counts if c["values"] is not None},
             model_tokens=model,
             env_tokens=total - model,
             **_tool_counts(rows.column("turn_infos").to_pylist()),
+            branches=rows.num_rows - episodes.num_rows if agent else None,
         )
 
     def merge(self, o: EpisodeCounts) -> EpisodeCounts:
@@ -84,6 +100,9 @@ class EpisodeCounts:
             self.env_tokens + o.env_tokens,
             self.tool_calls + o.tool_calls,
             self.tool_errors + o.tool_errors,
+            None
+            if self.branches is None and o.branches is None
+            else (self.branches or 0) + (o.branches or 0),
         )
 
     def metrics(self) -> dict[str, Any]:
@@ -99,6 +118,7 @@ class EpisodeCounts:
             "episode/env_tokens_mean": self.env_tokens / n,
             "episode/tool_calls_mean": self.tool_calls / n,
             "episode/tool_errors_mean": self.tool_errors / n,
+            **({} if self.branches is None else {"episode/branches_mean": self.branches / n}),
         }
 
 

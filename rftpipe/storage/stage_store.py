@@ -24,6 +24,7 @@ from rftpipe.storage.atomic import (
     verify_shard,
     write_parquet_atomic,
 )
+from rftpipe.storage.branch_rows import BRANCH
 from rftpipe.storage.layout import MANIFEST, RunDir, list_steps, step_name
 
 if TYPE_CHECKING:
@@ -194,11 +195,18 @@ class StageStore:
         # With no rank to read, rank 0's shard still gives the (empty) result its schema.
         table = pa.concat_tables([self.read(step, stage, r) for r in sorted(set(ranks)) or [0]])
         order = {pid: i for i, pid in enumerate(prompt_ids)}
+        # An agent episode's sequences stay in branch order (`storage.branch_rows`).
+        branch = (
+            table.column(BRANCH).to_pylist()
+            if BRANCH in table.column_names
+            else [0] * table.num_rows
+        )
         keys = [
-            (order.get(p, -1), k)
-            for p, k in zip(
+            (order.get(p, -1), k, b)
+            for p, k, b in zip(
                 table.column("prompt_id").to_pylist(),
                 table.column("sample_idx").to_pylist(),
+                branch,
                 strict=True,
             )
         ]
