@@ -375,14 +375,26 @@ def test_the_inspector_shows_an_episodes_sequences(reference: Path, tmp_path: Pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", ["agent_before_call_commit", "agent_after_call_commit"])
+@pytest.mark.parametrize(
+    ("point", "skip"),
+    [
+        # Step 3's first call index (2 a step): generated, then killed before or after its
+        # commit.
+        ("agent_before_call_commit", 4),
+        ("agent_after_call_commit", 4),
+        # Mid-generation: after the first of its 4 engine call groups (one a group).
+        ("agent_mid_call", 16),
+    ],
+)
 def test_sigkill_between_calls_resumes_from_the_record_bitwise(
-    reference: Path, tmp_path: Path, point: str
+    reference: Path, tmp_path: Path, point: str, skip: int
 ) -> None:
     run = tmp_path / "killed"
-    # Step 3's first call index (2 a step): generated, then killed before or after its commit.
-    env = {**TESTS_ON_PATH, "RFTPIPE_FAULT": point, "RFTPIPE_FAULT_SKIP": "4"}
+    env = {**TESTS_ON_PATH, "RFTPIPE_FAULT": point, "RFTPIPE_FAULT_SKIP": str(skip)}
     assert submit(run, *RUN, env=env).returncode != 0
+    # Killed in step 3's rollout: steps 1 and 2 are done.
+    done = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert done == [1, 2]
     out = submit(run, *RUN, env=TESTS_ON_PATH)
     assert out.returncode == 0, out.stderr[-3000:]
     log = events(run)
