@@ -6,6 +6,7 @@ engine boundary, not against itself."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -508,6 +509,33 @@ def test_a_resumed_branch_is_answered_from_the_record(tiny) -> None:
     assert stats.from_record == 4 and stats.engine_calls == [1]
     assert [len(e.branches) for e in want.episodes] == [0, 1]
     _same(got.episodes, want.episodes)
+
+
+@pytest.mark.kernels
+def test_kept_kv_caches_equal_calls_prefilled_whole(tiny) -> None:
+    """The HF loop's kept caches across calls (`rollout.agent.keep_kv_cache`, the default)
+    against every call's whole prompt prefilled again: the same tokens, and logprobs equal
+    up to fp32 rounding, including a group whose second call index starts a new cache (its
+    odd sample branches there) that its third continues."""
+    agent = AgentConfig(
+        path="agents_e2e:even_tokens",
+        kwargs={"calls": 3, "summarize_odd": True},
+        max_total_tokens=400,
+    )
+    kept, _, spy = _run(tiny, agent)
+    assert spy.engine.continues_turns
+    whole, _, spy = _run(tiny, dataclasses.replace(agent, keep_kv_cache=False))
+    assert not spy.engine.continues_turns
+    worst = 0.0
+    for a, b in zip(kept, whole, strict=True):
+        for x, y in zip([*a.branches, a], [*b.branches, b], strict=True):
+            assert (x.prompt_ids, x.response, x.loss_mask) == (
+                y.prompt_ids,
+                y.response,
+                y.loss_mask,
+            )
+            worst = max(worst, *(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)))
+    assert worst < 1e-5, worst
 
 
 def test_a_nondeterministic_agent_fails_or_is_discarded_as_declared(tiny) -> None:

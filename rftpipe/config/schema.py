@@ -583,6 +583,15 @@ class AgentConfig:
     load); `refuse` answers it with HTTP 400 (a template that rewrites earlier text then
     stops the run)."""
 
+    keep_kv_cache: bool = True
+    """Keep each running episode's KV cache from one call to the next (the HF loop), so a
+    call that extends its episode prefills only the tokens added since (the last answer
+    and the agent's new messages), not the whole conversation; a call group in which some
+    episode starts a sequence (or diverged from the record) prefills whole and keeps that.
+    The caches hold every running episode of the rank at once; false prefills the whole
+    prompt at every call. Either way a resumed run is bitwise the uninterrupted one; the
+    two differ in float rounding, so a resume refuses a change of it."""
+
     model: str = "policy"
     """The model name the endpoint serves (another is a 404) and the agent is given."""
 

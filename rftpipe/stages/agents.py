@@ -142,6 +142,10 @@ class _Live:
     before it is `started`, when its process must have started."""
     started: bool = False
     """Its process runs (the pool's `Started` came)."""
+    session: int = -1
+    """The engine's kept cache its rows are in (`_Server.keys_for`; -1: none)."""
+    held: list[int] | None = None
+    """The prompt of its last engine call, which that cache holds."""
     ended: bool = False
     """Its agent returned (or failed, or was killed)."""
 
@@ -172,6 +176,7 @@ def run(
     t0 = time.perf_counter()
     try:
         endpoint.start()
+        server.replay()
         server.start_all()
         turn = inp.resumed_turns
         while True:
@@ -190,6 +195,7 @@ def run(
     finally:
         pool.close()
         endpoint.stop()
+        engine.end_episodes(server.keys_used)
     stats = AgentStats(
         agent_s=time.perf_counter() - t0,
         from_record=server.from_record,
@@ -221,6 +227,12 @@ class _Server:
         self.live: list[_Live] = []
         self.from_record = 0
         self.engine_calls: list[int] = []
+        self.sessions: dict[int, int] = {}
+        """Each call group's current kept cache (`keys_for`)."""
+        self.opened: list[int] = []
+        """The call group of each kept cache opened so far (its id is its index)."""
+        self.keys_used: set[tuple[int, int]] = set()
+        """Every engine key given, (slot, cache id): freed at the stage's end."""
         for g, prompts in enumerate(inp.calls):
             for p in prompts:
                 for k in range(inp.cfg.n) if inp.samples is None else inp.samples:
@@ -456,6 +468,53 @@ class _Server:
         self.answered(lv, a, pc)
         return True
 
+    def keys_for(self, group: int, rows: list[_Live], prompts: list[list[int]]) -> list | None:
+        """The engine keys of one call group's sampled rows (None: the engine keeps no
+        cache). They continue the group's kept cache when every row's prompt extends what
+        its row of that cache holds; otherwise (an episode starts a sequence, or diverged
+        from the record) the call starts a new cache under new keys. A function of the
+        rows' prompts alone, so `replay` rebuilds the same caches from the record."""
+        if not self.engine.continues_turns:
+            return None
+        sid = self.sessions.get(group)
+        extends = sid is not None and all(
+            lv.session == sid
+            and lv.held is not None
+            and len(p) > len(lv.held)
+            and p[: len(lv.held)] == lv.held
+            for lv, p in zip(rows, prompts, strict=True)
+        )
+        if sid is None or not extends:
+            if sid is not None:
+                # Its rows' cache is not continued by any later call.
+                self.engine.end_episodes([k for k in self.keys_used if k[1] == sid])
+            sid = self.sessions[group] = len(self.opened)
+            self.opened.append(group)
+        keys = [(lv.e.slot, sid) for lv in rows]
+        for lv, p in zip(rows, prompts, strict=True):
+            lv.session, lv.held = sid, list(p)
+        self.keys_used.update(keys)
+        return keys
+
+    def replay(self) -> None:
+        """After a restart, rebuild the engine's kept caches: each committed call index's
+        engine calls again, with the rows they had (the episodes that made that call) and
+        their prompts then, prefilled and not sampled."""
+        for c in range(self.inp.resumed_turns):
+            for g in range(len(self.inp.calls)):
+                rows = [
+                    lv
+                    for lv in self.live
+                    if lv.group == g and len(lv.record) > c and not lv.e.greedy
+                ]
+                if not rows:
+                    continue
+                prompts = [lv.record[c].prompt for lv in rows]
+                keys = self.keys_for(g, rows, prompts)
+                if keys is None:
+                    return
+                self.engine.generate_rows(prompts, [0] * len(rows), [0] * len(rows), keys=keys)
+
     def generate(self, pending: list[_Live], turn: int) -> list[Answer]:
         """Call index `turn` of the pending episodes: one engine call per call group (and
         one more for its greedy episodes, if any)."""
@@ -479,10 +538,12 @@ class _Server:
             sampled = [i for i, lv in enumerate(rows) if not lv.e.greedy]
             greedy = [i for i, lv in enumerate(rows) if lv.e.greedy]
             if sampled:
+                prompts = [list(rows[i].pending_ids or []) for i in sampled]
                 got_rows = self.engine.generate_rows(
-                    [rows[i].pending_ids for i in sampled],
+                    prompts,
                     [self._seed(rows[i]) for i in sampled],
                     [limits[i] for i in sampled],
+                    keys=self.keys_for(g, [rows[i] for i in sampled], prompts),
                 )
                 outs.update(zip(sampled, got_rows, strict=True))
                 calls += 1

@@ -68,8 +68,11 @@ class HFGenerateEngine:
         self.pad_id = pad_id
         self.decode = decode
         self.weight_version = 0
-        self.continue_turns = cfg.env is None or cfg.env.keep_kv_cache
-        """False (`rollout.env.keep_kv_cache`): every turn prefills its whole history."""
+        self.continue_turns = (cfg.env is None or cfg.env.keep_kv_cache) and (
+            cfg.agent is None or cfg.agent.keep_kv_cache
+        )
+        """False (`rollout.env.keep_kv_cache`, `rollout.agent.keep_kv_cache`): every turn
+        prefills its whole history."""
         self._sessions: dict[Hashable, _Session] = {}
         """Each live episode's kept cache (one per call: its rows share it), by key."""
 
