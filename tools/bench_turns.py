@@ -32,6 +32,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
 
@@ -161,6 +162,32 @@ def run_side(a: argparse.Namespace, model: Any, tok: Any, continued: bool) -> di
     }
 
 
+def side_by_side(
+    run: Callable[[bool], dict[str, Any]], runs: int
+) -> tuple[dict[bool, list[dict[str, Any]]], dict[str, Any]]:
+    """Both sides (True: the cache kept, False: re-prefilled) alternating run by run after
+    one warm-up each: each side's runs (dicts with `tokens` and `logprobs`), and whether
+    the two sides' first runs sampled the same tokens and their largest logprob
+    difference."""
+    for kept in (True, False):  # warm-up
+        run(kept)
+    results: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+    for _ in range(runs):
+        for kept in (True, False):
+            results[kept].append(run(kept))
+    a, b = results[True][0], results[False][0]
+    pairs = zip(a["logprobs"], b["logprobs"], strict=True)
+    return results, {
+        "tokens_equal": a["tokens"] == b["tokens"],
+        "logprob_abs_diff_max": max((abs(x - y) for x, y in pairs), default=0.0),
+    }
+
+
+def medians(runs: list[dict[str, Any]], per_call: str, count: int) -> list[float]:
+    """The median over `runs` of each of the first `count` entries of their `per_call`."""
+    return [round(statistics.median(r[per_call][c] for r in runs), 4) for c in range(count)]
+
+
 def smollm2_shape() -> Any:
     """A random-init model of SmolLM2-135M's shape (`tools.mfu.SHAPES["135m"]`) with the
     tiny tokenizer, in a temporary directory."""
@@ -202,22 +229,8 @@ def main() -> None:
     path = builders[a.model]()
     model = load_causal_lm(path, "float32").to(a.device)
     tok = load_tokenizer(path)
-    results: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
-    for s in SIDES:  # warm-up
-        run_side(a, model, tok, s == "continued")
-    for _ in range(a.runs):
-        for s in SIDES:
-            results[s].append(run_side(a, model, tok, s == "continued"))
-    first = {s: results[s][0] for s in SIDES}
-    diff = max(
-        (
-            abs(x - y)
-            for x, y in zip(
-                first["continued"]["logprobs"], first["reprefill"]["logprobs"], strict=True
-            )
-        ),
-        default=0.0,
-    )
+    results, same = side_by_side(lambda kept: run_side(a, model, tok, kept), a.runs)
+    first = results[True][0]
     out: dict[str, Any] = {
         "model": a.model,
         "device": a.device,
@@ -225,17 +238,14 @@ def main() -> None:
         "episodes": a.episodes,
         "turns": a.turns,
         "max_new": a.max_new,
-        "prompt_tokens": first["continued"]["prompt_tokens"],
-        "obs_tokens": first["continued"]["obs_tokens"],
-        "tokens_equal": first["continued"]["tokens"] == first["reprefill"]["tokens"],
-        "logprob_abs_diff_max": diff,
+        "prompt_tokens": first["prompt_tokens"],
+        "obs_tokens": first["obs_tokens"],
+        **same,
     }
-    for s in SIDES:
-        runs = results[s]
+    for s, kept in zip(SIDES, (True, False), strict=True):
+        runs = results[kept]
         out[s] = {
-            "turn_s": [
-                round(statistics.median(r["turns"][t] for r in runs), 4) for t in range(a.turns)
-            ],
+            "turn_s": medians(runs, "turns", a.turns),
             "episodes_s": round(statistics.median(r["total"] for r in runs), 4),
         }
     print(json.dumps(out))

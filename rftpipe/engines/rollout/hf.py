@@ -216,7 +216,8 @@ class HFGenerateEngine:
         earlier turn's longest chunk, at 2 x layers x KV heads x head dim values a position
         (SmolLM2-135M in fp32: 45 KiB); re-prefilling holds one call's rows at a time. An
         episode's row is freed when it ends (`end_episodes`), and all at the stage's end,
-        on `sleep` and on new weights. `rollout.env.keep_kv_cache=false` turns it off.
+        on `sleep` and on new weights. `rollout.env.keep_kv_cache=false` (for agents,
+        `rollout.agent.keep_kv_cache=false`) turns it off.
         """
         return self.continue_turns
 
