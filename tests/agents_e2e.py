@@ -33,12 +33,13 @@ async def even_tokens(
     tools: bool = False,
     fail_if: str = "",
     summarize_odd: bool = False,
+    stop: list[str] | None = None,
 ) -> float:
     """`calls` chat calls, each answer appended as returned and followed by a user turn;
     the reward is the mean share of even token ids in the answers. Raises before its first
     call while the file `fail_if` exists. With `summarize_odd`, an odd sample's agent
     replaces its history by a summary before its second call (a rewritten history: the
-    episode's next sequence)."""
+    episode's next sequence). `stop` is every call's stop strings."""
     if fail_if and os.path.exists(fail_if):
         raise RuntimeError("told to fail")
     messages: list[dict[str, Any]] = [dict(m) for m in task["messages"]]
@@ -66,6 +67,7 @@ async def even_tokens(
             messages=messages,
             max_tokens=max_tokens,
             tools=schema if tools else None,
+            stop=stop,
             extra_body={"return_token_ids": True},
         )
         choice = r.choices[0]
@@ -81,6 +83,7 @@ async def even_tokens(
                 "token_ids": ids,
                 "content": choice.message.content,
                 "tool_calls": [c.function.name for c in choice.message.tool_calls or []],
+                "finish_reason": choice.finish_reason,
             },
         )
         score += sum(1 for t in ids if t % 2 == 0) / max(1, len(ids))

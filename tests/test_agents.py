@@ -538,6 +538,41 @@ def test_kept_kv_caches_equal_calls_prefilled_whole(tiny) -> None:
     assert worst < 1e-5, worst
 
 
+def test_a_requests_stop_string_ends_the_answer_where_it_is_completed(tiny, tmp_path: Path) -> None:
+    """A ReAct-style agent stops at "Observation:": the answer ends at the token that
+    completes it (kept in the record and in `token_ids`, left out of the text, as OpenAI's
+    API answers), the tokens sampled after it are not recorded, and the next call extends
+    the episode from there."""
+    _, tok = tiny
+    log = tmp_path / "calls.jsonl"
+    agent = AgentConfig(
+        path="agents_e2e:even_tokens",
+        kwargs={"calls": 2, "log": str(log), "stop": ["Observation:"]},
+        max_total_tokens=400,
+    )
+    text = "Thought: add them\nObservation: 42, and more"
+    script = [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    eps, _, spy = run_agent_episodes(
+        tiny, agent, n=1, prompts=1, max_new=40, script={(0, 0): script}
+    )
+    (e,) = eps
+    first = _lines(log)[0]
+    assert first["content"] == "Thought: add them\n" and first["finish_reason"] == "stop"
+    kept = first["token_ids"]
+    # The prefix of what the engine sampled that ends with the token completing the stop
+    # string, and nothing after it.
+    assert kept == spy.calls[0][0][1][: len(kept)] and len(kept) < len(script)
+    assert tok.decode(kept).endswith("Observation:") and not tok.decode(kept[:-1]).endswith(
+        "Observation:"
+    )
+    assert e.response[e.turn_offsets[0] : e.turn_offsets[0] + len(kept)] == kept
+    assert e.loss_mask[e.turn_offsets[0] + len(kept)] == 0
+    # The second call extends the record (no EOS was sampled: the template closes the turn).
+    assert spy.calls[1][0][0] == e.prompt_ids + e.response[: e.turn_offsets[1]]
+    closing = tok.decode(e.response[e.turn_offsets[0] + len(kept) : e.turn_offsets[1]])
+    assert closing.startswith("<|im_end|>") and "Again, more even (1)." in closing
+
+
 def test_a_nondeterministic_agent_fails_or_is_discarded_as_declared(tiny) -> None:
     fail = AgentConfig(path="agents_e2e:flaky")
     resume, _ = _resumable(tiny, fail, kill_after=2, n=1)

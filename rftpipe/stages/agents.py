@@ -44,12 +44,14 @@ import queue
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from rftpipe.agents.pool import AgentProcesses, AgentSpec, Failed, Finished, Started
 from rftpipe.agents.server import Answer, ChatCall, Endpoint, Limits, PendingCall, TokenCall
 from rftpipe.config.schema import AgentConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt
+from rftpipe.engines.rollout.hf import last_token_stops, stop_length
 from rftpipe.envs.tools import PARSERS, without_calls
 from rftpipe.errors import UserError
 from rftpipe.faults import fault
@@ -223,6 +225,8 @@ class _Server:
         self.start_s = max(_START_S, self.acfg.timeout_s)
         """How long an episode's process may take to start (`_START_S`)."""
         self.eos = eos_ids(tokenizer, inp.cfg)
+        self.decode = partial(tokenizer.decode, skip_special_tokens=False)
+        """What stop strings are found in (the engine's own decode)."""
         self.parse = PARSERS[self.acfg.tool_parser]
         self.live: list[_Live] = []
         self.from_record = 0
@@ -556,9 +560,17 @@ class _Server:
             fault("agent_mid_call")
             for lv, out in zip(rows, (outs[i] for i in range(len(rows))), strict=True):
                 assert lv.pending is not None
-                got[lv.e.slot] = self._take(
-                    lv, lv.pending.call, list(out.tokens), list(out.logprobs), out.finish_reason
-                )
+                tokens, logprobs, reason = list(out.tokens), list(out.logprobs), out.finish_reason
+                if lv.pending.call.stop:
+                    # The request's stop strings: the tokens after the one that completes
+                    # one were never needed (each token depends on those before it alone),
+                    # so ending there is having stopped there.
+                    k = stop_length(self.decode, tokens, lv.pending.call.stop)
+                    if k < len(tokens) or (
+                        k and last_token_stops(self.decode, tokens, lv.pending.call.stop)
+                    ):
+                        tokens, logprobs, reason = tokens[:k], logprobs[:k], "stop"
+                got[lv.e.slot] = self._take(lv, lv.pending.call, tokens, logprobs, reason)
         self.engine_calls.append(calls)
         return [got[lv.e.slot] for lv in pending]
 
@@ -602,21 +614,27 @@ class _Server:
         action = self.tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
         if isinstance(call, ChatCall):
             e.text = lv.pending_text  # rendered by `_render`
+        # The sampled text, stop string included, is the episode's (its template text);
+        # the agent is answered without the stop string, as OpenAI's API answers.
         e.last_action = action
+        shown = action
+        if call.stop and tokens and last_token_stops(self.decode, tokens, call.stop):
+            stopped = True
+            shown = action[: min(i for s in call.stop if (i := action.find(s)) >= 0)]
         # A malformed call comes back as no calls (and why), so the answer is its text.
-        calls, _ = self.parse(action) if isinstance(call, ChatCall) else ([], None)
+        calls, _ = self.parse(shown) if isinstance(call, ChatCall) else ([], None)
         tool_calls = [
             (f"call_{lv.calls}_{j}", c.name, json.dumps(c.arguments, ensure_ascii=False))
             for j, c in enumerate(calls)
         ]
-        content = without_calls(action, self.acfg.tool_parser) if tool_calls else action
+        content = without_calls(shown, self.acfg.tool_parser) if tool_calls else shown
         finish = "tool_calls" if tool_calls else ("stop" if stopped else "length")
         answer = Answer(
             prompt_token_ids=list(ids),
             token_ids=list(tokens),
             logprobs=list(logprobs),
             token_texts=[self.tokenizer.decode([t]) for t in tokens] if call.logprobs else [],
-            text=action,
+            text=shown,
             content=content or (None if tool_calls else ""),
             tool_calls=tool_calls,
             finish_reason=finish,
