@@ -373,6 +373,8 @@ def test_the_inspector_shows_an_episodes_sequences(reference: Path, tmp_path: Pa
     inspect("html", "--step", "1", "--limit", "3", "--out", page)
     html = page.read_text()
     assert 'data-sample="1" data-branch="1"' in html and "sequence 2 of 2" in html
+    # The second sequence's own prompt: the summary that replaced the history.
+    assert html.count("this sequence's prompt") == 1 and "Summary: one answer" in html
 
 
 @pytest.mark.slow

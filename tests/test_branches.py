@@ -172,3 +172,16 @@ def test_episode_counts_count_episodes_and_branches() -> None:
         "episode/branches_mean"
         not in EpisodeCounts.of(_table().drop(["branch", "branches"])).metrics()
     )
+
+
+def test_a_prompt_met_twice_in_a_step_trains_each_of_its_episodes_once() -> None:
+    """A step that straddles an epoch boundary may hold a prompt twice: each occurrence of
+    a sample in the global order takes the next of its episodes on this rank."""
+    t = _table().take([0, 1, 0, 1, 6])  # prompt 1's sample 0 twice (two sequences each)
+    samples = [(1, 0), (1, 0), (2, 0)]
+    inp = TrainInputs(
+        step=1, run_seed=0, table=t, global_samples=samples, kl_coef=0.0, temperature=1.0
+    )
+    plan = minibatch_plan(inp, 0, 3)
+    assert sorted(i for mb in plan for i in mb) == [0, 1, 2, 3, 4]
+    assert sorted(sorted(mb) for mb in plan) == [[0, 1], [2, 3], [4]]

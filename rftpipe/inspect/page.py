@@ -188,7 +188,12 @@ def sample_html(r: dict[str, Any], components: Sequence[str], multi_turn: bool) 
             f"turn(s), return {esc(num(r['env_reward']))}, {model} model + "
             f"{len(mask) - model} environment tokens</p>"
         )
-        _, turns = episode_turns(r)
+        prompt, turns = episode_turns(r)
+        if r.get("branch"):
+            # A later sequence of an agent episode starts from a conversation of its own
+            # (a rewritten history), not from the group's prompt shown above.
+            parts.append('<div class="label">this sequence\'s prompt</div>')
+            parts.extend(message_html(m) for m in prompt)
         for t, turn in enumerate(turns, 1):
             span_adv = adv[turn.start : turn.end] if adv is not None else None
             parts.append(
