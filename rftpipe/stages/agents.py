@@ -561,15 +561,13 @@ class _Server:
             for lv, out in zip(rows, (outs[i] for i in range(len(rows))), strict=True):
                 assert lv.pending is not None
                 tokens, logprobs, reason = list(out.tokens), list(out.logprobs), out.finish_reason
-                if lv.pending.call.stop:
-                    # The request's stop strings: the tokens after the one that completes
-                    # one were never needed (each token depends on those before it alone),
-                    # so ending there is having stopped there.
-                    k = stop_length(self.decode, tokens, lv.pending.call.stop)
-                    if k < len(tokens) or (
-                        k and last_token_stops(self.decode, tokens, lv.pending.call.stop)
-                    ):
-                        tokens, logprobs, reason = tokens[:k], logprobs[:k], "stop"
+                # The request's stop strings: the tokens after the one that completes one
+                # were never needed (each token depends on those before it alone), so
+                # ending there is having stopped there.
+                stop = lv.pending.call.stop
+                k = stop_length(self.decode, tokens, stop) if stop else 0
+                if k and last_token_stops(self.decode, tokens[:k], stop):
+                    tokens, logprobs, reason = tokens[:k], logprobs[:k], "stop"
                 got[lv.e.slot] = self._take(lv, lv.pending.call, tokens, logprobs, reason)
         self.engine_calls.append(calls)
         return [got[lv.e.slot] for lv in pending]
