@@ -35,12 +35,12 @@ from helpers import (
 )
 
 from rftpipe.config.loader import ConfigError, load_config
-from rftpipe.config.schema import AgentConfig, RolloutConfig, RunConfig
+from rftpipe.config.schema import AgentConfig, EvalConfig, RewardConfig, RolloutConfig, RunConfig
 from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
 from rftpipe.engines.rollout.hf import HFGenerateEngine
 from rftpipe.engines.train.forward import build_micro_batch, response_logprobs
 from rftpipe.errors import UserError
-from rftpipe.stages import agents, rollout
+from rftpipe.stages import agents, evaluation, rollout
 from rftpipe.storage.episode_stats import EpisodeCounts
 
 
@@ -710,6 +710,31 @@ def test_held_out_greedy_episodes_draw_nothing(tiny) -> None:
     (g0, s0), (g1, s1) = go(0), go(1)
     assert g0.greedy and g0.sample_idx == -1 and len(g0.turn_offsets) == 2
     assert g0.response == g1.response and s0.response != s1.response
+
+
+def test_held_out_evaluation_counts_a_branched_episodes_calls(tiny) -> None:
+    """The greedy episode (-1, an odd sample) summarises before its second call: its row
+    holds its last sequence (2 calls) and counts all 3 of its calls in `num_turns`."""
+    model, tok = tiny
+    agent = AgentConfig(
+        path="agents_e2e:even_tokens",
+        kwargs={"calls": 3, "summarize_odd": True},
+        max_total_tokens=400,
+    )
+    cfg = RolloutConfig(n=1, max_new_tokens=6, agent=agent)
+    engine = HFGenerateEngine(model, cfg, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    inp = evaluation.EvalInputs(
+        step=1,
+        rank=0,
+        run_seed=0,
+        prompts=episode_prompts(tok, 1),
+        eval=EvalConfig(size=1, samples=1, k=(1,), metric="env", threshold=0.5),
+        rollout=cfg,
+        reward=RewardConfig(functions=()),
+    )
+    rows = {r["sample_idx"]: r for r in evaluation.run(engine, tok, {}, inp).to_pylist()}
+    assert rows[-1]["num_turns"] == 3 and len(rows[-1]["turn_offsets"]) == 2
+    assert rows[0]["num_turns"] == 3 and len(rows[0]["turn_offsets"]) == 3
 
 
 # Spaced unlike json.dumps: the arguments parsed to JSON and rendered back are other text.

@@ -11,7 +11,8 @@ problem (each turn the greedy continuation, `engine.greedy_rows`) and `eval.samp
 sampled ones (turn t of sample k of problem p drawn from (run seed, step, "eval", p, k, t);
 the environment reset with (run seed, step, "eval", p, k)). Rows add the rollout's episode
 columns (`num_turns`, `episode_status`, `messages`, ...); `response` is the last action's
-text and `response_token_ids` the whole episode's tokens, both roles. The score stage adds
+text and `response_token_ids` the whole episode's tokens, both roles (an agent episode
+that branched: its last sequence's, and `num_turns` counts the calls of all of them). The score stage adds
 the environment's return (`reward_env`), so `eval.metric: env` evaluates an
 environment-only reward. The stage's episodes are not durable turn by turn: the stage
 commits once, and a run killed during it runs the whole evaluation again, to the same rows
@@ -222,6 +223,9 @@ def _episode_table(
             "metadata": json.dumps(e.prompt.metadata, sort_keys=True, default=str),
             "weight_version": engine.weight_version,
             **episodes.turn_columns(e),
+            # An agent episode that branched holds its last sequence's turn structure; it
+            # took the calls of all of its sequences.
+            "num_turns": sum(len(s.turn_offsets) for s in [*e.branches, e]),
         }
         for name, value in row.items():
             cols[name].append(value)
