@@ -40,8 +40,10 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,36 @@ class StepCost:
         return self.advantage + self.train + (self.recompute if k >= 1 else 0.0)
 
 
+Schedule = Literal["sequential", "overlap", "disaggregated"]
+
+
+def _sequential(k: int, gen: StepCost, train: StepCost, handoff_s: float) -> float:
+    return gen.generation + train.training(k) + train.sync
+
+
+def _overlap(k: int, gen: StepCost, train: StepCost, handoff_s: float) -> float:
+    if k < 1:
+        raise ValueError("overlap needs k >= 1")
+    return max(gen.generation, train.training(k)) + train.sync
+
+
+def _disaggregated(k: int, gen: StepCost, train: StepCost, handoff_s: float) -> float:
+    return _steady(
+        pipeline(k, gen.generation, train.training(k) + train.sync, handoff_s, 24 * (k + 1)), k
+    )
+
+
+SCHEDULES: dict[Schedule, Callable[[int, StepCost, StepCost, float], float]] = {
+    "sequential": _sequential,
+    "overlap": _overlap,
+    "disaggregated": _disaggregated,
+}
+"""Each schedule's steady seconds per step from (k, generation's cost, training's cost,
+the weights' hand-off seconds)."""
+
+
 def steady_step(
-    schedule: str,
+    schedule: Schedule,
     k: int,
     gen: StepCost,
     train: StepCost | None = None,
@@ -73,18 +103,9 @@ def steady_step(
 ) -> float:
     """The steady seconds per step. `gen` is the cost on the generating share of the
     machine, `train` on the training share (default: the same share, `gen`)."""
-    train = train or gen
-    if schedule == "sequential":
-        return gen.generation + train.training(k) + train.sync
-    if schedule == "overlap":
-        if k < 1:
-            raise ValueError("overlap needs k >= 1")
-        return max(gen.generation, train.training(k)) + train.sync
-    if schedule == "disaggregated":
-        return _steady(
-            pipeline(k, gen.generation, train.training(k) + train.sync, handoff_s, 24 * (k + 1)), k
-        )
-    raise ValueError(f"unknown schedule {schedule!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}")
+    return SCHEDULES[schedule](k, gen, train or gen, handoff_s)
 
 
 def _steady(ends: list[float], k: int) -> float:
@@ -112,7 +133,7 @@ def pipeline(
 # -- part 1: the CPU check ----------------------------------------------------------------
 
 #: bench variant -> (schedule, k, share of each role: "both" or "one" core).
-CPU_VARIANTS: dict[str, tuple[str, int, str]] = {
+CPU_VARIANTS: dict[str, tuple[Schedule, int, str]] = {
     "k1": ("sequential", 1, "both"),
     "k2": ("sequential", 2, "both"),
     "k1-overlap": ("overlap", 1, "one"),
