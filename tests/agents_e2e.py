@@ -33,13 +33,15 @@ async def even_tokens(
     tools: bool = False,
     fail_if: str = "",
     summarize_odd: bool = False,
+    odd_prompts_only: bool = False,
     stop: list[str] | None = None,
 ) -> float:
     """`calls` chat calls, each answer appended as returned and followed by a user turn;
     the reward is the mean share of even token ids in the answers. Raises before its first
     call while the file `fail_if` exists. With `summarize_odd`, an odd sample's agent
     replaces its history by a summary before its second call (a rewritten history: the
-    episode's next sequence). `stop` is every call's stop strings."""
+    episode's next sequence); with `odd_prompts_only` too, only those of odd prompt ids.
+    `stop` is every call's stop strings."""
     if fail_if and os.path.exists(fail_if):
         raise RuntimeError("told to fail")
     messages: list[dict[str, Any]] = [dict(m) for m in task["messages"]]
@@ -59,7 +61,8 @@ async def even_tokens(
     ]
     score = 0.0
     for i in range(calls):
-        if summarize_odd and i == 1 and task["sample_idx"] % 2:
+        odd = task["sample_idx"] % 2 and (task["prompt_id"] % 2 or not odd_prompts_only)
+        if summarize_odd and i == 1 and odd:
             summary = f"Summary: one answer, {score:.2f} of its ids even. Go on."
             messages = [*(dict(m) for m in task["messages"]), {"role": "user", "content": summary}]
         r = await client.chat.completions.create(

@@ -274,8 +274,9 @@ def test_a_failing_agent_stops_the_run_with_one_line(tiny) -> None:
 
 RUN = (
     "rollout.agent.path=agents_e2e:even_tokens",
-    # Odd samples' agents rewrite their history before their second call: a branch.
-    "rollout.agent.kwargs={calls: 2, max_tokens: 6, summarize_odd: true}",
+    # Odd samples' agents of odd prompts rewrite their history before their second call (a
+    # branch, whose group's KV cache is then prefilled anew); other groups continue theirs.
+    "rollout.agent.kwargs={calls: 2, max_tokens: 6, summarize_odd: true, odd_prompts_only: true}",
     "rollout.agent.max_total_tokens=96",
     "reward.functions=[]",
     "total_steps=4",
@@ -319,11 +320,16 @@ def test_an_agent_run_trains_on_its_calls(reference: Path) -> None:
     assert [r["rollout/reward_env"] for r in rows] == [r["rollout/reward_mean"] for r in rows]
     # 4 engine call groups (prompts_per_step 4, groups_per_call 1) x 2 call indices.
     assert all(r["agent/engine_calls"] == 8 and r["perf/agent_s"] > 0 for r in rows)
-    # Half the episodes (the odd samples) branch at their second call: 8 a step.
-    assert all(r["agent/branches"] == 8 and r["episode/branches_mean"] == 0.5 for r in rows)
     t = trajectories(reference).to_pandas()
-    assert len(t) == 4 * 24
-    even, odd = t[t["sample_idx"] % 2 == 0], t[t["sample_idx"] % 2 == 1]
+    t["odd"] = (t["sample_idx"] % 2 == 1) & (t["prompt_id"] % 2 == 1)
+    # The odd samples of odd prompts branch at their second call; every step, including
+    # step 3 (where the SIGKILL tests below kill), has groups that do and groups that do not.
+    for r in rows:
+        step = t[t["step"] == r["step"]]
+        assert r["agent/branches"] == (step["branch"] == 1).sum()
+        assert r["episode/branches_mean"] == r["agent/branches"] / 16
+        assert 0 < step[step["odd"]]["prompt_id"].nunique() < 4
+    even, odd = t[~t["odd"]], t[t["odd"]]
     assert (even["num_turns"] == 2).all() and (even["branches"] == 1).all()
     assert (odd["num_turns"] == 1).all() and (odd["branches"] == 2).all()
     # An episode's sequences share its reward (paid on its last call: the first
@@ -365,16 +371,19 @@ def test_the_inspector_shows_an_episodes_sequences(reference: Path, tmp_path: Pa
         assert s["rollout/samples"] == 16
         for k in ("rollout/reward_mean", "episode/branches_mean", "episode/turns_mean"):
             assert s[k] == pytest.approx(m[k], rel=1e-12), k
-    text = inspect("samples", "--step", "1", "--limit", "3")
+    t = trajectories(reference).to_pandas()
+    # A prompt of step 1 with an odd id: its odd samples (1 and 3 of 4) branched.
+    odd = str(int(t[(t["step"] == 1) & (t["prompt_id"] % 2 == 1)]["prompt_id"].min()))
+    text = inspect("samples", "--step", "1", "--prompt-id", odd)
     heads = [line for line in text.splitlines() if line.startswith("== ")]
-    assert "sample 0  reward" in heads[0]
+    assert len(heads) == 6 and "sample 0  reward" in heads[0]
     assert "sample 1  sequence 1 of 2" in heads[1] and "sample 1  sequence 2 of 2" in heads[2]
     page = tmp_path / "page.html"
-    inspect("html", "--step", "1", "--limit", "3", "--out", page)
+    inspect("html", "--step", "1", "--prompt-id", odd, "--out", page)
     html = page.read_text()
     assert 'data-sample="1" data-branch="1"' in html and "sequence 2 of 2" in html
-    # The second sequence's own prompt: the summary that replaced the history.
-    assert html.count("this sequence's prompt") == 1 and "Summary: one answer" in html
+    # Each second sequence's own prompt: the summary that replaced the history.
+    assert html.count("this sequence's prompt") == 2 and "Summary: one answer" in html
 
 
 @pytest.mark.slow
