@@ -17,7 +17,7 @@ from rftpipe.config.schema import AdvantageConfig, KLConfig, RewardConfig, RunCo
 from rftpipe.rewards import resolve_all
 from rftpipe.stages import advantage, score
 from rftpipe.stages.batching import TrainInputs, minibatch_plan
-from rftpipe.storage.branch_rows import episode_rows, last_flags, last_row_index
+from rftpipe.storage.branch_rows import episode_rows, last_flags, last_row_index, last_rows
 from rftpipe.storage.episode_stats import EpisodeCounts
 
 # (prompt_id, sample_idx, branch, branches, response length, env_reward): prompt 1's sample 0
@@ -71,6 +71,7 @@ def test_an_episodes_rows_are_found_by_its_last() -> None:
     t = _table()
     assert last_flags(t) == [False, True, True, False, False, True, True, True]
     assert episode_rows(t).num_rows == 5
+    assert last_rows(t) == [1, 1, 2, 5, 5, 5, 6, 7]
     assert last_row_index(t) == [0, 0, 1, 2, 2, 2, 3, 4]
     broken = t.take([1, 0, 2])  # branch 1 before branch 0
     with pytest.raises(ValueError, match="branch 0 of 2 is not followed"):

@@ -18,8 +18,9 @@ concurrent call would make its turns' order ambiguous (409).
 
 The served policy always samples at the run's own temperature and top_p: RL must train on
 the distribution it sampled from. The request's sampling values are passed through in the
-call for the stage to decide on (it honours `stop` and `max_tokens`), never refused; other sampling knobs (top_k, penalties,
-seed, response_format, structured outputs, ...) are ignored for the same reason. What the
+call for the stage to decide on (it honours `stop` and `max_tokens`), never refused; other
+sampling knobs (top_k, penalties, seed, response_format, structured outputs, ...) are
+ignored for the same reason. What the
 server refuses is what it cannot answer truthfully: more than `Limits.max_n`
 choices, top-k logprobs, prompt logprobs, images and audio.
 

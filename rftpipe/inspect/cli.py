@@ -77,7 +77,8 @@ from rftpipe.inspect.summary import InspectError, Run, open_run, summarize
 from rftpipe.inspect.verify import verify_run
 from rftpipe.stages import ORDER as STAGES
 from rftpipe.stages.generation import ahead_line, generated_ahead
-from rftpipe.storage.branch_rows import BRANCH, BRANCHES
+from rftpipe.storage import branch_rows
+from rftpipe.storage.branch_rows import BRANCH
 from rftpipe.storage.episode_stats import has_episodes
 from rftpipe.storage.layout import IMAGES_COLUMN
 from rftpipe.storage.stage_store import StageStore
@@ -187,7 +188,7 @@ def select_samples(run: Run, args: argparse.Namespace, columns: list[str]) -> pa
     """Filtered rows in a stable order: by reward for --best/--worst, else by step,
     prompt_id, sample_idx (and an agent episode's sequences in branch order, `branch`);
     then cut to --best/--worst K or --limit N."""
-    branched = [c for c in (BRANCH, BRANCHES) if c in run.dataset.schema.names]
+    branched = [c for c in branch_rows.COLUMNS if c in run.dataset.schema.names]
     cols = list(dict.fromkeys(["step", "prompt_id", "sample_idx", *branched, "reward", *columns]))
     table = run.dataset.to_table(columns=cols, filter=sample_filter(run, args))
     key = [("step", "ascending"), ("prompt_id", "ascending"), ("sample_idx", "ascending")]

@@ -24,7 +24,7 @@ from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepP
 from rftpipe.stages.batching import model_token_mask, pad_ragged, turn_tokens
 from rftpipe.stages.images import RowImages, image_rows
 from rftpipe.storage.baseline_rows import baseline_flags
-from rftpipe.storage.branch_rows import has_branches, last_flags, last_row_index
+from rftpipe.storage.branch_rows import has_branches, last_rows
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
 """Response logprobs of (prompts, responses) under some model: the reference, or the actor."""
@@ -134,7 +134,10 @@ def run(
     if has_branches(scored):
         # An agent episode of several sequences: one advantage per episode, on all of them.
         adv = compute_episode_advantages(
-            cfg.advantage.estimator, inputs, _last_rows(scored), reduce_sum=reduce_sum
+            cfg.advantage.estimator,
+            inputs,
+            torch.tensor(last_rows(scored), dtype=torch.int64),
+            reduce_sum=reduce_sum,
         )
     else:
         adv = compute_advantages(cfg.advantage.estimator, inputs, reduce_sum=reduce_sum)
@@ -150,12 +153,6 @@ def run(
         )
         metrics = {**metrics, **_value_metrics(values, returns, mask, reduce_sum)}
     return table, metrics
-
-
-def _last_rows(table: pa.Table) -> torch.Tensor:
-    """Each row's episode's last row, as a row index of `table`."""
-    last = [i for i, f in enumerate(last_flags(table)) if f]
-    return torch.tensor([last[j] for j in last_row_index(table)], dtype=torch.int64)
 
 
 def _value_metrics(

@@ -108,9 +108,6 @@ class AgentStats:
     """Calls answered from the committed record after a restart."""
     engine_calls: list[int]
     """Engine calls made at each call index this process ran."""
-    branches: int = 0
-    """Calls that started a new sequence of their episode (a restart counts the recorded
-    ones again, as its rows hold them)."""
 
 
 @dataclass(slots=True)
@@ -202,7 +199,6 @@ def run(
         agent_s=time.perf_counter() - t0,
         from_record=server.from_record,
         engine_calls=server.engine_calls,
-        branches=sum(len(lv.e.branches) for lv in server.live),
     )
     return EpisodeOutput(episodes=[lv.e for lv in server.live], env_s=stats.agent_s), stats
 
@@ -233,8 +229,8 @@ class _Server:
         self.engine_calls: list[int] = []
         self.sessions: dict[int, int] = {}
         """Each call group's current kept cache (`keys_for`)."""
-        self.opened: list[int] = []
-        """The call group of each kept cache opened so far (its id is its index)."""
+        self.caches = 0
+        """Kept caches opened so far (the next one's id)."""
         self.keys_used: set[tuple[int, int]] = set()
         """Every engine key given, (slot, cache id): freed at the stage's end."""
         for g, prompts in enumerate(inp.calls):
@@ -492,8 +488,8 @@ class _Server:
             if sid is not None:
                 # Its rows' cache is not continued by any later call.
                 self.engine.end_episodes([k for k in self.keys_used if k[1] == sid])
-            sid = self.sessions[group] = len(self.opened)
-            self.opened.append(group)
+            sid = self.sessions[group] = self.caches
+            self.caches += 1
         keys = [(lv.e.slot, sid) for lv in rows]
         for lv, p in zip(rows, prompts, strict=True):
             lv.session, lv.held = sid, list(p)

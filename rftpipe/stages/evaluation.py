@@ -12,9 +12,9 @@ sampled ones (turn t of sample k of problem p drawn from (run seed, step, "eval"
 the environment reset with (run seed, step, "eval", p, k)). Rows add the rollout's episode
 columns (`num_turns`, `episode_status`, `messages`, ...); `response` is the last action's
 text and `response_token_ids` the whole episode's tokens, both roles (an agent episode
-that branched: its last sequence's, and `num_turns` counts the calls of all of them). The score stage adds
-the environment's return (`reward_env`), so `eval.metric: env` evaluates an
-environment-only reward. The stage's episodes are not durable turn by turn: the stage
+that branched: its last sequence's, and `num_turns` counts the calls of all of them). The
+score stage adds the environment's return (`reward_env`), so `eval.metric: env` evaluates
+an environment-only reward. The stage's episodes are not durable turn by turn: the stage
 commits once, and a run killed during it runs the whole evaluation again, to the same rows
 (every episode is a function of its seeds and the step's weights).
 """

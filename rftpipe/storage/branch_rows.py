@@ -19,6 +19,8 @@ BRANCH = "branch"
 """int32: the row's sequence within its episode (0 first)."""
 BRANCHES = "branches"
 """int32: how many sequences its episode has (1: it never branched)."""
+COLUMNS = (BRANCH, BRANCHES)
+"""The columns an agent run's rows add."""
 
 
 def has_branches(table: pa.Table) -> bool:
@@ -48,10 +50,10 @@ def episode_rows(table: pa.Table) -> pa.Table:
     return table.filter(pa.array(last_flags(table), pa.bool_()))
 
 
-def last_row_index(table: pa.Table) -> list[int]:
-    """Each row: the index, within `episode_rows(table)`, of its episode's last row. An
-    episode's rows are consecutive in branch order (`ValueError` otherwise: a table not
-    written by the rollout stage)."""
+def last_rows(table: pa.Table) -> list[int]:
+    """Each row: the index in `table` of its episode's last row. An episode's rows are
+    consecutive in branch order (`ValueError` otherwise: a table not written by the
+    rollout stage)."""
     if BRANCH not in table.column_names:
         return list(range(table.num_rows))
     branch = table.column(BRANCH).to_pylist()
@@ -64,7 +66,6 @@ def last_row_index(table: pa.Table) -> list[int]:
         )
     )
     out: list[int] = []
-    last = -1
     for i, (b, n) in enumerate(zip(branch, count, strict=True)):
         end = i + n - 1 - b
         if not (0 <= b < n and end < len(branch) and keys[end] == keys[i]):
@@ -72,7 +73,12 @@ def last_row_index(table: pa.Table) -> list[int]:
                 f"row {i} (prompt_id {keys[i][0]} sample_idx {keys[i][1]}): branch {b} of "
                 f"{n} is not followed by its episode's later branches"
             )
-        if b == 0:
-            last += 1
-        out.append(last)
+        out.append(end)
     return out
+
+
+def last_row_index(table: pa.Table) -> list[int]:
+    """Each row: the index, within `episode_rows(table)`, of its episode's last row."""
+    ends = last_rows(table)
+    position = {end: j for j, end in enumerate(sorted(set(ends)))}
+    return [position[end] for end in ends]

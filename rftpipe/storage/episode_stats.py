@@ -14,15 +14,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rftpipe.storage.branch_rows import BRANCH, BRANCHES, episode_rows
+from rftpipe.storage import branch_rows
+from rftpipe.storage.branch_rows import BRANCH, episode_rows
 from rftpipe.storage.layout import is_episode_shard
 
 EPISODE_STATUSES = ("done", "max_turns", "truncated", "error")
 """How an episode can end (`episode_status`); each has its `episode/<status>_frac`."""
 COLUMNS = ["num_turns", "episode_status", "loss_mask", "turn_infos"]
 """The columns the metrics read (never the token ids or logprobs), and an agent run's
-branch columns (`AGENT_COLUMNS`) where the shard has them."""
-AGENT_COLUMNS = [BRANCH, BRANCHES]
+branch columns (`branch_rows.COLUMNS`) where the shard has them."""
 METRICS = (
     "episode/turns_mean",
     *(f"episode/{s}_frac" for s in EPISODE_STATUSES),
@@ -37,7 +37,7 @@ METRICS = (
 
 def columns(names: list[str]) -> list[str]:
     """The columns to read of a shard with these columns."""
-    return [*COLUMNS, *(c for c in AGENT_COLUMNS if c in names)]
+    return [*COLUMNS, *(c for c in branch_rows.COLUMNS if c in names)]
 
 
 def has_episodes(names: list[str]) -> bool:
