@@ -1,6 +1,6 @@
 """Typed YAML config loading for trees of frozen dataclasses.
 
-The config schema (``rftpipe/config/schema.py``) is a tree of
+The config schema (``rftpipe/config/schema.py``, a module per section) is a tree of
 ``@dataclass(frozen=True, kw_only=True, slots=True)`` classes whose fields carry a
 docstring (a string literal statement right below the field). This module turns a
 YAML file plus dotted ``key=value`` command-line overrides into an instance of such a
