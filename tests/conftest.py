@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tools import zygote
-from tools.test import GATE
+from tools.testing import zygote
+from tools.testing.runner import GATE
 
 ROOT = Path(__file__).resolve().parent.parent
 _ZYGOTE = os.environ.get("RFTPIPE_TEST_ZYGOTE", "")
@@ -24,7 +24,7 @@ _ZYGOTE = os.environ.get("RFTPIPE_TEST_ZYGOTE", "")
 #: (`worker_zygote`); `tools.test` turns it off (RFTPIPE_TEST_ZYGOTE=0) for the Slurm lane
 #: and the serial phase.
 FORKS = _ZYGOTE != "0"
-#: The `tools.zygote.EXTRAS` the warm interpreter imports besides its `PRELOAD`
+#: The `tools.testing.zygote.EXTRAS` the warm interpreter imports besides its `PRELOAD`
 #: (RFTPIPE_TEST_ZYGOTE=vllm: `tools.test`'s vLLM lane, whose runs start vLLM engines).
 EXTRAS = tuple(m for m in _ZYGOTE.split(",") if m not in ("", "0", "1"))
 #: The longest the first test waits for the server (its launches start new interpreters
@@ -83,7 +83,7 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def worker_zygote(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """A warm interpreter per pytest process that forks the run workers `jobs.submit
-    --cluster local` starts (tools/zygote.py): each would otherwise spend most of a short
+    --cluster local` starts (tools/testing/zygote.py): each would otherwise spend most of a short
     run importing torch and transformers. A launch whose environment differs from this
     process's (but for per-launch variables) starts a new interpreter. The first test
     waits until the server has imported (at most `ZYGOTE_WAIT_S`): the longest files come
@@ -96,7 +96,7 @@ def worker_zygote(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -
         return
     sock = tmp_path_factory.getbasetemp() / "zygote.sock"
     os.environ["RFTPIPE_ZYGOTE"] = str(sock)
-    os.environ["RFTPIPE_WORKER_VIA"] = "tools.zygote"
+    os.environ["RFTPIPE_WORKER_VIA"] = "tools.testing.zygote"
     with open(f"{sock}.err", "wb") as err:
         server = zygote.start_server(
             str(sock), EXTRAS, wait_s=ZYGOTE_WAIT_S, stdout=subprocess.DEVNULL, stderr=err

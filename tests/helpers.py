@@ -77,9 +77,9 @@ def submit(
     cluster: str = "local",
 ) -> subprocess.CompletedProcess:
     """`python -m jobs.submit --cluster CLUSTER` on `run_dir`, captured. Where its ranks are
-    forked from this pytest process's warm interpreter (RFTPIPE_WORKER_VIA, tools/zygote.py)
-    the launcher is too; a test that sets RFTPIPE_WORKER_VIA="" gets new interpreters for
-    both."""
+    forked from this pytest process's warm interpreter (RFTPIPE_WORKER_VIA,
+    tools/testing/zygote.py) the launcher is too; a test that sets RFTPIPE_WORKER_VIA="" gets
+    new interpreters for both."""
     full = {**os.environ, **(env or {})}
     via = full.get("RFTPIPE_WORKER_VIA")
     cmd = [sys.executable, "-m", *([via] if via else []), "jobs.submit", "--cluster", cluster]
@@ -272,8 +272,9 @@ def exit_rank() -> None:
 
 def script_command(script: Path, *args: str) -> list[str]:
     """`python SCRIPT ARGS` (a tests/*_worker.py), through the warm interpreter of this
-    pytest process where there is one (tools/zygote.py): the script's imports of torch and
-    transformers (and vLLM's, in the vllm lane) are then done once, not once a process."""
+    pytest process where there is one (tools/testing/zygote.py): the script's imports of
+    torch and transformers (and vLLM's, in the vllm lane) are then done once, not once a
+    process."""
     via = os.environ.get("RFTPIPE_WORKER_VIA")
     return [sys.executable, *(["-m", via] if via else []), str(script), *args]
 

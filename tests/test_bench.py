@@ -1,5 +1,5 @@
-"""tools.bench: the engine comparison's summary and report from synthetic runs (no model),
-TRL's reward through rftpipe's score stage, and a tiny-model run of both sides."""
+"""tools.bench trl: the engine comparison's summary and report from synthetic runs (no
+model), TRL's reward through rftpipe's score stage, and a tiny-model run of both sides."""
 
 from __future__ import annotations
 
@@ -13,7 +13,23 @@ import pytest
 
 from rftpipe.config.schema import RewardConfig
 from rftpipe.rewards import resolve_all
-from tools.bench import ROOT, overrides, parse, report, side_name, summarize, trl_reward
+from tools.bench.harness import ROOT
+from tools.bench.trl.children import trl_reward
+from tools.bench.trl.options import overrides, parse, side_name
+from tools.bench.trl.report import report, summarize
+
+FIELDS = ROOT / "tests" / "fixtures" / "bench_json_fields.json"
+"""The key tree of the smoke run's bench.json, recorded before tools/bench.py was split."""
+
+
+def key_tree(x: object) -> object:
+    """`x`'s keys only: a value is None, a list of values [], a list of objects its first
+    element's keys (the fixture's form)."""
+    if isinstance(x, dict):
+        return {k: key_tree(v) for k, v in sorted(x.items())}
+    if isinstance(x, list):
+        return [key_tree(x[0])] if x and isinstance(x[0], dict | list) else []
+    return None
 
 
 def _run(steps: list[float], rollout: float, train: float, sync: float) -> dict:
@@ -63,6 +79,19 @@ def test_summary_reports_each_engine_against_the_hf_loop():
     assert "rftpipe + vLLM" in text and "failed: AttributeError" in text
 
 
+def test_summary_of_runs_with_the_recorded_fields_has_the_recorded_fields():
+    """The summary half of the fields check, without a model: runs with the fields the
+    fixture records for each side (every figure 1.0) summarize to the recorded summary."""
+    fixture = json.loads(FIELDS.read_text())
+    a = parse(fixture["command"].split()[3:])
+
+    def filled(tree: dict) -> dict:
+        return {k: [1.0, 1.0] if v == [] else 1.0 for k, v in tree.items()} | {"engine": "hf"}
+
+    results = {side: [filled(runs[0])] for side, runs in fixture["fields"]["runs"].items()}
+    assert key_tree(summarize(a, results)) == fixture["fields"]["summary"]
+
+
 def test_trl_reward_scores_like_rftpipes_score_stage():
     """TRL's side gets rftpipe's weighted sum: accuracy needs a stop (an EOS last), format
     a stop and a number; a completion cut at the length limit earns neither."""
@@ -87,7 +116,9 @@ def test_trl_reward_scores_like_rftpipes_score_stage():
 @pytest.mark.slow
 def test_bench_runs_both_sides_on_the_tiny_model(tmp_path: Path):
     """`python -m tools.bench` end to end, rftpipe (with a checkpoint and a restart), TRL
-    and the floor, on `builtin:tiny` with a few tiny steps: about a minute on 2 cores."""
+    and the floor, on `builtin:tiny` with a few tiny steps: about a minute on 2 cores. Its
+    bench.json has the fields it had before the benchmarks became tools/bench/ (the
+    fixture's command is this one)."""
     pytest.importorskip("trl", reason="TRL is installed by tools/setup.sh (the bench extra)")
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "tools.bench", "--model", "builtin:tiny", "--pairs", "1"]
@@ -95,10 +126,13 @@ def test_bench_runs_both_sides_on_the_tiny_model(tmp_path: Path):
     cmd += ["--n", "2", "--tokens", "4", "--threads", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    s = json.loads((out / "bench.json").read_text())["summary"]
+    written = json.loads((out / "bench.json").read_text())
+    assert key_tree(written) == json.loads(FIELDS.read_text())["fields"]
+    s = written["summary"]
     for side in ("rftpipe", "trl"):
         assert s[side]["step_s"] > 0 and s[side]["completions_per_s"] > 0, s[side]
     assert s["ratio_completions_per_s"] > 0
     assert s["floor"]["floor_s"] > 0
     assert s["durability"]["resume_to_first_rollout_s"] > 0
     assert "rftpipe/TRL" in proc.stdout  # the full report, not the engines-only one
+    assert "rftpipe/TRL" in (out / "bench.md").read_text()  # and beside the JSON

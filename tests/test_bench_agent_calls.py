@@ -1,4 +1,4 @@
-"""tools.bench_agent_calls: agent episodes with kept KV caches against whole prefills, on
+"""tools.bench agent_calls: agent episodes with kept KV caches against whole prefills, on
 the tiny model (real agent processes against the endpoint)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def test_both_sides_run_the_same_calls_and_sample_alike() -> None:
     args = ["--episodes", "2", "--n", "1", "--calls", "3", "--max-new", "4"]
     args += ["--msg-tokens", "12", "--runs", "1"]
     out = subprocess.run(
-        [sys.executable, "-m", "tools.bench_agent_calls", *args],
+        [sys.executable, "-m", "tools.bench", "agent_calls", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -1,10 +1,10 @@
-"""tools.bench_handoff: both ways of handing weights to a rollout rank, on the tiny shape."""
+"""tools.bench handoff: both ways of handing weights to a rollout rank, on the tiny shape."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tools.bench_handoff import run
+from tools.bench.handoff import run
 
 
 def test_both_handoffs_leave_the_rollout_rank_with_the_trainers_weights(tmp_path: Path):

@@ -1,4 +1,4 @@
-"""tools.bench_restart: its helpers, and one tiny end-to-end run of the tool."""
+"""tools.bench restart: its helpers, and one tiny end-to-end run of the tool."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench_restart import first_event, parse_steps, read_events, report, summarize
+from tools.bench.restart import first_event, parse_steps, read_events, report, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,7 +60,7 @@ def test_summarize_pairs_each_round_with_its_cold_start():
 def test_tool_end_to_end(tmp_path: Path):
     out = tmp_path / "out"
     res = subprocess.run(
-        [sys.executable, "-m", "tools.bench_restart", "--steps", "2", "--repeats", "1"]
+        [sys.executable, "-m", "tools.bench", "restart", "--steps", "2", "--repeats", "1"]
         + ["--no-drop-caches", "--out", str(out), "--json", str(tmp_path / "r.json")],
         capture_output=True,
         text=True,
@@ -82,3 +82,4 @@ def test_tool_end_to_end(tmp_path: Path):
     # The built runs and per-repeat copies are gone unless --keep-runs.
     assert not (out / "runs").exists() and not (out / "scratch").exists()
     assert "restart/cold" in res.stdout
+    assert "restart/cold" in (tmp_path / "r.md").read_text()  # the report beside the JSON

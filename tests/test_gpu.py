@@ -1,7 +1,7 @@
 """The real pipeline on GPUs: `python -m jobs.submit --cluster local` with every backend.
 
 Runs on a machine with CUDA only (skipped elsewhere); on the GPU machine, after
-tools/device_setup.sh: ``PYTHONPATH=$PWD/.device_site:$PWD python3 -m pytest -q -m gpu
+tools/cluster/device_setup.sh: ``PYTHONPATH=$PWD/.device_site:$PWD python3 -m pytest -q -m gpu
 tests/test_gpu.py``. Prompts come from a file (the GPU image has no reasoning-gym) and the
 reward is the tiny config's dense synthetic one.
 """

@@ -1,4 +1,5 @@
-"""The suite checks nothing less than before it was made faster (tools/test_inventory.py)."""
+"""The suite checks nothing less than before it was made faster
+(tools/testing/test_inventory.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
-from tools.test_inventory import inventory
+from tools.testing.test_inventory import inventory
 
 BEFORE = ROOT / "docs" / "test_inventory_before.tsv"
 """The listing before the suite was made faster (d4dab9f)."""

@@ -1,11 +1,11 @@
-"""tools.learning_staleness: the overrides each run gets (the recipe alike for every k) and
-the summary's means and differences from k = 0."""
+"""tools.studies.learning_staleness: the overrides each run gets (the recipe alike for
+every k) and the summary's means and differences from k = 0."""
 
 from __future__ import annotations
 
 import pytest
 
-from tools.learning_staleness import run_overrides, summarize
+from tools.studies.learning_staleness import run_overrides, summarize
 
 
 def test_the_recipe_goes_to_every_k_and_overlap_only_from_k1() -> None:

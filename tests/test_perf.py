@@ -1,4 +1,4 @@
-"""Model FLOPs, peak lookup and MFU (rftpipe/observe/perf.py), and the tools.mfu CLI on the CPU."""
+"""Model FLOPs, peak lookup and MFU (rftpipe/observe/perf.py), and `tools.bench mfu` on the CPU."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_dist_device_follows_local_rank() -> None:
 def test_mfu_tool_runs_the_train_stage_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "mfu.json"
     small = ["--prompts", "2", "--samples", "4", "--prompt-len", "12", "--response-len", "8"]
-    cmd = [sys.executable, "-m", "tools.mfu", "--shape", "tiny", *small]
+    cmd = [sys.executable, "-m", "tools.bench", "mfu", "--shape", "tiny", *small]
     cmd += ["--backends", "single", "fsdp2", "--steps", "3", "--warmup", "1"]
     cmd += ["--peak-tflops", "1.0", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -1,11 +1,11 @@
-"""tools.simulate_staleness: its schedules against their closed forms, the GPU cost model's
-limits, and the CPU check's reading of a bench record."""
+"""tools.studies.simulate_staleness: its schedules against their closed forms, the GPU
+cost model's limits, and the CPU check's reading of a bench record."""
 
 from __future__ import annotations
 
 import pytest
 
-from tools.simulate_staleness import GpuModel, StepCost, cpu_check, steady_step
+from tools.studies.simulate_staleness import GpuModel, StepCost, cpu_check, steady_step
 
 COST = StepCost(generation=4.0, advantage=1.0, train=3.0, sync=0.5)
 

@@ -1,4 +1,5 @@
-"""The Slurm path against a real local cluster (tools/slurm_local: slurmctld, 2 slurmd, munge).
+"""The Slurm path against a real local cluster (tools/cluster/slurm_local: slurmctld,
+2 slurmd, munge).
 
 Every job is the tiny model on 2 emulated nodes (FSDP2, 2 ranks), compared bitwise with the
 same run launched locally with 2 ranks and never interrupted. Preemptions are aimed at known
@@ -22,7 +23,7 @@ import torch
 from helpers import ROOT, events, final_weights, stage_history, submit, trajectories
 
 from jobs.slurm import TERMINAL
-from tools import slurm_local
+from tools.cluster import slurm_local
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS = ("train.backend=fsdp2", "total_steps=5")
@@ -32,7 +33,7 @@ SLOW = "rollout=3,score=3,advantage=3,train=3"
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, str]]:
     if os.geteuid() != 0:
-        pytest.skip("tools.slurm_local needs root")
+        pytest.skip("tools.cluster.slurm_local needs root")
     was_up = slurm_local.is_up()
     env = slurm_local.ensure_up(user_signal=False, grace_time=0)
     old = os.environ.get("SLURM_CONF")

@@ -1,4 +1,4 @@
-"""The local Slurm cluster from tools/slurm_local: 2-node jobs and partition preemption.
+"""The local Slurm cluster from tools/cluster/slurm_local: 2-node jobs and partition preemption.
 
 Needs root (the tool runs munged as the munge user and installs packages with apt-get).
 A cluster that was already up is reused and left running for later Slurm tests.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import slurm_local
+from tools.cluster import slurm_local
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def slurm_env() -> Iterator[dict[str, str]]:
     if os.geteuid() != 0:
-        pytest.skip("tools.slurm_local needs root")
+        pytest.skip("tools.cluster.slurm_local needs root")
     was_up = slurm_local.is_up()
     env = slurm_local.ensure_up()
     yield env

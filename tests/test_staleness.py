@@ -23,7 +23,7 @@ from rftpipe.run.staleness import generated_in, weights_of
 from rftpipe.stages import ORDER
 from rftpipe.storage.layout import RunDir
 from rftpipe.storage.stage_store import StageStore
-from tools import bench_staleness
+from tools.bench import staleness as bench_staleness
 
 STEPS = 4
 
@@ -320,7 +320,7 @@ def test_the_behaviour_weight_of_decoupled_ppo_is_a_rollout_correction(tmp_path:
 def test_the_benchmark_reads_busy_time_and_steady_steps_from_the_event_log(
     tmp_path: Path,
 ) -> None:
-    """`tools.bench_staleness.measure` on a hand-written k=1 overlapped log: generation of
+    """`tools.bench.staleness.measure` on a hand-written k=1 overlapped log: generation of
     step 2 (3-6.5 s) beside step 1's training (3-7.5 s)."""
     stages = [  # (step, stage, begin, commit)
         (1, "rollout", 0.0, 2.0),

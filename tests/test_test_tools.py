@@ -1,5 +1,5 @@
-"""The suite's own tools: tools/test.py's per-file seconds and its serial phase's gate,
-tools/proc_account.py's table, tools/coverage_tiers.py's table."""
+"""The suite's own tools (tools/testing/): the runner's per-file seconds and its serial
+phase's gate, proc_account.py's table, coverage_tiers.py's table."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from helpers import ROOT
 
-from tools import proc_account
-from tools.test import GATE, _file_seconds
+from tools.testing import proc_account
+from tools.testing.runner import GATE, _file_seconds
 
 
 def test_file_seconds_add_up_each_files_tests(tmp_path: Path) -> None:
@@ -66,7 +66,7 @@ def test_proc_account_finds_a_busy_child_and_names_its_kind(tmp_path: Path) -> N
         [
             sys.executable,
             "-m",
-            "tools.proc_account",
+            "tools.testing.proc_account",
             "--out",
             str(out),
             "--",
@@ -91,7 +91,7 @@ def test_coverage_tiers_table_counts_the_fast_tiers_lines_against_the_whole_suit
 ) -> None:
     """Per package: statements, each tier's share, and the fast tier's covered lines over
     the whole suite's, which are those the fast tier or the rest of the suite ran."""
-    from tools.coverage_tiers import package, table
+    from tools.testing.coverage_tiers import package, table
 
     def report(tier: str, files: dict[str, tuple[list[int], list[int]]]) -> None:
         (tmp_path / tier).mkdir()

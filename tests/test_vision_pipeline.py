@@ -36,7 +36,7 @@ from helpers import (
 
 from rftpipe.stages import ORDER
 from rftpipe.storage.images import ImageRef, stored_images
-from tools.vision_learning import FRESH, FRESH_IN_CI, parse_spec
+from tools.studies.vision_learning import FRESH, FRESH_IN_CI, parse_spec
 
 pytestmark = pytest.mark.slow
 IMAGE_PAD = 261  # builtin:tiny-vl's <|image_pad|> id (asserted in tests/test_vision.py)
@@ -345,7 +345,7 @@ def test_the_images_enter_the_data_fingerprint_and_the_held_out_key(
 
 def test_the_policy_learns_to_use_the_image(tmp_path: Path) -> None:
     """The recipe (`vision_task.LEARN`) on one of the fresh datasets of
-    tools/vision_learning.py (seed and colour pair never used in choosing it) and on its
+    tools/studies/vision_learning.py (seed and colour pair never used in choosing it) and on its
     control, whose pictures carry no colour (docs/vision.md, "The learning test")."""
     spec = parse_spec(FRESH[FRESH_IN_CI])
     step = vision_task.final_step(vision_task.LEARN)

@@ -1,4 +1,4 @@
-"""tools/zygote.py: the warm interpreter that forks the shared phase's run workers.
+"""tools/testing/zygote.py: the warm interpreter that forks the shared phase's run workers.
 
 A forked worker must be the process a new interpreter would have been: the same run,
 bitwise, the same exit (code or signal) for its launcher, dead when its stand-in dies,
@@ -32,7 +32,7 @@ from helpers import (
     trajectories,
 )
 
-from tools import zygote
+from tools.testing import zygote
 
 
 def _request(env: dict[str, str], cwd: str = str(ROOT), module: str = "rftpipe.run.worker"):
@@ -95,7 +95,7 @@ def test_rftpipe_reads_no_variable_a_fork_may_change_at_import() -> None:
     of those (a module-level `os.environ.get("RFTPIPE_...")` would keep the server's)."""
     code = """
 import importlib, os, sys
-from tools import zygote
+from tools.testing import zygote
 for name in zygote.PRELOAD:
     importlib.import_module(name)
 read = set()
@@ -147,7 +147,7 @@ def _serving(root: Path, *preload: str) -> Iterator[tuple[dict[str, str], Path]]
     """A server of this module's own (the session's may be off, or import other modules),
     and the environment launches must have for it to fork them."""
     sock = root / "z.sock"
-    env = {**os.environ, zygote.ENV: str(sock), "RFTPIPE_WORKER_VIA": "tools.zygote"}
+    env = {**os.environ, zygote.ENV: str(sock), "RFTPIPE_WORKER_VIA": "tools.testing.zygote"}
     proc = zygote.start_server(str(sock), preload, wait_s=300, env=env)
     assert sock.exists(), "the server did not start"
     try:
@@ -228,13 +228,13 @@ def test_a_forked_launcher_answers_bad_input_as_a_new_one_does(
     new interpreter's (here a config error: exit 2, one line naming the value)."""
     env, log = server
     out = {}
-    for via in ("", "tools.zygote"):
+    for via in ("", "tools.testing.zygote"):
         forks = log.read_text().count("forked")
         proc = _submit(env, tmp_path / f"run{via}", "train.lr=-1", via=via)
         stdout, stderr = proc.communicate(timeout=120)
         out[via] = (proc.returncode, stdout, stderr)
         assert log.read_text().count("forked") == forks + bool(via), log.read_text()
-    cold, warm = out[""], out["tools.zygote"]
+    cold, warm = out[""], out["tools.testing.zygote"]
     assert cold[0] == warm[0] == 2, (cold, warm)
     assert "lr must be > 0" in cold[2] and len(cold[2].strip().splitlines()) == 1, cold
     assert warm[1:] == cold[1:]
@@ -252,7 +252,7 @@ def test_a_forked_rank_script_equals_a_new_interpreters(
     monkeypatch.setenv("RFTPIPE_WORKER_VIA", "")
     cold = backend_workers(tmp_path / "cold", 1, "backend=single")
     forks = log.read_text().count("forked")
-    monkeypatch.setenv("RFTPIPE_WORKER_VIA", "tools.zygote")
+    monkeypatch.setenv("RFTPIPE_WORKER_VIA", "tools.testing.zygote")
     warm = backend_workers(tmp_path / "warm", 1, "backend=single")
     assert log.read_text().count("forked") == forks + 1, log.read_text()
     assert warm["metrics"] == cold["metrics"]
@@ -270,7 +270,7 @@ def test_a_run_forked_from_an_interpreter_that_imported_vllm_equals_a_new_ones(
     steps = ("rollout.engine=vllm", "total_steps=2")
     with _serving(tmp_path, "vllm") as (env, log):
         cold, warm = tmp_path / "cold", tmp_path / "warm"
-        for run, via in ((cold, ""), (warm, "tools.zygote")):
+        for run, via in ((cold, ""), (warm, "tools.testing.zygote")):
             proc = _submit({**env, "RFTPIPE_WORKER_VIA": via}, run, *steps)
             out = proc.communicate(timeout=600)
             assert proc.returncode == 0, out

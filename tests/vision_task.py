@@ -121,7 +121,8 @@ def colour_parity(sample) -> float:
 
 
 # The learning recipe (overrides of configs/tiny_dense.yaml beside `vision_run`'s), frozen:
-# tests/test_vision_pipeline.py's learning test and tools/vision_learning.py both run it.
+# tests/test_vision_pipeline.py's learning test and tools/studies/vision_learning.py both
+# run it.
 LEARN = (
     "total_steps=12",
     "data.prompts_per_step=4",
