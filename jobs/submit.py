@@ -23,11 +23,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from jobs import slurm
+from rftpipe.atomic import atomic_write_bytes
 from rftpipe.config.loader import diff_keys, dump_yaml, load_config, to_dict
 from rftpipe.config.schema import RESUME_SAFE_KEYS, RunConfig, refuse_stretched_lr_schedule
 from rftpipe.errors import UserError
 from rftpipe.stages import FINAL
-from rftpipe.storage.atomic import atomic_write_bytes
 from rftpipe.storage.fresh_start import committed_work, exclusive, set_aside
 from rftpipe.storage.layout import RunDir
 from rftpipe.storage.stage_store import StageStore
@@ -159,7 +159,7 @@ def run_local(run_dir: Path, args: argparse.Namespace) -> int:
     reports its error to do so). The first failing exit code is returned.
     """
     # RFTPIPE_WORKER_VIA=MODULE starts each rank as `python -m MODULE rftpipe.run.worker ...`,
-    # a stand-in that becomes that process: the test suite's warm forks (tools/zygote.py).
+    # a stand-in that becomes that process: the test suite's warm forks (tools/testing/zygote.py).
     via = os.environ.get("RFTPIPE_WORKER_VIA")
     cmd = [sys.executable, "-m", *([via] if via else []), "rftpipe.run.worker", str(run_dir)]
     cmd += ["--repair"] if args.repair else []

@@ -12,10 +12,13 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as tdist
+
+from rftpipe.atomic import atomic_write_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +131,8 @@ def _store(dist: Dist) -> tdist.Store | None:
         store = tdist.TCPStore(
             "127.0.0.1", 0, dist.world, is_master=True, timeout=timeout, wait_for_workers=False
         )
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.write(str(store.port))
-        os.replace(tmp, path)  # the others never read a half-written port
+        # The others never read a half-written port.
+        atomic_write_bytes(Path(path), str(store.port).encode())
         os.environ["MASTER_PORT"] = str(store.port)
         return store
     deadline = time.monotonic() + _RENDEZVOUS_TIMEOUT_S

@@ -2,7 +2,7 @@
 
 ``RFTPIPE_FAULT=point[,point...]`` makes the process SIGKILL itself the first time it
 reaches one of the named points (``RFTPIPE_FAULT_SKIP=k`` lets k hits pass first). The
-hit is appended to ``events.jsonl`` (`rftpipe.observe.events`) *before* the kill so tests
+hit is appended to ``events.jsonl`` (`rftpipe.events`) *before* the kill so tests
 can prove every fault point was exercised. ``RFTPIPE_SLOW=stage=seconds[,...]`` stretches
 a stage's compute (and ``STAGE_replay`` a restart's replay of a committed one, e.g.
 ``train_replay``; ``stage@step`` that step's only), so a test can aim a preemption at a
@@ -17,7 +17,7 @@ import os
 import signal
 import time
 
-from rftpipe.observe.events import events
+from rftpipe.events import events
 
 FAULT_POINTS: tuple[str, ...] = (
     "shard_before_rename",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rftpipe.storage.atomic import checksum_file
+from rftpipe.atomic import checksum_file
 from rftpipe.storage.direct_io import CHUNK, DirectFile, VerifyingReader, storage_writer
 
 

@@ -277,9 +277,9 @@ def test_background_checkpoint_disk_full_names_the_cause(tmp_path, monkeypatch) 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
 def test_checkpoint_load_verifies_the_blocks_it_reads(tmp_path, damage: str) -> None:
     """A damaged DCP file is refused by the load itself (no separate checksum pass)."""
+    from rftpipe.atomic import CorruptionError
     from rftpipe.checkpoint.writer import Writer, list_committed, load
     from rftpipe.dist import Dist
-    from rftpipe.storage.atomic import CorruptionError
 
     a = _engine()
     _update(a)
@@ -321,9 +321,9 @@ class _Part:
 def test_restart_loads_optimizer_state_later_and_verifies_it(tmp_path) -> None:
     """`load(..., later=writer)` applies the model part at once and the optimizer part at
     the writer's next `wait()`; damage in a block only the late part reads is raised there."""
+    from rftpipe.atomic import CorruptionError
     from rftpipe.checkpoint.writer import Writer, list_committed, load
     from rftpipe.dist import Dist
-    from rftpipe.storage.atomic import CorruptionError
 
     n = 3 << 20  # 12 MB a tensor: the optimizer's bytes lie in blocks of their own
     writer = Writer(Dist())

@@ -7,8 +7,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from rftpipe.atomic import CorruptionError, atomic_write_json, read_json
 from rftpipe.stages import chain_position
-from rftpipe.storage.atomic import CorruptionError, atomic_write_json, read_json
 from rftpipe.storage.layout import RunDir
 from rftpipe.storage.stage_store import StageStore
 

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from rftpipe.storage.atomic import CorruptionError, read_json, verify_file
+from rftpipe.atomic import CorruptionError, read_json, verify_file
 from rftpipe.storage.layout import list_steps, step_name
 
 CHECKPOINT_COMMIT_FILE = "COMMITTED.json"

@@ -30,13 +30,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as tdist
 
-from rftpipe.checkpoint.folder import CHECKPOINT_COMMIT_FILE as COMMIT_FILE
-from rftpipe.checkpoint.folder import checkpoint_corruption, committed_checkpoints
-from rftpipe.dist import Dist
-from rftpipe.faults import fault
-from rftpipe.observe.events import events
-from rftpipe.storage import direct_io
-from rftpipe.storage.atomic import (
+from rftpipe.atomic import (
     TMP_PREFIX,
     CorruptionError,
     atomic_write_json,
@@ -46,6 +40,12 @@ from rftpipe.storage.atomic import (
     read_verified,
     verify_file,
 )
+from rftpipe.checkpoint.folder import CHECKPOINT_COMMIT_FILE as COMMIT_FILE
+from rftpipe.checkpoint.folder import checkpoint_corruption, committed_checkpoints
+from rftpipe.dist import Dist
+from rftpipe.events import events
+from rftpipe.faults import fault
+from rftpipe.storage import direct_io
 from rftpipe.storage.layout import step_name
 
 log = logging.getLogger(__name__)

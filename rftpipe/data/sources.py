@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rftpipe.atomic import atomic_write_bytes
 from rftpipe.config.schema import DataConfig, DatasetSourceConfig
 from rftpipe.data.images import VIDEO_UNSUPPORTED, VisionPrompt, vision_prompt
 from rftpipe.errors import UserError
-from rftpipe.storage.atomic import atomic_write_bytes
 from rftpipe.storage.cache import cache_dir
 
 Message = dict[str, str]

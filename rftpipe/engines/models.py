@@ -259,12 +259,6 @@ def prepare_tiny_vl(family: Literal["qwen2_vl", "qwen2_5_vl"] = "qwen2_vl") -> P
     if (final / "config.json").exists():
         return final
     import torch
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -275,41 +269,9 @@ def prepare_tiny_vl(family: Literal["qwen2_vl", "qwen2_5_vl"] = "qwen2_vl") -> P
     special = dict(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )
-    text = dict(
-        vocab_size=len(tok),
-        hidden_size=384,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        # Head size 64: the three M-RoPE sections (time, height, width) split its 32
-        # rotary frequencies.
-        rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},
-        tie_word_embeddings=True,
-        **special,
-    )
-    common = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, depth=4)
-    vision: dict[str, Any]
-    config_cls: Any
-    model_cls: Any
-    if family == "qwen2_vl":
-        vision = dict(embed_dim=256, hidden_size=384, num_heads=4, mlp_ratio=4, **common)
-        config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    else:
-        vision = dict(
-            hidden_size=256,
-            out_hidden_size=384,  # the merger projects into the text model's width
-            intermediate_size=512,
-            num_heads=4,
-            # 56 px: windows of 2x2 merged patches, so a 112 px image has 4 of them.
-            window_size=56,
-            fullatt_block_indexes=[1, 3],
-            **common,
-        )
-        config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    vision, config_cls, model_cls = _tiny_vl_vision(family)
     config = config_cls(
-        text_config=text,
+        text_config=_tiny_vl_text(len(tok), special),
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -326,6 +288,53 @@ def prepare_tiny_vl(family: Literal["qwen2_vl", "qwen2_5_vl"] = "qwen2_vl") -> P
     tok.save_pretrained(tmp)
     processor.save_pretrained(tmp)
     return _publish_dir(tmp, final)
+
+
+def _tiny_vl_text(vocab_size: int, special: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of `prepare_tiny_vl` (both families): 4 layers of width 384
+    over `vocab_size` tokens, M-RoPE, tied embeddings, with the `special` token ids."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=384,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        # Head size 64: the three M-RoPE sections (time, height, width) split its 32
+        # rotary frequencies.
+        rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},
+        tie_word_embeddings=True,
+        **special,
+    )
+
+
+def _tiny_vl_vision(family: Literal["qwen2_vl", "qwen2_5_vl"]) -> tuple[dict[str, Any], Any, Any]:
+    """(the vision tower's config, the config class, the model class) of `prepare_tiny_vl`'s
+    `family`: a 4-block tower of width 256 whose merger projects to the text width, 384."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+
+    common = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, depth=4)
+    vision: dict[str, Any]
+    if family == "qwen2_vl":
+        vision = dict(embed_dim=256, hidden_size=384, num_heads=4, mlp_ratio=4, **common)
+        return vision, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    vision = dict(
+        hidden_size=256,
+        out_hidden_size=384,  # the merger projects into the text model's width
+        intermediate_size=512,
+        num_heads=4,
+        # 56 px: windows of 2x2 merged patches, so a 112 px image has 4 of them.
+        window_size=56,
+        fullatt_block_indexes=[1, 3],
+        **common,
+    )
+    return vision, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 
 TINY_REWARD = "builtin:tiny-reward"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from rftpipe.atomic import CorruptionError
 from rftpipe.checkpoint.folder import checkpoint_corruption, committed_checkpoints
-from rftpipe.storage.atomic import CorruptionError
 from rftpipe.storage.images import image_corruption, missing_images, stored_images
 from rftpipe.storage.layout import RunDir, list_steps
 from rftpipe.storage.stage_store import StageStore

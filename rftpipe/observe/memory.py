@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from rftpipe.observe.events import events
+from rftpipe.events import events
 
 GIB = 2.0**30
 _STATUS = Path("/proc/self/status")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from rftpipe.storage.atomic import atomic_write_bytes
+from rftpipe.atomic import atomic_write_bytes
 from rftpipe.storage.layout import RunDir
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from rftpipe.config.schema import RewardFunctionConfig, RewardSignature
 from rftpipe.errors import UserError
-from rftpipe.observe.events import events
+from rftpipe.events import events
 from rftpipe.rewards.signatures import batches, split_batch
 from rftpipe.rewards.types import Outcome, RewardSample
 from rftpipe.workers import WorkerGone, WorkerProcess

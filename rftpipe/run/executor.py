@@ -16,13 +16,13 @@ import time
 
 import pyarrow as pa
 
+from rftpipe.atomic import CorruptionError
 from rftpipe.errors import UserError
+from rftpipe.events import events
 from rftpipe.faults import slow
 from rftpipe.observe import memory
-from rftpipe.observe.events import events
 from rftpipe.run import roles
 from rftpipe.stages.base import Rows, Runtime, Stage, StepPlan, StepState
-from rftpipe.storage.atomic import CorruptionError
 from rftpipe.storage.layout import schema_version
 
 

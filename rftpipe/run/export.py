@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
+from rftpipe.atomic import atomic_write_json, read_json
 from rftpipe.config.schema import LoraConfig
 from rftpipe.engines import lora, models
 from rftpipe.engines.train.ema import ParameterEMA
 from rftpipe.stages.base import Runtime
-from rftpipe.storage.atomic import atomic_write_json, read_json
 
 EXPORT_MARKER = "rftpipe_export.json"
 

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rftpipe.errors import UserError
+from rftpipe.events import events
 from rftpipe.faults import fault
-from rftpipe.observe.events import events
 from rftpipe.run.staleness import weights_of
 from rftpipe.stages.base import Runtime
 from rftpipe.stages.sync import write_weights

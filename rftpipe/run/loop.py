@@ -13,9 +13,9 @@ from rftpipe.config.loader import to_dict
 from rftpipe.config.schema import RunConfig
 from rftpipe.dist import Dist
 from rftpipe.errors import UserError
+from rftpipe.events import events
 from rftpipe.faults import slow
 from rftpipe.observe import memory
-from rftpipe.observe.events import events
 from rftpipe.observe.trackers import (
     JsonlTracker,
     NullTracker,
@@ -51,6 +51,37 @@ def train_run(
     # From the start: loading the model may be the run's peak.
     memory.start_run_sampler()
     rt = runtime.build(cfg, run, dist, allow_mismatch, stop, placement)
+    ckpt_step, last_done = _resume(rt, repair, placement)
+    if ckpt_step == cfg.total_steps:
+        log.info("run already complete: %d/%d steps", last_done, cfg.total_steps)
+        finish(rt)
+        return 0
+    trackers = make_trackers(rt, last_done)
+    busy = roles.Roles(handoff.channel(rt) if rt.handoff is not None else None)
+    evaluate_initial(rt, ckpt_step)
+    first = 0 if rt.store.is_committed(0, "eval") else 1
+    trackers.log_committed(
+        range(first, last_done + 1), partial(step_metrics, rt.store, env=cfg.rollout.env)
+    )
+    bar = progress(cfg, dist, last_done)
+    try:
+        _run_steps(rt, ckpt_step, last_done, trackers, busy, bar)
+    finally:
+        # A stop or an error between stages still lets a pending checkpoint commit.
+        with memory.measured(cfg.total_steps, "checkpoint_wait"):
+            rt.ckpt_writer.wait()
+    finish(rt)
+    trackers.close()
+    if bar is not None:
+        bar.close()
+    return 0
+
+
+def _resume(rt: Runtime, repair: bool, placement: Placement | None) -> tuple[int, int]:
+    """The run directory brought back to its last consistent state (`resume.prepare`), with
+    `total_steps` checked against what it holds; returns (the step of the checkpoint it
+    resumes from, the newest step whose stages all committed)."""
+    cfg, run = rt.cfg, rt.run
     last_done = rt.store.newest_complete_step(FINAL)
     if last_done > cfg.total_steps:
         raise UserError(
@@ -70,75 +101,72 @@ def train_run(
             f"total_steps: {cfg.total_steps} is below the checkpoint of step {ckpt_step}, "
             f"whose steps are missing from {run.stages}"
         )
-    if dist.is_main:
+    if rt.dist.is_main:
         run.promote_pending_config()
-    last_done = rt.store.newest_complete_step(FINAL)
-    if ckpt_step == cfg.total_steps:
-        log.info("run already complete: %d/%d steps", last_done, cfg.total_steps)
-        finish(rt)
-        return 0
-    trackers = make_trackers(rt, last_done)
-    busy = roles.Roles(handoff.channel(rt) if rt.handoff is not None else None)
-    evaluate_initial(rt, ckpt_step)
-    first = 0 if rt.store.is_committed(0, "eval") else 1
-    trackers.log_committed(
-        range(first, last_done + 1), partial(step_metrics, rt.store, env=cfg.rollout.env)
-    )
-    bar = progress(cfg, dist, last_done)
+    return ckpt_step, rt.store.newest_complete_step(FINAL)
+
+
+def _run_steps(
+    rt: Runtime, ckpt_step: int, last_done: int, trackers: Trackers, busy: roles.Roles, bar: Any
+) -> None:
+    """Steps `ckpt_step + 1` to `total_steps`, each checkpointed as the schedule decides:
+    those up to `last_done` replayed (committed and logged before), the others logged."""
     t_replay = t_prev = time.perf_counter()
-    try:
-        for step in range(ckpt_step + 1, cfg.total_steps + 1):
-            replay = step <= last_done
-            timings: dict[str, float] = {}
-            metrics = run_step(rt, step, timings)
-            now = time.perf_counter()
-            if "rollout" in timings:
-                # A whole step computed in this process, end to end (the previous step's
-                # checkpoint hand-off and logging included): what the checkpoint schedule
-                # learns from. Replayed and half-resumed steps are left out.
-                timings["step"] = now - t_prev
-            t_prev = now
-            timings["checkpoint_wait"] = rt.ckpt_writer.last_wait_s
-            maybe_checkpoint(rt, step, timings)
-            if replay:
-                if step == last_done:
-                    events().write(
-                        "replay_done",
-                        steps=last_done - ckpt_step,
-                        seconds=round(time.perf_counter() - t_replay, 3),
-                    )
-                    log.info(
-                        "replayed %d train steps in %.2f s",
-                        last_done - ckpt_step,
-                        time.perf_counter() - t_replay,
-                    )
-                continue
-            if dist.is_main:
-                m = step_metrics(rt.store, step, cfg.rollout.env)
-                trackers.log(
-                    {
-                        **m,
-                        "perf/commit_s": timings.get("commit", 0.0),
-                        "perf/checkpoint_s": timings.get("checkpoint", 0.0),
-                        "perf/checkpoint_wait_s": timings.get("checkpoint_wait", 0.0),
-                        "perf/checkpoint_interval": rt.ckpt_schedule.interval(),
-                        **memory.run_figures(),
-                        **resume_metrics(rt.replays),
-                        **busy.step_figures(),
-                    },
-                    step,
-                )
-                rt.replays.clear()
-                bar_update(bar, m, metrics, drift_label(cfg))
-    finally:
-        # A stop or an error between stages still lets a pending checkpoint commit.
-        with memory.measured(cfg.total_steps, "checkpoint_wait"):
-            rt.ckpt_writer.wait()
-    finish(rt)
-    trackers.close()
-    if bar is not None:
-        bar.close()
-    return 0
+    for step in range(ckpt_step + 1, rt.cfg.total_steps + 1):
+        replay = step <= last_done
+        timings: dict[str, float] = {}
+        metrics = run_step(rt, step, timings)
+        now = time.perf_counter()
+        if "rollout" in timings:
+            # A whole step computed in this process, end to end (the previous step's
+            # checkpoint hand-off and logging included): what the checkpoint schedule
+            # learns from. Replayed and half-resumed steps are left out.
+            timings["step"] = now - t_prev
+        t_prev = now
+        timings["checkpoint_wait"] = rt.ckpt_writer.last_wait_s
+        maybe_checkpoint(rt, step, timings)
+        if replay:
+            if step == last_done:
+                _log_replay_done(last_done - ckpt_step, t_replay)
+            continue
+        if rt.dist.is_main:
+            _log_step(rt, step, timings, metrics, trackers, busy, bar)
+
+
+def _log_replay_done(steps: int, t_replay: float) -> None:
+    """The `replay_done` event and log line, once the last committed step is replayed
+    (`steps` of them, from `t_replay` on)."""
+    events().write("replay_done", steps=steps, seconds=round(time.perf_counter() - t_replay, 3))
+    log.info("replayed %d train steps in %.2f s", steps, time.perf_counter() - t_replay)
+
+
+def _log_step(
+    rt: Runtime,
+    step: int,
+    timings: dict[str, float],
+    train_metrics: dict[str, float],
+    trackers: Trackers,
+    busy: roles.Roles,
+    bar: Any,
+) -> None:
+    """A computed step's metrics to every tracker (its committed files' with this process's
+    timings, memory, replay verdict and role figures) and the progress bar (rank 0)."""
+    m = step_metrics(rt.store, step, rt.cfg.rollout.env)
+    trackers.log(
+        {
+            **m,
+            "perf/commit_s": timings.get("commit", 0.0),
+            "perf/checkpoint_s": timings.get("checkpoint", 0.0),
+            "perf/checkpoint_wait_s": timings.get("checkpoint_wait", 0.0),
+            "perf/checkpoint_interval": rt.ckpt_schedule.interval(),
+            **memory.run_figures(),
+            **resume_metrics(rt.replays),
+            **busy.step_figures(),
+        },
+        step,
+    )
+    rt.replays.clear()
+    bar_update(bar, m, train_metrics, drift_label(rt.cfg))
 
 
 def resume_metrics(checks: list[ReplayCheck]) -> dict[str, float]:

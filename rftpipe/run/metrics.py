@@ -12,6 +12,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rftpipe.atomic import atomic_write_json
 from rftpipe.config.schema import EnvConfig
 from rftpipe.envs.loader import ENV_CLASS_COLUMN, row_env
 from rftpipe.rewards.types import data_source_of
 from rftpipe.stages import ORDER, generation
 from rftpipe.storage import episode_stats
-from rftpipe.storage.atomic import atomic_write_json
 from rftpipe.storage.baseline_rows import COLUMN, baseline_flags, without_baseline
 from rftpipe.storage.branch_rows import episode_rows
 from rftpipe.storage.layout import list_steps
@@ -146,14 +147,29 @@ def per_env_metrics(rows: Sequence[pa.Table], env: EnvConfig) -> dict[str, Any]:
     return out
 
 
-def step_metrics(store: StageStore, step: int, env: EnvConfig | None = None) -> dict[str, Any]:
-    """rollout/*, advantage/*, train/*, perf/*, (multi-turn) episode/* and (when it ran)
-    eval/* metrics of a committed step; step 0 has only the evaluation of the initial
-    weights. With `env` (`rollout.env`), a step whose rows name their environments
-    (`env_class`) also gets `episode/<env>/*` per environment."""
-    evaluated = eval_metrics(store, step) if store.is_committed(step, "eval") else {}
-    if step == 0:
-        return {"step": 0, **evaluated}
+@dataclass(frozen=True, slots=True)
+class _StepShards:
+    """A committed step's advantage-stage rows, as its metrics read them."""
+
+    tables: list[pa.Table]
+    """Every row of each shard, ReMax's greedy baseline rows included."""
+    every: list[pa.Table]
+    """The policy's samples: `tables` without the baseline rows."""
+    rows: list[pa.Table]
+    """One row per sample: an agent episode's last row (its sequences share its reward)."""
+    reward_cols: list[str]
+    """The numeric `reward_*` components."""
+    status: bool
+    """Whether the rows carry `reward_status`."""
+    version: bool
+    """Whether the rows carry `weight_version`."""
+    episodes: bool
+    """Whether the rows are multi-turn episodes (schema version 2)."""
+
+
+def _read_step_shards(store: StageStore, step: int, env: EnvConfig | None) -> _StepShards:
+    """The columns of step `step`'s committed advantage shards that its metrics read (with
+    `env`, the rows' metadata too)."""
     files = [
         store.run.stage_dir(step, "advantage") / s["file"]
         for s in store.manifest(step, "advantage")["shards"]
@@ -183,14 +199,46 @@ def step_metrics(store: StageStore, step: int, env: EnvConfig | None = None) -> 
     # An agent episode's sequences are one sample, its last row (they share its reward);
     # the advantages and episode counts read every row.
     rows = [episode_rows(t) for t in every]
+    return _StepShards(
+        tables=tables,
+        every=every,
+        rows=rows,
+        reward_cols=reward_cols,
+        status=bool(status),
+        version=bool(version),
+        episodes=bool(episodes),
+    )
+
+
+def step_metrics(store: StageStore, step: int, env: EnvConfig | None = None) -> dict[str, Any]:
+    """rollout/*, advantage/*, train/*, perf/*, (multi-turn) episode/* and (when it ran)
+    eval/* metrics of a committed step; step 0 has only the evaluation of the initial
+    weights. With `env` (`rollout.env`), a step whose rows name their environments
+    (`env_class`) also gets `episode/<env>/*` per environment."""
+    evaluated = eval_metrics(store, step) if store.is_committed(step, "eval") else {}
+    if step == 0:
+        return {"step": 0, **evaluated}
+    shards = _read_step_shards(store, step, env)
+    out: dict[str, Any] = {"step": step}
+    out.update(_sample_metrics(shards))
+    out.update(_provenance_metrics(shards, step))
+    if shards.episodes:
+        out.update(_episode_metrics(store, step, shards, env))
+    out.update(_stage_metrics(store, step))
+    return {**out, **evaluated}
+
+
+def _sample_metrics(shards: _StepShards) -> dict[str, Any]:
+    """advantage/* over every row, and rollout/* means of the rewards, their numeric
+    components, response lengths and stops over the samples."""
+    rows = shards.rows
     reward = np.concatenate([t.column("reward").to_numpy() for t in rows])
     length = np.concatenate([t.column("response_length").to_numpy() for t in rows])
     stops = sum(t.column("finish_reason").to_pylist().count("stop") for t in rows)
     adv = np.concatenate(
-        [np.asarray(t.column("advantages").combine_chunks().flatten()) for t in every]
+        [np.asarray(t.column("advantages").combine_chunks().flatten()) for t in shards.every]
     )
     out: dict[str, Any] = {
-        "step": step,
         "advantage/mean": float(adv.mean()) if adv.size else 0.0,
         "advantage/std": float(adv.std()) if adv.size else 0.0,
     }
@@ -201,51 +249,73 @@ def step_metrics(store: StageStore, step: int, env: EnvConfig | None = None) -> 
         out["rollout/reward_std"] = float(reward.std())
         out["rollout/response_length"] = float(length.mean())
         out["rollout/stop_frac"] = stops / len(reward)
-    for c in reward_cols if len(reward) else []:
+    for c in shards.reward_cols if len(reward) else []:
         # nan-mean: a dict entry that some rows lack is null there.
         values = np.concatenate([t.column(c).to_numpy(zero_copy_only=False) for t in rows])
         out[f"rollout/{c}"] = float(np.nanmean(values)) if np.isfinite(values).any() else 0.0
+    return out
+
+
+def _provenance_metrics(shards: _StepShards, step: int) -> dict[str, Any]:
+    """What else the rows record of how they were sampled and scored: ReMax's greedy
+    baseline reward, the weights that sampled them, and the reward functions' failures."""
+    out: dict[str, Any] = {}
     greedy = [
         r
-        for t in tables
+        for t in shards.tables
         for r, b in zip(t["reward"].to_pylist(), baseline_flags(t), strict=True)
         if b
     ]
     if greedy:
         out["rollout/baseline_reward_mean"] = float(np.mean(greedy))
-    versions = [v for t in rows if version for v in t.column("weight_version").to_pylist()]
+    versions = [
+        v for t in shards.rows if shards.version for v in t.column("weight_version").to_pylist()
+    ]
     if versions:
         # The oldest weights that sampled the step, and how many train steps they lag the
         # ones it trains (step - 1): rollout.staleness, or less for the first steps.
         oldest = min(versions)
         out["rollout/weight_version"] = oldest
         out["rollout/staleness"] = step - 1 - oldest
-    if status:
-        codes = [s for t in rows for s in t.column("reward_status").to_pylist()]
+    if shards.status:
+        codes = [s for t in shards.rows for s in t.column("reward_status").to_pylist()]
         out["rollout/reward_errors"] = codes.count("error")
         out["rollout/reward_timeouts"] = codes.count("timeout")
-    if episodes:
-        counts = episode_stats.EpisodeCounts()
-        for t in every:
-            counts = counts.merge(episode_stats.EpisodeCounts.of(t))
-        out.update(counts.metrics())
-        if env is not None:
-            out.update(per_env_metrics(rows, env))
-        # Rank 0's seconds waiting for environments, over the step's generation rounds.
-        rounds = generation.committed_rounds(store, step, "rollout")
-        out["perf/env_s"] = sum(store.manifest(step, r).get("env_s", 0.0) for r in rounds)
-        manifest = store.manifest(step, "rollout")
-        if "agent_s" in manifest:
-            # An agent stage's (rank 0's): seconds its agents ran, calls a restart answered
-            # from the record, and engine calls per call index.
-            out["perf/agent_s"] = manifest["agent_s"]
-            out["agent/from_record"] = manifest["agent_from_record"]
-            out["agent/engine_calls"] = sum(manifest["agent_engine_calls"])
-            # Calls that did not extend their episode, each a new sequence (row).
-            out["agent/branches"] = counts.branches or 0
+    return out
+
+
+def _episode_metrics(
+    store: StageStore, step: int, shards: _StepShards, env: EnvConfig | None
+) -> dict[str, Any]:
+    """A multi-turn step's episode/* (per environment too, with `env`), the seconds spent
+    waiting for environments, and an agent stage's perf/agent_s and agent/*."""
+    counts = episode_stats.EpisodeCounts()
+    for t in shards.every:
+        counts = counts.merge(episode_stats.EpisodeCounts.of(t))
+    out: dict[str, Any] = dict(counts.metrics())
+    if env is not None:
+        out.update(per_env_metrics(shards.rows, env))
+    # Rank 0's seconds waiting for environments, over the step's generation rounds.
+    rounds = generation.committed_rounds(store, step, "rollout")
+    out["perf/env_s"] = sum(store.manifest(step, r).get("env_s", 0.0) for r in rounds)
+    manifest = store.manifest(step, "rollout")
+    if "agent_s" in manifest:
+        # An agent stage's (rank 0's): seconds its agents ran, calls a restart answered
+        # from the record, and engine calls per call index.
+        out["perf/agent_s"] = manifest["agent_s"]
+        out["agent/from_record"] = manifest["agent_from_record"]
+        out["agent/engine_calls"] = sum(manifest["agent_engine_calls"])
+        # Calls that did not extend their episode, each a new sequence (row).
+        out["agent/branches"] = counts.branches or 0
+    return out
+
+
+def _stage_metrics(store: StageStore, step: int) -> dict[str, Any]:
+    """What the step's stage manifests report: the advantage and train stages' metrics,
+    the KL coefficient, each stage's seconds and peak memory, and the generation summary."""
     # The advantage stage's own (rollout/logprob_abs_diff_* when the actor recomputes the
     # old logprobs); manifests committed before it reported any have none.
-    out.update(store.manifest(step, "advantage").get("metrics", {}))
+    out: dict[str, Any] = dict(store.manifest(step, "advantage").get("metrics", {}))
     out.update(store.manifest(step, "train")["metrics"])
     out["train/kl_coef"] = store.manifest(step, "advantage").get("kl_coef", 0.0)
     for stage in ORDER:
@@ -253,4 +323,4 @@ def step_metrics(store: StageStore, step: int, env: EnvConfig | None = None) -> 
         # Rank 0's peak memory in the stage (the first round's, under dynamic sampling).
         out.update(store.manifest(step, stage).get("memory", {}))
     out.update(generation.step_summary(store, step))
-    return {**out, **evaluated}
+    return out

@@ -16,7 +16,7 @@ import signal
 import subprocess
 from typing import TYPE_CHECKING
 
-from rftpipe.observe.events import events
+from rftpipe.events import events
 from rftpipe.run.slurm_job import SlurmJob, decide_requeue, job_info
 
 if TYPE_CHECKING:

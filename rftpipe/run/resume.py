@@ -19,9 +19,10 @@ import os
 import shutil
 import time
 
+from rftpipe.atomic import CorruptionError, fsync_dir
 from rftpipe.checkpoint import writer
 from rftpipe.errors import UserError
-from rftpipe.observe.events import events
+from rftpipe.events import events
 from rftpipe.run.driver import stateful_parts
 from rftpipe.run.runtime import rebuild_actor
 from rftpipe.stages import FINAL, chain_position
@@ -29,7 +30,6 @@ from rftpipe.stages.base import Runtime
 from rftpipe.stages.chain import PIPELINE
 from rftpipe.stages.images import store_images
 from rftpipe.stages.sync import sync_weights
-from rftpipe.storage.atomic import CorruptionError, fsync_dir
 from rftpipe.storage.images import (
     ImageRef,
     missing_images,

@@ -12,11 +12,12 @@ from typing import Any, cast
 import torch
 
 from rftpipe.algos.kl_controller import KLController, make_kl_controller
+from rftpipe.atomic import atomic_write_json, read_json
 from rftpipe.checkpoint import writer
 from rftpipe.checkpoint.policy import make_schedule
 from rftpipe.config.schema import RunConfig
-from rftpipe.data.prompts import load_prompts, split_held_out
-from rftpipe.data.ptx import data_fingerprint, load_ptx_examples
+from rftpipe.data.prompts import PromptSet, load_prompts, split_held_out
+from rftpipe.data.ptx import PTXExample, data_fingerprint, load_ptx_examples
 from rftpipe.dist import Dist
 from rftpipe.engines import lora as lora_mod
 from rftpipe.engines import models
@@ -31,14 +32,13 @@ from rftpipe.engines.train.vision import freeze_vision
 from rftpipe.engines.vision import VisionEncoder
 from rftpipe.envs.loader import check_environments
 from rftpipe.errors import UserError
-from rftpipe.observe.events import events
+from rftpipe.events import events
 from rftpipe.rewards import check_coverage, resolve_all
 from rftpipe.run import handoff
 from rftpipe.run.overlap import second_stream
 from rftpipe.run.placement import Placement
 from rftpipe.run.preemption import NoStop, StopFlag
 from rftpipe.stages.base import Runtime
-from rftpipe.storage.atomic import atomic_write_json, read_json
 from rftpipe.storage.fresh_start import committed_work
 from rftpipe.storage.layout import RUN_LAYOUT_VERSION, RunDir
 from rftpipe.storage.stage_store import StageStore
@@ -186,11 +186,7 @@ def build(
         log.info("launch.retain_host_memory: not glibc, the allocator is left as it is")
     model_dir = models.resolve_model_path(cfg.model.path)
     tokenizer = models.load_tokenizer(model_dir)
-    # The config refuses model.reference without a KL term, so a set one is always used.
-    ref_dir = None
-    if cfg.model.reference is not None:
-        ref_dir = models.resolve_model_path(cfg.model.reference, "model.reference")
-        models.check_reference_vocab(tokenizer, ref_dir)
+    ref_dir = _reference_dir(cfg, tokenizer)
     vision = load_vision(cfg, model_dir)
     prompts, held_out = split_held_out(
         cfg.data, cfg.eval, load_prompts(cfg.data, tokenizer, vision), tokenizer
@@ -198,38 +194,10 @@ def build(
     check_coverage(cfg.reward, prompts.data_sources())
     check_round_size(cfg, len(prompts))
     # Before any model loads, so a bad PTX file fails in seconds.
-    ptx = (
-        tuple(load_ptx_examples(cfg.train.ptx, tokenizer, cfg.data.system_prompt))
-        if cfg.train.ptx.coef
-        else ()
-    )
+    ptx = _load_ptx(cfg, tokenizer)
     rewards = resolve_all(cfg.reward, prompts.scorer, cfg.rollout.max_new_tokens, dist.device)
-    if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
-        preflight(cfg, model_dir)
-    if cfg.rollout.env is not None:
-        # One environment of the run's and of each other a row's `env_class` names, built
-        # and closed here: a path that does not import, a class without step, kwargs it
-        # does not take or an unknown `env_class` fail before any model loads.
-        rows = [*prompts.prompts, *(held_out.prompts if held_out is not None else [])]
-        check_environments(
-            cfg.rollout.env, [(p.where or f"prompt_id {p.prompt_id}", p.metadata) for p in rows]
-        )
-    if cfg.model.lora is not None:
-        lora_mod.check_targets_of(model_dir, cfg.model.lora)
-    model_fp = models.model_fingerprint(model_dir, ref_dir)
-    anew = check_fingerprints(
-        run, model_fp, data_fingerprint(prompts, ptx), allow_mismatch, place.job
-    )
-    if place.job.is_main and anew:
-        atomic_write_json(
-            run.run_json,
-            {
-                "schema_version": RUN_LAYOUT_VERSION,
-                "model_fingerprint": model_fp,
-                "data_fingerprint": data_fingerprint(prompts, ptx),
-                "num_prompts": len(prompts),
-            },
-        )
+    _check_before_models(cfg, model_dir, prompts, held_out)
+    _record_fingerprints(run, model_dir, ref_dir, prompts, ptx, allow_mismatch, place.job)
     common: dict[str, Any] = {
         "cfg": cfg,
         "run": run,
@@ -247,30 +215,115 @@ def build(
     }
     if place.role == "rollout":
         # Generation only: no actor, reference, critic or checkpoints on these ranks.
-        return Runtime(
-            **common,
-            trainer=None,
-            reference=None,
-            rollout_engine=build_generator(cfg, model_dir, dist, tokenizer),
-            ckpt_writer=writer.Writer(dist, cfg.checkpoint.direct_io),
+        return Runtime(**common, **_generator_fields(cfg, model_dir, dist, tokenizer))
+    return Runtime(
+        **common, **_trainer_fields(cfg, dist, place, model_dir, ref_dir, tokenizer, ptx)
+    )
+
+
+def _reference_dir(cfg: RunConfig, tokenizer: Any) -> Path | None:
+    """`model.reference`'s directory, its vocabulary checked against the policy's
+    `tokenizer` (None without one: the reference, if any, is the initial policy)."""
+    # The config refuses model.reference without a KL term, so a set one is always used.
+    if cfg.model.reference is None:
+        return None
+    ref_dir = models.resolve_model_path(cfg.model.reference, "model.reference")
+    models.check_reference_vocab(tokenizer, ref_dir)
+    return ref_dir
+
+
+def _load_ptx(cfg: RunConfig, tokenizer: Any) -> tuple[PTXExample, ...]:
+    """`train.ptx`'s examples (none without its term)."""
+    if not cfg.train.ptx.coef:
+        return ()
+    return tuple(load_ptx_examples(cfg.train.ptx, tokenizer, cfg.data.system_prompt))
+
+
+def _check_before_models(
+    cfg: RunConfig, model_dir: Path, prompts: PromptSet, held_out: PromptSet | None
+) -> None:
+    """What can fail before any model loads: the rollout engine's preflight, the
+    environments the rows name, and `model.lora`'s target modules."""
+    if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
+        preflight(cfg, model_dir)
+    if cfg.rollout.env is not None:
+        # One environment of the run's and of each other a row's `env_class` names, built
+        # and closed here: a path that does not import, a class without step, kwargs it
+        # does not take or an unknown `env_class` fail before any model loads.
+        rows = [*prompts.prompts, *(held_out.prompts if held_out is not None else [])]
+        check_environments(
+            cfg.rollout.env, [(p.where or f"prompt_id {p.prompt_id}", p.metadata) for p in rows]
         )
+    if cfg.model.lora is not None:
+        lora_mod.check_targets_of(model_dir, cfg.model.lora)
+
+
+def _record_fingerprints(
+    run: RunDir,
+    model_dir: Path,
+    ref_dir: Path | None,
+    prompts: PromptSet,
+    ptx: tuple[PTXExample, ...],
+    allow_mismatch: bool,
+    job: Dist,
+) -> None:
+    """The model's and data's fingerprints checked against run.json's
+    (`check_fingerprints`), and run.json written anew (by the job's rank 0) when that
+    says so."""
+    model_fp = models.model_fingerprint(model_dir, ref_dir)
+    anew = check_fingerprints(run, model_fp, data_fingerprint(prompts, ptx), allow_mismatch, job)
+    if job.is_main and anew:
+        atomic_write_json(
+            run.run_json,
+            {
+                "schema_version": RUN_LAYOUT_VERSION,
+                "model_fingerprint": model_fp,
+                "data_fingerprint": data_fingerprint(prompts, ptx),
+                "num_prompts": len(prompts),
+            },
+        )
+
+
+def _generator_fields(
+    cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any
+) -> dict[str, Any]:
+    """The `Runtime` fields of a rank that only generates: its engine and checkpoint
+    writer, and no actor or reference."""
+    return {
+        "trainer": None,
+        "reference": None,
+        "rollout_engine": build_generator(cfg, model_dir, dist, tokenizer),
+        "ckpt_writer": writer.Writer(dist, cfg.checkpoint.direct_io),
+    }
+
+
+def _trainer_fields(
+    cfg: RunConfig,
+    dist: Dist,
+    place: Placement,
+    model_dir: Path,
+    ref_dir: Path | None,
+    tokenizer: Any,
+    ptx: tuple[PTXExample, ...],
+) -> dict[str, Any]:
+    """The `Runtime` fields of a training rank: the actor, the engine it generates (or
+    only evaluates) with, the reference, the critic and the checkpoint writer."""
     # Beside rollout ranks the trainers' own engine only evaluates: the HF loop, which
     # shares the actor's module where it can, rather than a second serving engine.
     name = "hf" if place.role == "train" else None
     engine, rollout = build_actor(cfg, model_dir, dist, tokenizer, engine_name=name)
     retain_train_blocks(cfg, engine, dist)
     reference = build_reference(cfg, engine, ref_dir or model_dir, dist)
-    return Runtime(
-        **common,
-        trainer=engine,
-        reference=reference,
-        rollout_engine=rollout,
-        ckpt_writer=writer.Writer(dist, cfg.checkpoint.direct_io, place.checkpoint_group),
-        critic=build_critic(cfg, model_dir, dist),
-        ptx=ptx,
-        generation_dist=second_stream(dist) if cfg.rollout.overlap else None,
-        handoff=handoff.publish if place.role == "train" else None,
-    )
+    return {
+        "trainer": engine,
+        "reference": reference,
+        "rollout_engine": rollout,
+        "ckpt_writer": writer.Writer(dist, cfg.checkpoint.direct_io, place.checkpoint_group),
+        "critic": build_critic(cfg, model_dir, dist),
+        "ptx": ptx,
+        "generation_dist": second_stream(dist) if cfg.rollout.overlap else None,
+        "handoff": handoff.publish if place.role == "train" else None,
+    }
 
 
 def build_generator(cfg: RunConfig, model_dir: Path, dist: Dist, tokenizer: Any) -> RolloutEngine:

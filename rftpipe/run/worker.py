@@ -16,7 +16,7 @@ from rftpipe.checkpoint.folder import prefetch_newest_checkpoint
 from rftpipe.config.loader import load_config
 from rftpipe.config.schema import RunConfig, refuse_stretched_lr_schedule
 from rftpipe.errors import UserError
-from rftpipe.observe.events import EventLog, events, set_event_log
+from rftpipe.events import EventLog, events, set_event_log
 from rftpipe.storage.fresh_start import hold_live_lock
 from rftpipe.storage.layout import RunDir
 

@@ -45,6 +45,37 @@ class AdvantageStageConfig:
     """The controller's coefficient for this step (recorded in the manifest)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """What every step of `run` reads of the scored rows, read once."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    padded: torch.Tensor
+    """(B, T) bool: every response token (the layout every column is cut back to)."""
+    losses: list[list[int]]
+    """Multi-turn rows' `loss_mask` (empty without the column)."""
+    mask: torch.Tensor
+    """(B, T) bool: the tokens the model sampled."""
+    is_baseline: torch.Tensor
+    """(B,) bool: ReMax's greedy rows."""
+
+    @classmethod
+    def of(cls, scored: pa.Table) -> _Batch:
+        prompts = scored.column("prompt_token_ids").to_pylist()
+        responses = scored.column("response_token_ids").to_pylist()
+        _, padded = pad_ragged(scored.column("logprobs").to_pylist(), torch.float64)
+        # Multi-turn rows: the environment's tokens get no advantage, KL penalty or value
+        # target (they are cut back to full length with `padded`).
+        losses = (
+            scored.column("loss_mask").to_pylist() if "loss_mask" in scored.column_names else []
+        )
+        mask = model_token_mask(losses or [None] * len(prompts), padded)
+        # ReMax's greedy rows (`is_baseline`) are scored but never trained on.
+        is_baseline = torch.tensor(baseline_flags(scored), dtype=torch.bool)
+        return cls(prompts, responses, padded, losses, mask, is_baseline)
+
+
 def run(
     cfg: AdvantageStageConfig,
     scored: pa.Table,
@@ -66,93 +97,111 @@ def run(
     logprobs become column `old_logprobs`: PPO's old policy in the train stage and the
     policy side of the `kl.mode=reward` penalty. `reduce_max` is then needed too.
     """
-    prompts = scored.column("prompt_token_ids").to_pylist()
-    responses = scored.column("response_token_ids").to_pylist()
-    _, padded = pad_ragged(scored.column("logprobs").to_pylist(), torch.float64)
-    # Multi-turn rows: the environment's tokens get no advantage, KL penalty or value
-    # target (they are cut back to full length with `padded`).
-    losses = scored.column("loss_mask").to_pylist() if "loss_mask" in scored.column_names else []
-    mask = model_token_mask(losses or [None] * len(prompts), padded)
-    # ReMax's greedy rows (`is_baseline`) are scored but never trained on.
-    is_baseline = torch.tensor(baseline_flags(scored), dtype=torch.bool)
+    batch = _Batch.of(scored)
     out = scored
     metrics: dict[str, float] = {}
     old_column = "logprobs"
     if actor_logprobs is not None:
         assert reduce_max is not None, "the logprob-difference metrics need reduce_max"
-        out = out.append_column(
-            pa.field("old_logprobs", pa.list_(pa.float32())),
-            pa.array(actor_logprobs(prompts, responses), pa.list_(pa.float32())),
-        )
+        out = _append_floats(out, "old_logprobs", actor_logprobs(batch.prompts, batch.responses))
         old_column = "old_logprobs"
         # The greedy rows recorded no sampling logprobs: nothing to compare.
-        metrics = _logprob_diff_metrics(out, mask & ~is_baseline[:, None], reduce_sum, reduce_max)
+        diff_mask = batch.mask & ~batch.is_baseline[:, None]
+        metrics = _logprob_diff_metrics(out, diff_mask, reduce_sum, reduce_max)
     penalty = None
     if cfg.kl.mode != "none":
         assert ref_logprobs is not None, "a KL term needs the reference model"
-        ref = ref_logprobs(prompts, responses)
-        out = out.append_column(
-            pa.field("ref_logprobs", pa.list_(pa.float32())), pa.array(ref, pa.list_(pa.float32()))
-        )
+        out = _append_floats(out, "ref_logprobs", ref_logprobs(batch.prompts, batch.responses))
         if cfg.kl.mode == "reward":
-            # Read back through float32, exactly as the train stage will see these columns.
-            ref_t, _ = pad_ragged(out.column("ref_logprobs").to_pylist(), torch.float64)
-            old32, _ = pad_ragged(out.column(old_column).to_pylist(), torch.float64)
-            penalty = cfg.kl_coef * kl_estimate(old32, ref_t, cfg.kl.estimator) * mask
+            penalty = _kl_penalty(cfg, out, old_column, batch.mask)
     values = None
     if critic_values is not None:
-        out = out.append_column(
-            pa.field("values", pa.list_(pa.float32())),
-            pa.array(critic_values(prompts, responses), pa.list_(pa.float32())),
-        )
+        out = _append_floats(out, "values", critic_values(batch.prompts, batch.responses))
         # Read back through float32, exactly as the train stage will see the column.
-        values, _ = pad_ragged(out.column("values").to_pylist(), torch.float64)
+        values = _read_back(out, "values")
+    inputs = _advantage_inputs(scored, out, old_column, batch, penalty, values)
+    adv = _advantages(cfg, scored, inputs, reduce_sum)
+    table = _append_floats(out, "advantages", unpad(adv, batch.padded))
+    if values is not None:
+        returns = gae_returns(inputs, cfg.advantage.estimator)
+        table = _append_floats(table, "returns", unpad(returns, batch.padded))
+        metrics = {**metrics, **_value_metrics(values, returns, batch.mask, reduce_sum)}
+    return table, metrics
+
+
+def _append_floats(table: pa.Table, name: str, rows: list[list[float]]) -> pa.Table:
+    """`table` with the per-token column `name` of `rows`, committed as float32."""
+    return table.append_column(
+        pa.field(name, pa.list_(pa.float32())), pa.array(rows, pa.list_(pa.float32()))
+    )
+
+
+def _read_back(table: pa.Table, name: str) -> torch.Tensor:
+    """The per-token column `name` of `table`, right-padded to (B, T) in float64."""
+    tensor, _ = pad_ragged(table.column(name).to_pylist(), torch.float64)
+    return tensor
+
+
+def _kl_penalty(
+    cfg: AdvantageStageConfig, table: pa.Table, old_column: str, mask: torch.Tensor
+) -> torch.Tensor:
+    """`kl.mode=reward`'s per-token penalty, the controller's coefficient times the KL
+    estimate of the old policy (`old_column`) from the reference, 0 off `mask`."""
+    # Read back through float32, exactly as the train stage will see these columns.
+    ref_t = _read_back(table, "ref_logprobs")
+    old32 = _read_back(table, old_column)
+    return cfg.kl_coef * kl_estimate(old32, ref_t, cfg.kl.estimator) * mask
+
+
+def _advantage_inputs(
+    scored: pa.Table,
+    out: pa.Table,
+    old_column: str,
+    batch: _Batch,
+    penalty: torch.Tensor | None,
+    values: torch.Tensor | None,
+) -> AdvantageInputs:
+    """The estimators' batch: the rows' rewards, groups and masks, multi-turn rows' turns,
+    with the behaviour logprobs as `out` commits them (`old_column`)."""
     turn_rewards = turn_starts = None
-    if losses:
+    if batch.losses:
         # Token-level estimators credit each turn's environment reward where it was paid,
         # and the discounting ones discount per turn from where each turn starts.
         turn_rewards, turn_starts = turn_tokens(
             scored.column("turn_offsets").to_pylist(),
             scored.column("turn_rewards").to_pylist(),
-            losses,
-            (padded.shape[0], padded.shape[1]),
+            batch.losses,
+            (batch.padded.shape[0], batch.padded.shape[1]),
         )
     group = torch.tensor(scored.column("prompt_id").to_pylist(), dtype=torch.int64)
     # The behaviour policy's logprobs, as committed: the optimal token baseline reads them.
-    behaviour, _ = pad_ragged(out.column(old_column).to_pylist(), torch.float64)
-    inputs = AdvantageInputs(
+    behaviour = _read_back(out, old_column)
+    return AdvantageInputs(
         rewards=torch.tensor(scored.column("reward").to_pylist(), dtype=torch.float64),
         group_index=group,
-        response_mask=mask,
+        response_mask=batch.mask,
         token_kl_penalty=penalty,
         logprobs=behaviour,
-        is_baseline=is_baseline,
+        is_baseline=batch.is_baseline,
         values=values,
         turn_rewards=turn_rewards,
         turn_starts=turn_starts,
     )
+
+
+def _advantages(
+    cfg: AdvantageStageConfig, scored: pa.Table, inputs: AdvantageInputs, reduce_sum: Reducer
+) -> torch.Tensor:
+    """(B, T) per-token advantages of `advantage.estimator`, per episode for agent rows."""
     if has_branches(scored):
         # An agent episode of several sequences: one advantage per episode, on all of them.
-        adv = compute_episode_advantages(
+        return compute_episode_advantages(
             cfg.advantage.estimator,
             inputs,
             torch.tensor(last_rows(scored), dtype=torch.int64),
             reduce_sum=reduce_sum,
         )
-    else:
-        adv = compute_advantages(cfg.advantage.estimator, inputs, reduce_sum=reduce_sum)
-    table = out.append_column(
-        pa.field("advantages", pa.list_(pa.float32())),
-        pa.array(unpad(adv, padded), pa.list_(pa.float32())),
-    )
-    if values is not None:
-        returns = gae_returns(inputs, cfg.advantage.estimator)
-        table = table.append_column(
-            pa.field("returns", pa.list_(pa.float32())),
-            pa.array(unpad(returns, padded), pa.list_(pa.float32())),
-        )
-        metrics = {**metrics, **_value_metrics(values, returns, mask, reduce_sum)}
-    return table, metrics
+    return compute_advantages(cfg.advantage.estimator, inputs, reduce_sum=reduce_sum)
 
 
 def _value_metrics(

@@ -54,8 +54,8 @@ from rftpipe.data.prompts import Prompt
 from rftpipe.engines.rollout.hf import last_token_stops, stop_length
 from rftpipe.envs.tools import PARSERS, without_calls
 from rftpipe.errors import UserError
+from rftpipe.events import events
 from rftpipe.faults import fault
-from rftpipe.observe.events import events
 from rftpipe.seeding import derive_seed
 from rftpipe.stages.episodes import (
     Episode,

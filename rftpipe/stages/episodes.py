@@ -59,8 +59,8 @@ from rftpipe.envs.base import (
 from rftpipe.envs.loader import row_env
 from rftpipe.envs.pool import EnvFailed, env_name, step_all
 from rftpipe.errors import UserError
+from rftpipe.events import events
 from rftpipe.faults import fault
-from rftpipe.observe.events import events
 from rftpipe.seeding import derive_seed
 
 EpisodeStatus = str

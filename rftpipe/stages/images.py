@@ -17,10 +17,10 @@ from typing import Any
 
 import pyarrow as pa
 
+from rftpipe.atomic import CorruptionError
 from rftpipe.data.images import LoadedImage
 from rftpipe.data.prompts import Prompt
 from rftpipe.engines.vision import VisionEncoder, VisionInputs
-from rftpipe.storage.atomic import CorruptionError
 from rftpipe.storage.images import ImageRef, ImageStore, image_ref
 from rftpipe.storage.layout import IMAGES_COLUMN
 

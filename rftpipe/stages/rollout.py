@@ -19,7 +19,7 @@ from rftpipe.envs.base import Environment
 from rftpipe.envs.loader import make_environment
 from rftpipe.envs.pool import shared_pool
 from rftpipe.errors import UserError
-from rftpipe.observe.events import events
+from rftpipe.events import events
 from rftpipe.seeding import derive_seed
 from rftpipe.stages import agents, episodes, round_stage
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan

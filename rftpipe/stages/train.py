@@ -27,6 +27,7 @@ import torch
 from rftpipe.algos.correction import correction_weights
 from rftpipe.algos.losses import AGGREGATIONS, entropy_top_mask, kl_estimate, policy_loss
 from rftpipe.algos.variants import ROLLOUT_CORRECTIONS, K3Settings
+from rftpipe.atomic import CorruptionError
 from rftpipe.config.schema import KLConfig, TrainConfig, response_budget
 from rftpipe.data.ptx import PTXExample, ptx_batch
 from rftpipe.data.sampler import rank_slice
@@ -35,9 +36,9 @@ from rftpipe.engines.train.base import TrainEngine
 from rftpipe.engines.train.forward import split_micro_batches
 from rftpipe.engines.train.ulysses import data_view
 from rftpipe.errors import UserError
+from rftpipe.events import events
 from rftpipe.faults import fault
 from rftpipe.observe import machine, perf
-from rftpipe.observe.events import events
 from rftpipe.stages import StageName, critic_train
 from rftpipe.stages.base import ReplayCheck, Rows, Runtime, StageOutput, StepPlan
 from rftpipe.stages.batching import (
@@ -48,7 +49,6 @@ from rftpipe.stages.batching import (
     seeded_rng,
 )
 from rftpipe.stages.images import RowImages
-from rftpipe.storage.atomic import CorruptionError
 from rftpipe.storage.baseline_rows import without_baseline
 
 log = logging.getLogger(__name__)

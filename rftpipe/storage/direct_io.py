@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from rftpipe.storage.atomic import CorruptionError
+from rftpipe.atomic import CorruptionError
 
 CHUNK = 8 << 20
 """Bytes per O_DIRECT write: a multiple of any device's logical block size; also the size of

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from rftpipe.atomic import TMP_PREFIX, fsync_dir, read_json
 from rftpipe.errors import UserError
-from rftpipe.storage.atomic import TMP_PREFIX, fsync_dir, read_json
 from rftpipe.storage.layout import MANIFEST, RUN_LAYOUT_VERSION, RunDir
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rftpipe.storage.atomic import TMP_PREFIX, CorruptionError, atomic_write_bytes, fsync_dir
+from rftpipe.atomic import TMP_PREFIX, CorruptionError, atomic_write_bytes, fsync_dir
 from rftpipe.storage.layout import IMAGES_COLUMN
 
 IMAGES_DIR = "images"

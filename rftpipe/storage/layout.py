@@ -15,7 +15,7 @@ and DuckDB all read the hive key as an integer; ``K`` = rank)::
     RUN/superseded/TIME/                   files of an earlier start that committed nothing
     RUN/.live.lock                         flocked (shared) by every live worker
 
-Every file is written under a temporary name, fsynced and renamed (`rftpipe.storage.atomic`);
+Every file is written under a temporary name, fsynced and renamed (`rftpipe.atomic`);
 a stage exists only once its MANIFEST.json exists, and nothing reads a shard that no manifest
 lists (`rftpipe.storage.stage_store`). `RunDir` is the layout alone.
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rftpipe.storage.atomic import fsync_dir
+from rftpipe.atomic import fsync_dir
 
 TRAJECTORY_SCHEMA_VERSION = "1"
 """`rftpipe.schema_version` in the Parquet metadata of a single-turn run's stage shards."""

@@ -14,9 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rftpipe.faults import fault
-from rftpipe.observe.events import events
-from rftpipe.storage.atomic import (
+from rftpipe.atomic import (
     TMP_PREFIX,
     atomic_write_json,
     fsync_dir,
@@ -24,6 +22,8 @@ from rftpipe.storage.atomic import (
     verify_shard,
     write_parquet_atomic,
 )
+from rftpipe.events import events
+from rftpipe.faults import fault
 from rftpipe.storage.branch_rows import BRANCH
 from rftpipe.storage.layout import MANIFEST, RunDir, list_steps, step_name
 

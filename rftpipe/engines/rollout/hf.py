@@ -674,7 +674,7 @@ def load_weights_dir(model: torch.nn.Module, path: Path) -> None:
     """`model`'s weights from `path`/model.safetensors, as `rftpipe.stages.sync.write_weights`
     wrote them (a tied lm_head, when written, loads into the embedding's storage; when
     absent, through the name kept for it). The rollout ranks' read of a hand-over
-    (`rftpipe.run.handoff`), and what `tools.bench_handoff` times."""
+    (`rftpipe.run.handoff`), and what `python -m tools.bench handoff` times."""
     from safetensors.torch import load_file
 
     state = load_file(path / "model.safetensors", device=str(next(model.parameters()).device))

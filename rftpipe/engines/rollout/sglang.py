@@ -225,34 +225,7 @@ class SGLangEngine:
             import sglang
         except ImportError as e:
             raise UserError(INSTALL_HINT) from e
-        if not torch.cuda.is_available():
-            raise UserError(
-                "rollout.engine=sglang: no CUDA device; SGLang runs on GPUs only, use "
-                "rollout.engine=vllm|hf"
-            )
-        _check_sampling_seed_support()
-        inf = cfg.inference
-        if inf.sleep_level > 0 and not _has_module("torch_memory_saver"):
-            raise UserError(
-                f"rollout.inference.sleep_level={inf.sleep_level} with rollout.engine=sglang "
-                "needs torch_memory_saver (pip install torch_memory_saver), or set "
-                "rollout.inference.sleep_level=0"
-            )
-        if cfg.temperature != 1.0 and _env_true("SGLANG_RETURN_ORIGINAL_LOGPROB"):
-            raise UserError(
-                "rollout.temperature: SGLANG_RETURN_ORIGINAL_LOGPROB is set, which makes "
-                "SGLang record logprobs before the temperature; unset it (the rollout "
-                "logprobs must be of logits / temperature)"
-            )
-        check_stop_tokens(model_dir, eos_id)
-        if cfg.min_new_tokens > 0:
-            log.warning(
-                "rollout.min_new_tokens=%d with rollout.engine=sglang: SGLang records the "
-                "logprobs of the first %d tokens with EOS masked (log softmax(logits/T) - "
-                "log(1 - p_eos)), not the unmasked values the hf engine records",
-                cfg.min_new_tokens,
-                cfg.min_new_tokens,
-            )
+        _check_supported(model_dir, cfg, eos_id)
         torch_dtype = getattr(torch, dtype, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"dtype must name a torch dtype, got {dtype!r}")
@@ -267,29 +240,11 @@ class SGLangEngine:
         """`train.freeze_vision`: a sync in memory leaves the vision tower's tensors out."""
         gpu = torch.cuda.current_device() if base_gpu_id is None else base_gpu_id
         self.device = torch.device("cuda", gpu)
-        self._level = inf.sleep_level
+        self._level = cfg.inference.sleep_level
         self._released: set[str] = set()
         self._needs_weights = False
 
-        kwargs: dict[str, Any] = dict(
-            model_path=str(self.model_dir),
-            dtype=dtype,
-            random_seed=seed & ((1 << _SEED_BITS) - 1),
-            tp_size=inf.tensor_parallel_size,
-            base_gpu_id=gpu,
-            mem_fraction_static=inf.memory_fraction,
-            max_running_requests=inf.max_num_seqs,
-            # Per-request seeds take effect only in deterministic mode (module doc).
-            enable_deterministic_inference=True,
-            enable_memory_saver=self._level > 0,
-            log_level="error",
-        )
-        if self._level == 1:
-            kwargs["enable_weights_cpu_backup"] = True
-        if dtype == "float32":
-            # Of the attention backends deterministic mode allows (fa3, flashinfer, triton),
-            # only triton computes in float32.
-            kwargs["attention_backend"] = "triton"
+        kwargs = _engine_kwargs(self.model_dir, cfg, dtype, seed, gpu)
         started = time.perf_counter()
         self._engine: Any = sglang.Engine(**kwargs)
         self._tags = _memory_tags()
@@ -570,6 +525,68 @@ def _memory_tags() -> list[str]:
     except ImportError:
         return [_KV_CACHE, _WEIGHTS]
     return list(GPU_MEMORY_ALL_TYPES)
+
+
+def _check_supported(model_dir: Path, cfg: RolloutConfig, eos_id: int) -> None:
+    """Refuse what this engine cannot serve exactly (module doc): no GPU, an SGLang without
+    per-request seeds, sleep without `torch_memory_saver`, logprobs recorded before the
+    temperature, and stop ids besides ours; warn of min_new_tokens' masked logprobs."""
+    if not torch.cuda.is_available():
+        raise UserError(
+            "rollout.engine=sglang: no CUDA device; SGLang runs on GPUs only, use "
+            "rollout.engine=vllm|hf"
+        )
+    _check_sampling_seed_support()
+    inf = cfg.inference
+    if inf.sleep_level > 0 and not _has_module("torch_memory_saver"):
+        raise UserError(
+            f"rollout.inference.sleep_level={inf.sleep_level} with rollout.engine=sglang "
+            "needs torch_memory_saver (pip install torch_memory_saver), or set "
+            "rollout.inference.sleep_level=0"
+        )
+    if cfg.temperature != 1.0 and _env_true("SGLANG_RETURN_ORIGINAL_LOGPROB"):
+        raise UserError(
+            "rollout.temperature: SGLANG_RETURN_ORIGINAL_LOGPROB is set, which makes "
+            "SGLang record logprobs before the temperature; unset it (the rollout "
+            "logprobs must be of logits / temperature)"
+        )
+    check_stop_tokens(model_dir, eos_id)
+    if cfg.min_new_tokens > 0:
+        log.warning(
+            "rollout.min_new_tokens=%d with rollout.engine=sglang: SGLang records the "
+            "logprobs of the first %d tokens with EOS masked (log softmax(logits/T) - "
+            "log(1 - p_eos)), not the unmasked values the hf engine records",
+            cfg.min_new_tokens,
+            cfg.min_new_tokens,
+        )
+
+
+def _engine_kwargs(
+    model_dir: Path, cfg: RolloutConfig, dtype: str, seed: int, gpu: int
+) -> dict[str, Any]:
+    """`sglang.Engine`'s arguments: deterministic inference on GPUs from `gpu`, with
+    memory saving for `rollout.inference.sleep_level` > 0."""
+    inf = cfg.inference
+    kwargs: dict[str, Any] = dict(
+        model_path=str(model_dir),
+        dtype=dtype,
+        random_seed=seed & ((1 << _SEED_BITS) - 1),
+        tp_size=inf.tensor_parallel_size,
+        base_gpu_id=gpu,
+        mem_fraction_static=inf.memory_fraction,
+        max_running_requests=inf.max_num_seqs,
+        # Per-request seeds take effect only in deterministic mode (module doc).
+        enable_deterministic_inference=True,
+        enable_memory_saver=inf.sleep_level > 0,
+        log_level="error",
+    )
+    if inf.sleep_level == 1:
+        kwargs["enable_weights_cpu_backup"] = True
+    if dtype == "float32":
+        # Of the attention backends deterministic mode allows (fa3, flashinfer, triton),
+        # only triton computes in float32.
+        kwargs["attention_backend"] = "triton"
+    return kwargs
 
 
 def _check_sampling_seed_support() -> None:

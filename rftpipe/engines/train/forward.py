@@ -327,7 +327,7 @@ def grouped_logprobs(
     from all of its rows, so the result equals one full forward per row. Attention costs
     the sum over groups of L_max^2, not the square of the whole micro-batch as one packed
     sequence did, and the linear layers see the same tokens plus the padding to the
-    longest group. Forward+backward at SmolLM2-135M's shape (`tools/bench_forward.py`),
+    longest group. Forward+backward at SmolLM2-135M's shape (`tools/bench/forward.py`),
     against the single packed sequence: 4 groups x 8 responses of 256 tokens 0.40 s
     instead of 1.11 s and 19.2 instead of 25.4 GiB peak on an H100; 16-token responses
     0.99x (2 groups) and 0.88x (4 groups) the time on 2 CPU threads.
