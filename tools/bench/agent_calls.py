@@ -30,7 +30,7 @@ import statistics
 from typing import Any
 
 from tools.bench import Benchmark
-from tools.bench.harness import alternate, medians, parser, timed
+from tools.bench.harness import parser, timed
 
 SIDES = ("kept", "reprefill")
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_smollm2, prepare_tiny
-    from tools.bench.turns import agreement
+    from tools.bench.turns import kept_against_reprefill
 
     p = parser("agent_calls", __doc__)
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
@@ -115,12 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     path = {"tiny": prepare_tiny, "smollm2": prepare_smollm2}[a.model]()
     model = load_causal_lm(path, "float32")
     tok = load_tokenizer(path)
-    sides = {
-        s: lambda kept=kept: run_side(a, model, tok, kept)
-        for s, kept in zip(SIDES, (True, False), strict=True)
-    }
-    runs = alternate(sides, a.runs).runs
-    first = runs[SIDES[0]][0]
+    first, report = kept_against_reprefill(
+        SIDES,
+        lambda kept: run_side(a, model, tok, kept),
+        a.runs,
+        per_call=("calls", "call_s", a.calls),
+        total="stage_s",
+    )
     out: dict[str, Any] = {
         "model": a.model,
         "threads": a.threads,
@@ -129,13 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_new": a.max_new,
         "prompt_tokens": first["prompt_tokens"],
         "response_tokens": first["response_tokens"],
-        **agreement(first, runs[SIDES[1]][0]),
+        **report,
     }
-    for s in SIDES:
-        out[s] = {
-            "call_s": medians(runs[s], "calls", a.calls),
-            "stage_s": round(statistics.median(r["total"] for r in runs[s]), 4),
-        }
     print(json.dumps(out))
     return 0
 

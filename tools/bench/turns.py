@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
 
@@ -168,6 +169,33 @@ def agreement(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def kept_against_reprefill(
+    sides: tuple[str, str],
+    run_side: Callable[[bool], dict[str, Any]],
+    runs: int,
+    per_call: tuple[str, str, int],
+    total: str,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The two sides (`run_side(True)`: the cache kept, `run_side(False)`: prefilled again)
+    alternated `runs` times; returns the kept side's first run and the report: the two
+    sides' first runs' `agreement`, then per side the median seconds of each engine call
+    (`per_call`: the run's list, the report's key, the number of calls) and of the whole
+    run (under `total`). Shared by this benchmark and `tools.bench agent_calls`."""
+    measured = alternate(
+        {s: lambda kept=kept: run_side(kept) for s, kept in zip(sides, (True, False), strict=True)},
+        runs,
+    ).runs
+    first = measured[sides[0]][0]
+    report: dict[str, Any] = agreement(first, measured[sides[1]][0])
+    calls, key, count = per_call
+    for s in sides:
+        report[s] = {
+            key: medians(measured[s], calls, count),
+            total: round(statistics.median(r["total"] for r in measured[s]), 4),
+        }
+    return first, report
+
+
 def smollm2_shape() -> Any:
     """A random-init model of SmolLM2-135M's shape (`tools.bench.mfu.SHAPES["135m"]`) with
     the tiny tokenizer, in a temporary directory."""
@@ -209,12 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     path = builders[a.model]()
     model = load_causal_lm(path, "float32").to(a.device)
     tok = load_tokenizer(path)
-    sides = {
-        s: lambda kept=kept: run_side(a, model, tok, kept)
-        for s, kept in zip(SIDES, (True, False), strict=True)
-    }
-    runs = alternate(sides, a.runs).runs
-    first = runs[SIDES[0]][0]
+    first, report = kept_against_reprefill(
+        SIDES,
+        lambda kept: run_side(a, model, tok, kept),
+        a.runs,
+        per_call=("turns", "turn_s", a.turns),
+        total="episodes_s",
+    )
     out: dict[str, Any] = {
         "model": a.model,
         "device": a.device,
@@ -224,13 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_new": a.max_new,
         "prompt_tokens": first["prompt_tokens"],
         "obs_tokens": first["obs_tokens"],
-        **agreement(first, runs[SIDES[1]][0]),
+        **report,
     }
-    for s in SIDES:
-        out[s] = {
-            "turn_s": medians(runs[s], "turns", a.turns),
-            "episodes_s": round(statistics.median(r["total"] for r in runs[s]), 4),
-        }
     print(json.dumps(out))
     return 0
 
