@@ -1,5 +1,6 @@
-"""The `model` section: the policy's weights and dtype, the KL term's reference model, and
-LoRA adapters on the policy (`model.lora`)."""
+"""The `model` section: the policy's weights and dtype, the KL term's reference model, LoRA
+adapters on the policy (`model.lora`), and sparse upcycling of a dense policy into a
+mixture of experts (`model.upcycle`)."""
 
 from __future__ import annotations
 
@@ -56,12 +57,46 @@ class LoraConfig:
             raise ValueError("target_modules must name at least one module, none empty")
 
 
+MAX_EXPERTS = 256
+"""The most experts `model.upcycle` makes a layer (Mixtral's router is a dense (E, H)
+matrix, and every expert is a full copy of the dense MLP)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpcycleConfig:
+    """Sparse upcycling: the dense Llama-architecture policy becomes a Mixtral-architecture
+    mixture of experts whose experts are all copies of each layer's dense MLP, under a new
+    router (rftpipe.engines.upcycle)."""
+
+    experts: int
+    """Experts per layer (E), each an exact copy of the layer's dense MLP; 2 to 256."""
+
+    top_k: int
+    """Experts each token is routed to (k), 1 to `experts`; its weights are the top-k
+    softmax router probabilities renormalised to sum to 1."""
+
+    router_seed: int = 0
+    """Seed of the router weights, which an integer hash of (seed, layer, expert, column)
+    draws uniform in +-0.02*sqrt(3) (standard deviation 0.02), bitwise the same on every
+    machine; 0 to 2**63-1."""
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.experts <= MAX_EXPERTS:
+            raise ValueError(f"experts must be in 2..{MAX_EXPERTS}, got {self.experts}")
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k must be in 1..experts ({self.experts}), got {self.top_k}")
+        if not 0 <= self.router_seed < 2**63:
+            raise ValueError(f"router_seed must be in 0..2**63-1, got {self.router_seed}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     path: str = "builtin:smollm2-135m-instruct"
     """Policy weights: a local HF directory, or `builtin:smollm2-135m-instruct`; for tests,
-    the random-init `builtin:tiny` (text), `builtin:tiny-vl` (Qwen2-VL) or
-    `builtin:tiny-vl25` (Qwen2.5-VL)."""
+    the random-init `builtin:tiny` (text), `builtin:tiny-vl` (Qwen2-VL),
+    `builtin:tiny-vl25` (Qwen2.5-VL), `builtin:tiny-qwen3-moe` (a Qwen3-MoE with one dense
+    layer among two MoE ones) or `builtin:tiny-moe` (`builtin:tiny` upcycled to a Mixtral of
+    4 experts, top 2)."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype for training and rollout."""
@@ -87,6 +122,14 @@ class ModelConfig:
     """Train LoRA adapters instead of every weight (null: full fine-tuning). With a KL term
     and no `reference`, the reference is the base model with the adapters disabled (no
     second copy of the weights)."""
+
+    upcycle: UpcycleConfig | None = None
+    """Sparse upcycling of a dense Llama-architecture `path` into a Mixtral-architecture
+    mixture of experts before training (null: the model as it is): each layer's MLP becomes
+    `experts` copies of itself under a new top-k router. At step 0 the model's outputs equal
+    the dense model's within float error (the renormalised top-k weights sum to 1 over
+    identical experts). The converted directory is built once and kept in the models cache
+    (`$RFTPIPE_CACHE/models`, named by the dense model's fingerprint and these settings)."""
 
     def __post_init__(self) -> None:
         if self.reference == "":

@@ -36,7 +36,7 @@ from rftpipe.config.eval import EvalConfig
 from rftpipe.config.kl import KLConfig
 from rftpipe.config.launch import LaunchConfig
 from rftpipe.config.logging import LoggingConfig
-from rftpipe.config.model import LoraConfig, ModelConfig
+from rftpipe.config.model import LoraConfig, ModelConfig, UpcycleConfig
 from rftpipe.config.reward import (
     RemoteRewardConfig,
     RewardConfig,
@@ -87,6 +87,7 @@ __all__ = [
     "RunConfig",
     "ToolParserName",
     "TrainConfig",
+    "UpcycleConfig",
     "episode_limits",
     "old_logprobs_source",
     "refuse_stretched_lr_schedule",
@@ -199,6 +200,7 @@ class RunConfig:
         self._check_models()
         self._check_critic()
         self._check_rollout_correction()
+        self._check_router_replay()
 
     def _check_rewards(self, columns: list[str]) -> None:
         """The run has a reward to train on (the `columns` of `reward.functions`, or an
@@ -299,6 +301,23 @@ class RunConfig:
                 f"train.old_logprobs=actor (it is {self.train.old_logprobs} with "
                 f"rollout.engine={self.rollout.engine}, so the old logprobs are the rollout's "
                 "own and the correction ratio would be 1)"
+            )
+
+    def _check_router_replay(self) -> None:
+        """R2 replays the old-logprob forward's selection, so that forward must run; what
+        the rollout cannot record yet is refused here (whether the policy is MoE at all is
+        known once it loads: `rftpipe.run.runtime`)."""
+        mode = self.train.router_replay
+        if mode == "r2" and old_logprobs_source(self.train, self.rollout) != "actor":
+            raise ValueError(
+                "train.router_replay=r2 replays the selection of the actor's old-logprob "
+                f"forward, which runs only with train.old_logprobs=actor (it is "
+                f"{self.train.old_logprobs} with rollout.engine={self.rollout.engine})"
+            )
+        if mode in ("r2", "r3") and self.train.sp_size > 1:
+            raise ValueError(
+                f"train.router_replay={mode} does not run with train.sp_size>1 yet (the "
+                "sequence-parallel slices do not carry routes); set train.sp_size=1"
             )
 
     def _check_disaggregated(self) -> None:

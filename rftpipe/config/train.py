@@ -218,6 +218,29 @@ class TrainConfig:
     (`{type: icepop, low: 0.5, high: 2.0}`); see "Variants" below. Every one but `none` needs
     old_logprobs resolving to `actor`."""
 
+    router_replay: Literal["auto", "none", "r2", "r3"] = "auto"
+    """Mixture-of-Experts policies: which expert selection every training-side forward of
+    the policy uses (docs/moe.md). `r3` (Rollout Routing Replay): the experts each token
+    was routed to during rollout, committed with the rollout's tokens (column `routes`);
+    `r2`: the selection of the trainer's own old-logprob forward with the step's starting
+    weights (needs old_logprobs=actor; committed with the advantages); `none`: each
+    forward routes live. Under r2/r3 the routing weights are still recomputed from the
+    live router logits, so the router keeps its gradient. `auto`: r3 for an MoE policy
+    (verl, slime and NeMo-RL leave replay off by default; a committed rollout makes ours
+    exact and durable), none for a dense one. A dense policy takes only none/auto; cannot
+    change on resume."""
+
+    moe_aux_loss_coef: float = 0.0
+    """Mixture-of-Experts policies: coefficient of the load-balancing auxiliary loss
+    (Switch/Mixtral form, mean over MoE layers) added to the policy loss. It counts the
+    selection the forward used, the replayed one under r2/r3. 0: off (metric still
+    logged)."""
+
+    expert_parallel: int = 1
+    """Ranks that split each MoE layer's experts between them. Only 1 (every rank holds
+    every expert, sharded by the backend like any weight) runs here; docs/moe.md says what
+    expert parallelism would take."""
+
     ema_decay: float = 0.0
     """Keep an exponential moving average of the actor's parameters, updated after every
     optimizer step as `ema = ema_decay * ema + (1 - ema_decay) * param` from the initial
@@ -288,6 +311,14 @@ class TrainConfig:
             raise ValueError(
                 f"policy_loss={loss.name} is a per-response loss and needs "
                 f"loss_agg=seq-mean-token-mean, got {self.loss_agg}"
+            )
+        if self.moe_aux_loss_coef < 0:
+            raise ValueError(f"moe_aux_loss_coef must be >= 0, got {self.moe_aux_loss_coef}")
+        if self.expert_parallel != 1:
+            raise ValueError(
+                f"expert_parallel={self.expert_parallel} cannot run: rftpipe has no expert-"
+                "parallel layers (every rank holds every expert, sharded by the backend); "
+                "set 1 (docs/moe.md says what it would take)"
             )
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")

@@ -11,19 +11,22 @@ their state alone, and checkpoints (trainable parameters only) hold only them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import logging
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
+from rftpipe.config.schema import LoraConfig
+from rftpipe.engines.moe import route_shape
 from rftpipe.errors import UserError
 from rftpipe.seeding import derive_seed
 
-if TYPE_CHECKING:
-    from rftpipe.config.schema import LoraConfig
+logger = logging.getLogger(__name__)
 
 ADAPTER = "default"
 """peft's name of the one adapter a model has."""
@@ -45,10 +48,34 @@ def tower_excluded(model: torch.nn.Module, cfg: LoraConfig) -> bool:
     )
 
 
+DEFAULT_TARGETS = LoraConfig().target_modules
+
+
+def effective(model: torch.nn.Module, cfg: LoraConfig) -> LoraConfig:
+    """`cfg` for `model`: on an MoE model the default targets keep only the names it has.
+
+    An MoE model's experts are fused 3-D parameters (transformers 5.x), with no
+    `gate_proj`/`up_proj`/`down_proj` modules, and its router is a parameter too: the
+    default adapters go on attention (and on any dense MLP layer among the MoE ones),
+    with the router and the experts frozen. Why not adapters on every expert (peft's
+    `target_parameters`): they multiply the adapter state by E while a token trains k of
+    them, and a frozen router keeps each token's experts those the base model chose, which
+    is what routing replay keeps equal between rollout and trainer. Targets the user names
+    are checked as given (`check_targets`)."""
+    if cfg.target_modules != DEFAULT_TARGETS or route_shape(model) is None:
+        return cfg
+    names = [n for n, _ in model.named_modules()]
+    kept = tuple(t for t in cfg.target_modules if any(n == t or n.endswith(f".{t}") for n in names))
+    if kept != cfg.target_modules:
+        logger.info("model.lora on an MoE model: adapters on %s (experts and router frozen)", kept)
+    return dataclasses.replace(cfg, target_modules=kept)
+
+
 def check_targets(model: torch.nn.Module, cfg: LoraConfig) -> None:
     """Refuse target module names that match no module of `model` that takes adapters (a
     typo would otherwise train nothing of what the user meant, or, when none matches, fail
     deep inside peft)."""
+    cfg = effective(model, cfg)
     excluded = tower_excluded(model, cfg)
     names = [
         n for n, _ in model.named_modules() if not (excluded and re.fullmatch(VISION_TOWER, n))
@@ -112,6 +139,7 @@ def apply_lora(
     """
     from peft import get_peft_model
 
+    cfg = effective(model, cfg)
     check_targets(model, cfg)
     peft_cfg = _peft_config(cfg, tower_excluded(model, cfg))
     with torch.random.fork_rng(devices=[]):
@@ -196,6 +224,11 @@ def save_adapter(
     target.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to("cpu").contiguous() for k, v in adapter_weights(weights).items()}
     save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
+    if cfg.target_modules == DEFAULT_TARGETS:
+        # An MoE model's default adapters are on the names it has (`effective`).
+        present = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors}
+        kept = tuple(t for t in cfg.target_modules if t in present)
+        cfg = dataclasses.replace(cfg, target_modules=kept or cfg.target_modules)
     peft_cfg = _peft_config(
         cfg, vision and not cfg.vision_tower, base_model_name_or_path=base_model
     )

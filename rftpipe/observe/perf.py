@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 import torch
 
 from rftpipe.engines.models import as_causal_lm
+from rftpipe.engines.moe import expert_parameters
 from rftpipe.engines.vision import hf_model
 
 #: Dense peak TFLOP/s of one GPU by compute type: half of NVIDIA's datasheet figure "with
@@ -43,7 +44,8 @@ class ModelShape:
     """What the FLOPs of a decoder-only transformer depend on."""
 
     non_embedding_params: int
-    """Parameters outside the input embedding and the LM head (tied or not)."""
+    """Parameters outside the input embedding and the LM head (tied or not) that a token
+    meets: of an MoE model's routed experts, the k of E it is routed to (k/E of theirs)."""
     layers: int
     attention_width: int
     """Query heads x head dim: the width of QK^T and AV."""
@@ -81,8 +83,12 @@ def model_shape(model: torch.nn.Module) -> ModelShape:
     }
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    # An MoE model: a token meets k of E routed experts, so only that share of theirs counts.
+    experts, active = expert_parameters(model)
+    routed = {id(p) for p in experts}
+    dense = sum(_numel(p) for p in model.parameters() if id(p) not in skipped | routed)
     return ModelShape(
-        non_embedding_params=sum(_numel(p) for p in model.parameters() if id(p) not in skipped),
+        non_embedding_params=round(dense + active * sum(_numel(p) for p in experts)),
         layers=cfg.num_hidden_layers,
         attention_width=heads * head_dim,
         hidden=cfg.hidden_size,

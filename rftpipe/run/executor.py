@@ -11,6 +11,7 @@ Every stage of a step goes through `execute`:
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -23,6 +24,7 @@ from rftpipe.faults import slow
 from rftpipe.observe import memory
 from rftpipe.run import roles
 from rftpipe.stages.base import Rows, Runtime, Stage, StepPlan, StepState
+from rftpipe.stages.routes import ACTOR_ROUTES, ROUTES
 from rftpipe.storage.layout import schema_version
 
 
@@ -57,6 +59,9 @@ def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None
             "rftpipe.stage": stage.name,
             "rftpipe.step": str(step),
         }
+        if rt.route_shape is not None and {ROUTES, ACTOR_ROUTES} & set(out.rows.column_names):
+            # An MoE run's routes columns: their shape and dtype, for offline readers.
+            meta["rftpipe.routes"] = json.dumps(rt.route_shape.to_meta(), sort_keys=True)
         store.write_shard(step, stage.name, dist.rank, out.rows, meta)
     dist.barrier()
     manifest = {**out.extra, "seconds": t1 - t0, "memory": mem}

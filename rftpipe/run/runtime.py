@@ -20,7 +20,7 @@ from rftpipe.data.prompts import PromptSet, load_prompts, split_held_out
 from rftpipe.data.ptx import PTXExample, data_fingerprint, load_ptx_examples
 from rftpipe.dist import Dist
 from rftpipe.engines import lora as lora_mod
-from rftpipe.engines import models
+from rftpipe.engines import models, moe
 from rftpipe.engines.rollout import ROLLOUT_ENGINES
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.engines.rollout.hf import HFGenerateEngine
@@ -184,7 +184,7 @@ def build(
     configure_threads(cfg, dist)
     if cfg.launch.retain_host_memory and not retain_host_memory():
         log.info("launch.retain_host_memory: not glibc, the allocator is left as it is")
-    model_dir = models.resolve_model_path(cfg.model.path)
+    model_dir = models.resolve_policy_path(cfg.model)
     tokenizer = models.load_tokenizer(model_dir)
     ref_dir = _reference_dir(cfg, tokenizer)
     vision = load_vision(cfg, model_dir)
@@ -212,6 +212,8 @@ def build(
         "stop": stop or NoStop(),
         "ckpt_schedule": make_schedule(cfg.checkpoint, run.events_path),
         "vision": vision,
+        "replay": moe.replay_mode(cfg, model_dir),
+        "route_shape": moe.dir_route_shape(model_dir),
     }
     if place.role == "rollout":
         # Generation only: no actor, reference, critic or checkpoints on these ranks.
@@ -246,6 +248,7 @@ def _check_before_models(
     environments the rows name, and `model.lora`'s target modules."""
     if (preflight := ROLLOUT_ENGINES[cfg.rollout.engine].preflight) is not None:
         preflight(cfg, model_dir)
+    moe.replay_mode(cfg, model_dir)  # refuses a replay the policy or engine cannot run
     if cfg.rollout.env is not None:
         # One environment of the run's and of each other a row's `env_class` names, built
         # and closed here: a path that does not import, a class without step, kwargs it

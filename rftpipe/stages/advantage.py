@@ -3,6 +3,7 @@ logprobs (when a KL term is on) and per-token advantages."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -23,6 +24,7 @@ from rftpipe.stages import StageName
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
 from rftpipe.stages.batching import model_token_mask, pad_ragged, turn_tokens
 from rftpipe.stages.images import RowImages, image_rows
+from rftpipe.stages.routes import ACTOR_ROUTES, ROUTES, RouteColumn, with_routes
 from rftpipe.storage.baseline_rows import baseline_flags
 from rftpipe.storage.branch_rows import has_branches, last_rows
 
@@ -231,16 +233,26 @@ def _logprob_diff_metrics(
     table: pa.Table, mask: torch.Tensor, reduce_sum: Reducer, reduce_max: Reducer
 ) -> dict[str, float]:
     """Mean and max over every response token of all ranks of |old_logprobs - logprobs|,
-    as committed (float32): how far the rollout engine's numbers are from the trainer's."""
+    as committed (float32): how far the rollout engine's numbers are from the trainer's;
+    the k3 estimate of KL(rollout || trainer) on the sampled tokens, (r - 1) - log r with
+    r = p_trainer / p_rollout; and the share of tokens whose probabilities differ by more
+    than a factor 2 (|delta logprob| > ln 2), the mismatch routing replay removes on MoE."""
     old, _ = pad_ragged(table.column("old_logprobs").to_pylist(), torch.float64)
     rollout, _ = pad_ragged(table.column("logprobs").to_pylist(), torch.float64)
-    diff = torch.where(mask, (old - rollout).abs(), 0.0)
-    sums = reduce_sum(torch.tensor([float(diff.sum()), float(mask.sum())], dtype=torch.float64))
+    delta = torch.where(mask, old - rollout, 0.0)
+    diff = delta.abs()
+    k3 = torch.where(mask, torch.expm1(delta) - delta, 0.0)
+    far = (diff > math.log(2.0)) & mask
+    local = [float(diff.sum()), float(mask.sum()), float(k3.sum()), float(far.sum())]
+    sums = reduce_sum(torch.tensor(local, dtype=torch.float64))
     local_max = float(diff.max()) if diff.numel() else 0.0  # a rank may hold no rows
     top = reduce_max(torch.tensor([local_max], dtype=torch.float64))
+    tokens = max(float(sums[1]), 1.0)
     return {
-        "rollout/logprob_abs_diff_mean": float(sums[0]) / max(float(sums[1]), 1.0),
+        "rollout/logprob_abs_diff_mean": float(sums[0]) / tokens,
         "rollout/logprob_abs_diff_max": float(top[0]),
+        "rollout/k3_kl": float(sums[2]) / tokens,
+        "rollout/logprob_diff_over_ln2_frac": float(sums[3]) / tokens,
     }
 
 
@@ -260,6 +272,7 @@ class AdvantageStage(NoSideEffects):
         scored = rows()
         # A vision-language policy's rows: the reference and the actor see their images.
         vision = RowImages(rt.vision, rt.run.root).of(image_rows(scored))
+        routes, recorded = _replayed_routes(rt, scored)
         ref = (
             None
             if rt.reference is None
@@ -268,6 +281,8 @@ class AdvantageStage(NoSideEffects):
                 rt.reference.compute_logprobs,
                 temperature=rt.cfg.rollout.temperature,
                 vision=vision,
+                # The policy's routes mean something to the initial policy only.
+                routes=routes if rt.cfg.model.reference is None else None,
             )
         )
         # The actor still holds the weights that sampled these rows (the step's train stage
@@ -278,6 +293,8 @@ class AdvantageStage(NoSideEffects):
                 rt.train_engine.compute_logprobs,
                 temperature=rt.cfg.rollout.temperature,
                 vision=vision,
+                routes=None if recorded is not None else routes,
+                record=recorded,
             )
             if old_logprobs_source(rt.cfg.train, rt.cfg.rollout) == "actor"
             else None
@@ -294,4 +311,22 @@ class AdvantageStage(NoSideEffects):
             if rt.critic is None
             else partial(rt.critic.compute_values, vision=vision),
         )
-        return StageOutput(rows=table, extra={"kl_coef": kl_coef, "metrics": metrics})
+        extra: dict[str, object] = {"kl_coef": kl_coef, "metrics": metrics}
+        if recorded is not None and rt.route_shape is not None:
+            table = with_routes(table, ACTOR_ROUTES, recorded)
+            extra["routes"] = rt.route_shape.to_meta()
+        return StageOutput(rows=table, extra=extra)
+
+
+def _replayed_routes(
+    rt: Runtime, scored: pa.Table
+) -> tuple[list[torch.Tensor | None] | None, list[torch.Tensor] | None]:
+    """(the routes this stage's forwards replay, the list R2's old-logprob forward records
+    into). R3: the rollout's, read back; R2: the actor's own selection, recorded by its
+    forward (which runs first) and then replayed by the reference's, the same list."""
+    if rt.route_shape is None or rt.replay == "none":
+        return None, None
+    if rt.replay == "r3":
+        return RouteColumn(column=ROUTES, shape=rt.route_shape).table(scored), None
+    recorded: list[torch.Tensor] = []
+    return recorded, recorded  # type: ignore[return-value]

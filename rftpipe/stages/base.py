@@ -21,6 +21,7 @@ from rftpipe.config.schema import RunConfig
 from rftpipe.data.prompts import PromptSet
 from rftpipe.data.ptx import PTXExample
 from rftpipe.dist import Dist
+from rftpipe.engines.moe import ReplayMode, RouteShape
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.engines.train.base import TrainEngine
 from rftpipe.engines.train.critic import Critic
@@ -72,6 +73,10 @@ class Runtime:
     """The supervised examples of `train.ptx` (empty with it off)."""
     vision: VisionEncoder | None = None
     """The policy's image encoding (a vision-language model); None for a text model."""
+    replay: ReplayMode = "none"
+    """`train.router_replay` resolved for the policy (`moe.replay_mode`)."""
+    route_shape: RouteShape | None = None
+    """An MoE policy's route shape (None: a dense policy)."""
     generation_dist: Dist | None = None
     """The collectives of generation running beside training (`rollout.overlap`): the
     ranks on a process group of their own; None: `dist`."""

@@ -24,6 +24,7 @@ from rftpipe.dist import Dist
 from rftpipe.engines.train.forward import split_micro_batches
 from rftpipe.seeding import derive_seed
 from rftpipe.stages.images import RowImages, Vision
+from rftpipe.stages.routes import RouteColumn
 from rftpipe.storage.branch_rows import BRANCH
 
 
@@ -44,6 +45,8 @@ class TrainInputs:
     """Every example of `train.ptx.data` (the same on all ranks); empty with ptx off."""
     images: RowImages | None = None
     """The rows' images (a vision-language policy), rebuilt from the run's image store."""
+    routes: RouteColumn | None = None
+    """The routes column the policy's forwards replay (an MoE policy under R2/R3)."""
 
     def vision(self, chunk: Sequence[Mapping[str, Any]]) -> Vision:
         """A micro-batch's images, per row (None: a text-only micro-batch)."""

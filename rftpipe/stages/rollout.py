@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
+import torch
 
 from rftpipe.algos.variants import ADVANTAGE_ESTIMATORS
 from rftpipe.config.schema import AgentConfig, EnvConfig, RolloutConfig
@@ -24,6 +25,7 @@ from rftpipe.seeding import derive_seed
 from rftpipe.stages import agents, episodes, round_stage
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
 from rftpipe.stages.images import prompt_inputs, store_images, with_image_refs
+from rftpipe.stages.routes import ROUTES, with_routes
 from rftpipe.storage.branch_rows import BRANCH, BRANCHES
 from rftpipe.storage.layout import schema_version
 from rftpipe.storage.stage_store import StageStore
@@ -102,6 +104,7 @@ def run(
     if cfg.agent is not None:
         return _agent_table(cfg, cfg.agent, engine, tokenizer, inp, turns)
     cols: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
+    routes: list[torch.Tensor | None] = []
     g = engine.groups_per_call
     # The HF loop's calls are `rollout.groups_per_call` groups and this rank holds whole
     # calls of the global order (rank_slice by units of g), so cutting its prompts by g gives
@@ -123,6 +126,7 @@ def run(
                 zip(group.tokens, group.logprobs, group.finish_reasons, strict=True)
             ):
                 _append(cols, _row(inp, engine, tokenizer, p, k, toks, lps, reason))
+                routes.append(None if group.routes is None else group.routes[k])
         if inp.baseline:
             outs = engine.greedy([p.token_ids for p in call], cfg.max_new_tokens, vision=vision)
             for p, toks in zip(call, outs, strict=True):
@@ -134,7 +138,10 @@ def run(
                 # Never trained on, so no sampling logprobs: zeros keep the column's lengths.
                 row = _row(inp, engine, tokenizer, p, cfg.n, toks, [0.0] * len(toks), reason)
                 _append(cols, {**row, "is_baseline": True})
-    return pa.Table.from_pydict(cols, schema=ROLLOUT_SCHEMA)
+                routes.append(None)
+    table = pa.Table.from_pydict(cols, schema=ROLLOUT_SCHEMA)
+    # An MoE policy under R3: the engine recorded every sample's routes.
+    return with_routes(table, ROUTES, routes) if any(r is not None for r in routes) else table
 
 
 def _row(
@@ -421,6 +428,10 @@ class RolloutStage(NoSideEffects):
         if rt.vision is not None:
             table = with_image_refs(table, plan.mine)
         extra: dict[str, object] = {"sampler": plan.sampler, "prompt_ids": plan.global_ids}
+        if rt.replay == "r3" and rt.route_shape is not None:
+            if ROUTES not in table.column_names and len(table):
+                raise RuntimeError(f"{self.name}: the engine recorded no routes under r3")
+            extra["routes"] = rt.route_shape.to_meta()
         if rt.cfg.rollout.env is not None:
             extra["env_s"] = turns.env_s  # rank 0's
         if turns.agent is not None:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
 import torch
 
 from rftpipe.algos.correction import correction_weights
@@ -49,6 +50,7 @@ from rftpipe.stages.batching import (
     seeded_rng,
 )
 from rftpipe.stages.images import RowImages
+from rftpipe.stages.routes import REPLAYED, RouteColumn, routing_metrics
 from rftpipe.storage.baseline_rows import without_baseline
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ _SUMS = (
     "correction_masked",
     "ptx_nll",
     "ptx_tokens",
+    "moe_aux_loss",
 )
 
 
@@ -89,8 +92,11 @@ def run(
     cfg: TrainConfig, kl: KLConfig, engine: TrainEngine, dist: Dist, inp: TrainInputs
 ) -> dict[str, float]:
     t0 = perf.clock(dist.device)
+    if engine.routers is not None:
+        engine.routers.take_stats()  # from here: this stage's forwards only
     with engine.train_mode(), seeded_rng(inp.run_seed, inp.step, "train", dist.device):
         metrics = _run(cfg, kl, engine, dist, inp)
+    metrics |= routing_metrics(engine.routers, dist)
     seconds = perf.clock(dist.device) - t0
     # Every rank reaches this one extra collective right after the stage's last one.
     work = dist.all_reduce_sum(perf.train_work(engine.model, inp.table, cfg.ppo_epochs))
@@ -221,7 +227,9 @@ def _micro_step(
         inp.temperature,
         with_entropy=True,
         vision=inp.vision(chunk),
+        routes=None if inp.routes is None else inp.routes.of(chunk),
     )
+    aux = engine.moe_aux_loss()
     assert ent is not None  # asked for with_entropy=True
     old, adv, mask = old.to(lp.device), adv.to(lp.device), mask.to(lp.device)
     # The high-entropy token mask narrows only the policy loss; KL and entropy keep all tokens.
@@ -253,6 +261,7 @@ def _micro_step(
         loss = loss + inp.kl_coef * agg(kl_tok, mask, **full)
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * agg(ent, mask, **full)
+    loss, aux_part = _with_aux_loss(cfg, loss, aux, mask, count)
     # An invalid (non-finite) micro-batch on any rank is skipped on all of them together,
     # so no rank waits in a backward collective that the others never enter.
     if dist.any(not bool(torch.isfinite(loss))):
@@ -271,6 +280,26 @@ def _micro_step(
         sums["pg_loss"] += float(agg(pg_tok, pg_mask, **norm))
         sums["correction_weight"] += float((corr.weight * mask).sum())
         sums["correction_masked"] += float(corr.masked.sum())
+        sums["moe_aux_loss"] += aux_part
+
+
+def _with_aux_loss(
+    cfg: TrainConfig,
+    loss: torch.Tensor,
+    aux: torch.Tensor | None,
+    mask: torch.Tensor,
+    count: torch.Tensor,
+) -> tuple[torch.Tensor, float]:
+    """The loss with an MoE policy's load-balancing term (`train.moe_aux_loss_coef`), and
+    that term's share for the metric. Each micro-batch weighs it by its share of the
+    mini-batch's tokens, so an update's sum is the token-weighted mean over its
+    micro-batches."""
+    if aux is None:
+        return loss, 0.0
+    share = float(mask.sum()) / max(float(count[0]), 1.0)
+    if cfg.moe_aux_loss_coef:
+        loss = loss + cfg.moe_aux_loss_coef * aux * share
+    return loss, float(aux) * share
 
 
 def _finish_metrics(sums: dict[str, float], dist: Dist, correction: bool) -> dict[str, float]:
@@ -299,6 +328,8 @@ def _finish_metrics(sums: dict[str, float], dist: Dist, correction: bool) -> dic
         # Over every token of every epoch, like the other per-token means.
         out["train/correction_weight_mean"] = g["correction_weight"] / tok
         out["train/correction_masked_frac"] = g["correction_masked"] / tok
+    if g["moe_aux_loss"] > 0:  # an MoE policy (the loss is positive whenever it runs)
+        out["train/moe_aux_loss"] = g["moe_aux_loss"] / updates
     return out
 
 
@@ -379,6 +410,7 @@ class TrainStage:
             response_budget=response_budget(rt.cfg.rollout),
             ptx=rt.ptx,
             images=RowImages(rt.vision, rt.run.root) if rt.vision is not None else None,
+            routes=_route_column(rt, table),
         )
         if not plan.global_ids:
             # Dynamic sampling kept no group (none varied): nothing to learn from this step.
@@ -392,6 +424,19 @@ class TrainStage:
         dtype = perf.compute_dtype(rt.cfg.train.param_dtype, rt.cfg.model.dtype)
         peak = perf.peak_tflops(rt.dist.device, dtype, rt.cfg.launch.peak_tflops)
         return {**metrics, **perf.mfu(metrics["perf/train_tflops"], peak, rt.dist.world), **critic}
+
+
+def _route_column(rt: Runtime, table: pa.Table) -> RouteColumn | None:
+    """The routes column this step's updates replay (None: routed live)."""
+    column = REPLAYED[rt.replay]
+    if column is None or rt.route_shape is None:
+        return None
+    if column not in table.column_names:
+        raise UserError(
+            f"train.router_replay={rt.replay}: the committed rows have no column {column} "
+            "(a run started without routes cannot replay them)"
+        )
+    return RouteColumn(column=column, shape=rt.route_shape)
 
 
 def _update_metrics(metrics: dict[str, float]) -> dict[str, float]:

@@ -56,6 +56,7 @@ BENCHMARKS: dict[str, str] = {
     "vision_step": "tools.bench.vision_step",
     "vllm_vision": "tools.bench.vllm_vision",
     "overhead": "tools.bench.overhead",
+    "moe": "tools.bench.moe",
 }
 """Name -> module, in the order `list` prints them. `trl` is the default benchmark."""
 

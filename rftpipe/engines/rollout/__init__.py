@@ -16,7 +16,7 @@ import torch
 
 from rftpipe.config.schema import RunConfig, episode_limits
 from rftpipe.dist import Dist
-from rftpipe.engines import models
+from rftpipe.engines import models, moe
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.engines.rollout.hf import HFGenerateEngine
 
@@ -41,6 +41,7 @@ def _hf_engine(
         tokenizer.pad_token_id,
         # Special tokens stay in the text, as in vLLM's detokenizer (skip_special_tokens off).
         decode=functools.partial(tokenizer.decode, skip_special_tokens=False),
+        record_routes=moe.replay_mode(cfg, model_dir) == "r3",
     )
 
 

@@ -32,6 +32,10 @@ class GroupOutput:
     logprobs: list[list[float]]
     """log softmax(logits / T) of each sampled token, same lengths as `tokens`."""
     finish_reasons: list[FinishReason]
+    routes: list[torch.Tensor] | None = None
+    """An MoE policy's recorded routes per sample (`rftpipe.engines.moe`): (P + R - 1, L,
+    k) uint8, the experts each fed token (the prompt's, then every sampled token but the
+    last) was routed to; None when the engine records none."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,7 +144,11 @@ class RolloutEngine(Protocol):
 
 
 def split_groups(
-    tokens: list[list[int]], logprobs: list[list[float]], reasons: list[FinishReason], n: int
+    tokens: list[list[int]],
+    logprobs: list[list[float]],
+    reasons: list[FinishReason],
+    n: int,
+    routes: list[torch.Tensor] | None = None,
 ) -> list[GroupOutput]:
     """Rows of consecutive groups of n samples, as one `GroupOutput` per group."""
     return [
@@ -148,6 +156,7 @@ def split_groups(
             tokens=tokens[i : i + n],
             logprobs=logprobs[i : i + n],
             finish_reasons=reasons[i : i + n],
+            routes=None if routes is None else routes[i : i + n],
         )
         for i in range(0, len(tokens), n)
     ]

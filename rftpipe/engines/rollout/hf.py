@@ -4,13 +4,14 @@ transformers model, and its stop-string check (vLLM's rule)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache, GenerationConfig
 
 from rftpipe.config.schema import RolloutConfig
+from rftpipe.engines import moe
 from rftpipe.engines.models import as_causal_lm
 from rftpipe.engines.rollout.base import (
     FinishReason,
@@ -57,10 +58,15 @@ class HFGenerateEngine:
         eos_id: int,
         pad_id: int,
         decode: Callable[[list[int]], str] | None = None,
+        record_routes: bool = False,
     ) -> None:
         if cfg.stop and decode is None:
             raise ValueError("rollout.stop needs the tokenizer's decode to find stop strings")
         self.model = model
+        self._routers = moe.Routers.of(model) if record_routes else None
+        """An MoE policy under R3: each sample's routes are recorded (`GroupOutput.routes`)."""
+        if record_routes and self._routers is None:
+            raise ValueError("record_routes: the policy has no MoE router")
         self.cfg = cfg
         self.eos_id = eos_id
         self.eos_ids = [eos_id, *(t for t in cfg.eos_token_ids if t != eos_id)]
@@ -107,8 +113,13 @@ class HFGenerateEngine:
             return torch.rand(rows, 1, generator=gen, dtype=torch.float64, device=device)
 
         limits = [self.cfg.max_new_tokens] * (len(prompts) * n)
-        tokens, logprobs, reasons = self._decode(prompts, n, draw, limits, vision)
-        return split_groups(tokens, logprobs, reasons, n)
+        if self._routers is None:
+            tokens, logprobs, reasons = self._decode(prompts, n, draw, limits, vision)
+            return split_groups(tokens, logprobs, reasons, n)
+        log = _RouteLog()
+        with self._routers.recording(seed=seeds[0]):
+            tokens, logprobs, reasons = self._decode(prompts, n, draw, limits, vision, log)
+        return split_groups(tokens, logprobs, reasons, n, log.rows(n, tokens))
 
     @torch.no_grad()
     def generate_rows(
@@ -308,7 +319,11 @@ class HFGenerateEngine:
         return _Prefilled(sess.cache, mask, pos[:, -1:], logits)
 
     def _prefill(
-        self, prompts: Sequence[Sequence[int]], n: int, vision: Vision = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        vision: Vision = None,
+        log: _RouteLog | None = None,
     ) -> _Prefilled:
         """Prefill each prompt once (left padding) and repeat its cache n-fold, row-major:
         prefill costs one row per group instead of n. `vision`: each prompt's images."""
@@ -341,6 +356,8 @@ class HFGenerateEngine:
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
+        if log is not None and self._routers is not None:
+            log.prefilled(self._routers.take(), mask)
         if n > 1:
             cache.batch_repeat_interleave(n)
         return _Prefilled(
@@ -357,14 +374,15 @@ class HFGenerateEngine:
         draw: Callable[[int], torch.Tensor] | None,
         limits: Sequence[int],
         vision: Vision = None,
+        log: _RouteLog | None = None,
     ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
         """n samples of each prompt, row-major; `draw(rows)` gives each decode step's
         uniform draws (None: the most likely token, unfiltered: greedy), and row r stops
-        with "length" after `limits[r]` new tokens."""
+        with "length" after `limits[r]` new tokens. `log`: record the routes."""
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._sample_loop(self._prefill(prompts, n, vision), draw, limits)
+            return self._sample_loop(self._prefill(prompts, n, vision, log), draw, limits, log)
         finally:
             self.model.train(was_training)
 
@@ -373,6 +391,7 @@ class HFGenerateEngine:
         first: _Prefilled,
         draw: Callable[[int], torch.Tensor] | None,
         limits: Sequence[int],
+        log: _RouteLog | None = None,
     ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
         """Decode from a prefill's next-token logits: `draw(rows)` gives each step's uniform
         draws, and row r stops with "length" after `limits[r]` new tokens."""
@@ -422,6 +441,8 @@ class HFGenerateEngine:
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1]
+            if log is not None and self._routers is not None:
+                log.decoded.append(self._routers.take())
         tokens: list[list[int]] = []
         logprobs: list[list[float]] = []
         reasons: list[FinishReason] = []
@@ -542,6 +563,33 @@ class _Prefilled:
     """(rows, 1): each row's last position."""
     logits: torch.Tensor
     """(rows, vocab): the next token's."""
+
+
+@dataclass(kw_only=True, slots=True)
+class _RouteLog:
+    """One `generate_groups` call's recorded routes (R3): each prefilled prompt's, then
+    each decode forward's. Decode forward t fed every row's response token t (a row that
+    had ended fed a pad, whose route is dropped)."""
+
+    prompts: list[torch.Tensor] = field(default_factory=list)
+    """Per prompt (P, L, k): its own tokens' routes (its left padding dropped)."""
+    decoded: list[torch.Tensor] = field(default_factory=list)
+    """Per decode forward (rows, L, k)."""
+
+    def prefilled(self, recorded: torch.Tensor, mask: torch.Tensor) -> None:
+        """Take a left-padded prefill's (G * W, L, k) selection."""
+        width = mask.shape[1]
+        per_row = recorded.view(mask.shape[0], width, *recorded.shape[1:])
+        self.prompts = [per_row[g, width - int(m.sum()) :] for g, m in enumerate(mask.cpu())]
+
+    def rows(self, n: int, tokens: list[list[int]]) -> list[torch.Tensor]:
+        """Row r's (P + R - 1, L, k) uint8 routes: its group's prompt's (shared by the n
+        samples), then its response's tokens but the last (never fed)."""
+        out = []
+        for r, toks in enumerate(tokens):
+            fed = [self.decoded[t][r : r + 1] for t in range(max(0, len(toks) - 1))]
+            out.append(torch.cat([self.prompts[r // n], *fed]).to(torch.uint8))
+        return out
 
 
 @dataclass(kw_only=True, slots=True)

@@ -10,6 +10,7 @@ checkpoints save. The backends (`single`, `fsdp2`, `deepspeed`) subclass `_Engin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -22,6 +23,7 @@ import torch
 
 from rftpipe.config.schema import LrScheduleName, TrainConfig
 from rftpipe.dist import Dist
+from rftpipe.engines import moe
 from rftpipe.engines.models import as_decoder_model
 from rftpipe.engines.train.ema import ParameterEMA
 from rftpipe.engines.train.forward import (
@@ -69,6 +71,8 @@ class TrainEngine(Protocol):
     model: torch.nn.Module
     role: Role
     ema: ParameterEMA | None
+    routers: moe.Routers | None
+    """An MoE policy's router hooks (`rftpipe.engines.moe`); None for a dense policy."""
     """The actor's parameter average (`train.ema_decay`); None when off or not an actor."""
     offload_record: OffloadRecord
     """What the last offload and reload moved (`train.offload_between_stages`)."""
@@ -90,9 +94,12 @@ class TrainEngine(Protocol):
         temperature: float,
         with_entropy: bool,
         vision: Sequence[VisionInputs | None] | None = None,
+        routes: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T) response logprobs (and entropies) with gradients; `vision` (a
-        vision-language policy): each row's prompt's images, or None for a text row."""
+        vision-language policy): each row's prompt's images, or None for a text row;
+        `routes` (an MoE policy under routing replay): each row's (T_r, L, k) recorded
+        expert ids over its first T_r tokens, replayed (None: route live)."""
         ...
 
     def compute_logprobs(
@@ -101,9 +108,17 @@ class TrainEngine(Protocol):
         responses: Sequence[Sequence[int]],
         temperature: float,
         vision: Sequence[VisionInputs | None] | None = None,
+        routes: Sequence[torch.Tensor | None] | None = None,
+        record: list[torch.Tensor] | None = None,
     ) -> list[list[float]]:
-        """No-grad response logprobs of this rank's rows, in micro-batches (`vision`: as
-        `forward`'s)."""
+        """No-grad response logprobs of this rank's rows, in micro-batches (`vision`,
+        `routes`: as `forward`'s). `record` (an MoE policy, R2): filled with each row's
+        (P + R - 1, L, k) selection of this forward."""
+        ...
+
+    def moe_aux_loss(self) -> torch.Tensor | None:
+        """The last forward's load-balancing loss (mean over MoE layers, with its graph),
+        None for a dense policy."""
         ...
 
     def run_module(self, **inputs: torch.Tensor) -> torch.Tensor:
@@ -225,6 +240,8 @@ class _EngineBase:
             raise UserError(f"train.packing=true: {why}; set train.packing=false")
         # The entropy needs a graph only when it is part of the loss.
         self._entropy_grad = cfg.entropy_coef != 0
+        self.routers = moe.Routers.of(model)
+        """An MoE policy's router hooks (`rftpipe.engines.moe`), None for a dense one."""
         if cfg.gradient_checkpointing and role == "actor":
             # Before the backend wraps the layers: FSDP2's hooks then stay outside the
             # checkpointed forward, so the recompute does not gather the parameters twice.
@@ -344,8 +361,22 @@ class _EngineBase:
         temperature: float,
         with_entropy: bool,
         vision: Sequence[VisionInputs | None] | None = None,
+        routes: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
+
+    def _row_routes(
+        self, routes: Sequence[torch.Tensor | None] | None, rows: int
+    ) -> moe.RowRoutes | None:
+        """The rows' routes bound to the routers (live rows for none), for an MoE policy."""
+        if self.routers is None:
+            if routes is not None and any(r is not None for r in routes):
+                raise ValueError("routes given for a dense policy")
+            return None
+        return moe.RowRoutes(routers=self.routers, rows=list(routes or [None] * rows))
+
+    def moe_aux_loss(self) -> torch.Tensor | None:
+        return None if self.routers is None else self.routers.take_aux()
 
     def _padded_forward(
         self,
@@ -353,6 +384,7 @@ class _EngineBase:
         responses: Sequence[Sequence[int]],
         temperature: float,
         with_entropy: bool,
+        routes: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One right-padded full-sequence forward through the runner's own forward, whose
         hooks (FSDP2's unit gathers, DeepSpeed's ZeRO-3 gathers and bf16 copy) must run."""
@@ -364,6 +396,7 @@ class _EngineBase:
             with_entropy,
             self._entropy_grad,
             self._chunk,
+            routes=self._row_routes(routes, len(prompts)),
         )
 
     def _packed_forward(
@@ -372,13 +405,27 @@ class _EngineBase:
         responses: Sequence[Sequence[int]],
         temperature: float,
         with_entropy: bool,
+        routes: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The rows end to end in one sequence (`packing.pack_rows`: no padding, a
         block-diagonal causal mask), through the runner's own forward as `_padded_forward`.
         Every response token is a loss token, at positions 0..L-1 of its row."""
-        batch = pack_rows(default_rows(prompts, responses)).to(self.device)
+        row_routes = self._row_routes(routes, len(prompts))
+        rows = default_rows(prompts, responses)
+        if row_routes is not None:
+            rows = [
+                dataclasses.replace(r, prompt_key=row_routes.prompt_key(i, len(r.prompt)))
+                for i, r in enumerate(rows)
+            ]
+        batch = pack_rows(rows).to(self.device)
         return packed_logprobs(
-            self._runner, batch, temperature, with_entropy, self._entropy_grad, self._chunk
+            self._runner,
+            batch,
+            temperature,
+            with_entropy,
+            self._entropy_grad,
+            self._chunk,
+            routes=row_routes,
         )
 
     def _root_forward(
@@ -387,12 +434,13 @@ class _EngineBase:
         responses: Sequence[Sequence[int]],
         temperature: float,
         with_entropy: bool,
+        routes: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sharded backends' forward: packed or padded by `train.packing`. Either is one
         forward of the runner per call, so every rank issues the same collectives whatever
         its rows' lengths."""
         run = self._packed_forward if self.cfg.packing else self._padded_forward
-        return run(prompts, responses, temperature, with_entropy)
+        return run(prompts, responses, temperature, with_entropy, routes)
 
     def _vision_forward(
         self,
@@ -430,21 +478,45 @@ class _EngineBase:
         responses: Sequence[Sequence[int]],
         temperature: float,
         vision: Sequence[VisionInputs | None] | None = None,
+        routes: Sequence[torch.Tensor | None] | None = None,
+        record: list[torch.Tensor] | None = None,
     ) -> list[list[float]]:
         splits = split_micro_batches(self.cfg, prompts, responses)
         out: list[list[float]] = []
-        with self.eval_mode():
+        recording: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if record is not None:
+            if self.routers is None:
+                raise ValueError("compute_logprobs: record= needs an MoE policy")
+            recording = self.routers.recording(noise=0.0)
+        with self.eval_mode(), recording:
             for c in range(self._micro_batch_count(len(splits))):
                 if c >= len(splits):  # a rank with fewer rows keeps pace in the collectives
                     pad = None if vision is None else [None]
                     self.forward([[0]], [[0]], temperature, with_entropy=False, vision=pad)
+                    if record is not None and self.routers is not None:
+                        self.routers.take()  # the pad forward's selection is nobody's
                     continue
                 p = [prompts[i] for i in splits[c]]
                 r = [responses[i] for i in splits[c]]
                 v = None if vision is None else [vision[i] for i in splits[c]]
-                lp, _ = self.forward(p, r, temperature, with_entropy=False, vision=v)
+                mine = None if routes is None else [routes[i] for i in splits[c]]
+                lp, _ = self.forward(p, r, temperature, with_entropy=False, vision=v, routes=mine)
                 out.extend(lp[i, : len(resp)].tolist() for i, resp in enumerate(r))
+                if record is not None:
+                    record.extend(self._recorded_rows(p, r))
+            if self.routers is not None:
+                self.routers.clear()
         return out
+
+    def _recorded_rows(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
+        """Each row's (P + R - 1, L, k) selection of the forward just recorded."""
+        assert self.routers is not None and self.routers.last_slots is not None
+        lengths = [len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True)]
+        return moe.cut_rows(
+            self.routers.take(), self.routers.last_slots, [len(p) for p in prompts], lengths
+        )
 
     def run_module(self, **inputs: torch.Tensor) -> torch.Tensor:
         """The wrapped module's own forward on `inputs` (moved to the engine's device),
@@ -454,6 +526,13 @@ class _EngineBase:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+        self._routes_done()
+
+    def _routes_done(self) -> None:
+        """After a backward: its activation recompute replayed the forward's plan; nothing
+        after it may (the next forward sets its own)."""
+        if self.routers is not None:
+            self.routers.clear()
 
     def optimizer_step(self) -> float:
         self._require_actor("optimizer_step")
@@ -569,6 +648,7 @@ class AdaptersOffReference:
     def __init__(self, actor: TrainEngine) -> None:
         self.actor = actor
         self.model = actor.model
+        self.routers = actor.routers
         self.offload_record = OffloadRecord()  # a reference has no optimizer state to move
 
     def _off(self) -> contextlib.AbstractContextManager[None]:
@@ -591,9 +671,10 @@ class AdaptersOffReference:
         temperature: float,
         with_entropy: bool,
         vision: Sequence[VisionInputs | None] | None = None,
+        routes: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self._off():
-            return self.actor.forward(prompts, responses, temperature, with_entropy, vision)
+            return self.actor.forward(prompts, responses, temperature, with_entropy, vision, routes)
 
     def compute_logprobs(
         self,
@@ -601,9 +682,16 @@ class AdaptersOffReference:
         responses: Sequence[Sequence[int]],
         temperature: float,
         vision: Sequence[VisionInputs | None] | None = None,
+        routes: Sequence[torch.Tensor | None] | None = None,
+        record: list[torch.Tensor] | None = None,
     ) -> list[list[float]]:
         with self._off():
-            return self.actor.compute_logprobs(prompts, responses, temperature, vision)
+            return self.actor.compute_logprobs(
+                prompts, responses, temperature, vision, routes, record
+            )
+
+    def moe_aux_loss(self) -> torch.Tensor | None:
+        return self.actor.moe_aux_loss()
 
     def run_module(self, **inputs: torch.Tensor) -> torch.Tensor:
         with self._off():

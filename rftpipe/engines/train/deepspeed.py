@@ -222,18 +222,20 @@ class DeepSpeedEngine(_EngineBase):
         temperature: float,
         with_entropy: bool,
         vision: Sequence[VisionInputs | None] | None = None,
+        routes: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._vlm:
             # Through DeepSpeed's forward, inside whose hooks ZeRO-3 gathers the tower's
             # parameters as every other module's (the tower runs on every rank).
             return self._vision_forward(prompts, responses, temperature, with_entropy, vision)
         _text_only(vision, "deepspeed")
-        return self._root_forward(prompts, responses, temperature, with_entropy)
+        return self._root_forward(prompts, responses, temperature, with_entropy, routes)
 
     def backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed averages gradients over data-parallel ranks; the losses are normalised by
         # global counts and need the sum.
         self.ds.backward(loss * self.dist.world)
+        self._routes_done()
 
     def optimizer_step(self) -> float:
         self._require_actor("optimizer_step")

@@ -16,6 +16,7 @@ import torch
 from rftpipe.algos.losses import entropy_from_logits, gather_logprobs
 from rftpipe.config.schema import TrainConfig
 from rftpipe.engines.models import as_causal_lm, as_decoder_model
+from rftpipe.engines.moe import RowRoutes, Slots, padded_slots
 from rftpipe.engines.train.chunked_head import (
     chunkable,
     chunked_head_logprobs,
@@ -180,9 +181,11 @@ def root_forward_logprobs(
     entropy_grad: bool = True,
     chunk: int = 0,
     extra: Mapping[str, torch.Tensor] | None = None,
+    routes: RowRoutes | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Like `response_logprobs`, but through the root module's own forward (`extra`: more
-    keyword arguments of that forward, a vision-language model's images and positions).
+    keyword arguments of that forward, a vision-language model's images and positions;
+    `routes`: an MoE policy's rows' routes to replay).
 
     Sharding wrappers (FSDP2) hook the root forward to gather the root-level parameters
     (embeddings, final norm, the tied head) and to reduce their gradients, so calling the
@@ -200,6 +203,8 @@ def root_forward_logprobs(
         "logits_to_keep": mb.input_ids.shape[1] - first,
         **(extra or {}),
     }
+    if routes is not None:
+        routes.apply(padded_slots(mb.attention_mask))
     if chunk and mb.response_ids.numel() > chunk:
         with head_returns_logprobs(
             _linear(head), index, mb.response_ids, temperature, chunk, with_entropy, entropy_grad
@@ -231,10 +236,15 @@ class PrefixForest:
     gather: torch.Tensor
     """(B, T) index into the (G * L) flattened positions whose hidden state predicts row b's
     response token t (the prompt's last position predicts token 0; 0 past the row's end)."""
+    slots: Slots
+    """Where each row's tokens are (a prompt's slots are its tree's first row's), and so
+    where an MoE row's routes go."""
 
 
 def _trees(
-    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    keys: Sequence[bytes] | None = None,
 ) -> tuple[list[tuple[tuple[int, ...], list[int]]], int]:
     """The rows cut into prefix trees, and the width every tree is padded to.
 
@@ -244,14 +254,16 @@ def _trees(
     Without the cap, a prompt met in two groups of a step (a repeated problem) made one
     tree twice as wide as the others, and every row was padded to it: 7 rows of 1,037 positions instead of 8 of 534 in the
     8x8x64 benchmark, 14.1 instead of 8.3 GiB of saved activations (docs/benchmarks.md).
+    With `keys` (an MoE row's prompt routes) rows share a tree only if their keys agree too.
     """
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    by_key: dict[tuple[tuple[int, ...], bytes], list[int]] = {}
     for i, p in enumerate(prompts):
-        by_prompt.setdefault(tuple(p), []).append(i)
+        by_key.setdefault((tuple(p), b"" if keys is None else keys[i]), []).append(i)
+    by_prompt = [(key[0], rows) for key, rows in by_key.items()]
 
     def cut(width: int) -> list[tuple[tuple[int, ...], list[int]]]:
         trees: list[tuple[tuple[int, ...], list[int]]] = []
-        for prompt, rows in by_prompt.items():
+        for prompt, rows in by_prompt:
             size = width + 1  # forces a new tree at the first row
             for i in rows:
                 k = max(0, len(responses[i]) - 1)
@@ -266,7 +278,7 @@ def _trees(
     # first group among them), never below the widest single row, which must fit alone.
     floor = max(len(prompts[i]) + max(0, len(responses[i]) - 1) for i in range(len(prompts)))
     candidates = {floor}
-    for prompt, rows in by_prompt.items():
+    for prompt, rows in by_prompt:
         size = len(prompt)
         for i in rows:
             size += max(0, len(responses[i]) - 1)
@@ -276,20 +288,27 @@ def _trees(
 
 
 def prefix_forest(
-    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], t_max: int
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    t_max: int,
+    keys: Sequence[bytes] | None = None,
 ) -> PrefixForest:
     """Rows grouped by prompt (in first-seen order) into a `PrefixForest` (see `_trees`)."""
-    trees, width = _trees(prompts, responses)
+    trees, width = _trees(prompts, responses, keys)
     ids = torch.zeros((len(trees), width), dtype=torch.long)
     pos = torch.zeros((len(trees), width), dtype=torch.long)
     # Whose token each slot holds: -1 the prompt, -2 padding, else the row index.
     owner = torch.full((len(trees), width), -2, dtype=torch.long)
     gather = torch.zeros((len(responses), t_max), dtype=torch.long)
+    slot_rows = torch.full((len(trees), width), -1, dtype=torch.long)
+    prompt_rows = torch.zeros(len(prompts), dtype=torch.long)
     for g, (prompt, rows) in enumerate(trees):
+        prompt_rows[rows] = rows[0]
         n = len(prompt)
         ids[g, :n] = torch.tensor(prompt, dtype=torch.long)
         pos[g, :n] = torch.arange(n)
         owner[g, :n] = -1
+        slot_rows[g, :n] = rows[0]
         for i in rows:
             body = list(responses[i][:-1])
             k = len(body)
@@ -298,6 +317,7 @@ def prefix_forest(
             ids[g, n : n + k] = torch.tensor(body, dtype=torch.long)
             pos[g, n : n + k] = torch.arange(len(prompt), len(prompt) + k)
             owner[g, n : n + k] = i
+            slot_rows[g, n : n + k] = i
             n += k
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     visible = (owner[:, None, :] == -1) | (owner[:, :, None] == owner[:, None, :])
@@ -306,6 +326,7 @@ def prefix_forest(
         position_ids=pos,
         attention_mask=(causal & visible)[:, None],
         gather=gather,
+        slots=Slots(rows=slot_rows.reshape(-1), pos=pos.reshape(-1), prompt_rows=prompt_rows),
     )
 
 
@@ -317,6 +338,7 @@ def grouped_logprobs(
     with_entropy: bool,
     entropy_grad: bool = True,
     chunk: int = 0,
+    routes: RowRoutes | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) logprobs for rows in any order: rows sharing a prompt share its forward.
 
@@ -337,7 +359,12 @@ def grouped_logprobs(
     resp = torch.zeros((len(responses), t_max), dtype=torch.long)
     for i, r in enumerate(responses):
         resp[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
-    forest = prefix_forest(prompts, responses, t_max)
+    keys = None
+    if routes is not None:
+        keys = [routes.prompt_key(i, len(p)) for i, p in enumerate(prompts)]
+    forest = prefix_forest(prompts, responses, t_max, keys)
+    if routes is not None:
+        routes.apply(forest.slots)
     decoder = as_decoder_model(model).get_decoder()
     hidden = decoder(
         input_ids=forest.input_ids.to(device),

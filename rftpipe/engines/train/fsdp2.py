@@ -119,6 +119,7 @@ class FSDP2Engine(_EngineBase):
         temperature: float,
         with_entropy: bool,
         vision: Sequence[VisionInputs | None] | None = None,
+        routes: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._vlm:
             return self._vision_forward(prompts, responses, temperature, with_entropy, vision)
@@ -135,7 +136,7 @@ class FSDP2Engine(_EngineBase):
                 self.device,
                 self._chunk,
             )
-        return self._root_forward(prompts, responses, temperature, with_entropy)
+        return self._root_forward(prompts, responses, temperature, with_entropy, routes)
 
     def compute_logprobs(
         self,
@@ -143,9 +144,11 @@ class FSDP2Engine(_EngineBase):
         responses: Sequence[Sequence[int]],
         temperature: float,
         vision: Sequence[VisionInputs | None] | None = None,
+        routes: Sequence[torch.Tensor | None] | None = None,
+        record: list[torch.Tensor] | None = None,
     ) -> list[list[float]]:
         if self._sp is None:
-            return super().compute_logprobs(prompts, responses, temperature, vision)
+            return super().compute_logprobs(prompts, responses, temperature, vision, routes, record)
         _text_only(vision, "fsdp2")  # a vision-language model has no SP context
         # Ranks of an SP group score different rows here (the advantage stage's and the
         # reference's own shares): the group scores all of them together, in micro-batches.

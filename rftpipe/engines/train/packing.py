@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from rftpipe.algos.losses import gather_logprobs
+from rftpipe.engines.moe import RowRoutes, Slots
 from rftpipe.engines.train.chunked_head import head_returns_logprobs
 from rftpipe.engines.train.forward import linear_head, logits_entropy
 
@@ -45,6 +46,9 @@ class PackRow:
     position_ids: torch.Tensor | None = None
     """(P + R,) or (k, P + R) int64 rotary positions of the row's tokens, k the rotary axes
     (3 for Qwen2-VL's M-RoPE). None: 0..P+R-1."""
+    prompt_key: bytes = b""
+    """What else two rows must share to share one copy of their prompt (an MoE row's
+    prompt routes: `moe.RowRoutes.prompt_key`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,6 +68,11 @@ class PackedBatch:
     row_ids: torch.Tensor
     """(N,) int64 the row of each response token; -1 on a group's prompt tokens, which
     every row of the group sees."""
+    slot_rows: torch.Tensor
+    """(N,) int64 `row_ids` with a prompt's tokens given to its group's first row: with
+    `position_ids`, where an MoE row's routes go."""
+    prompt_rows: torch.Tensor
+    """(B,) int64 the first row of each row's group (whose slots hold its prompt)."""
     attention_mask: torch.Tensor
     """(1, 1, N, N) bool, True where query i sees key j: j <= i, in i's group, and j a
     prompt token or i's own row. Every token sees itself, so no softmax row is empty."""
@@ -80,6 +89,8 @@ class PackedBatch:
             position_ids=self.position_ids.to(device, non_blocking=True),
             group_ids=self.group_ids.to(device, non_blocking=True),
             row_ids=self.row_ids.to(device, non_blocking=True),
+            slot_rows=self.slot_rows.to(device, non_blocking=True),
+            prompt_rows=self.prompt_rows.to(device, non_blocking=True),
             attention_mask=self.attention_mask.to(device, non_blocking=True),
             loss_mask=self.loss_mask.to(device, non_blocking=True),
             target_index=self.target_index.to(device, non_blocking=True),
@@ -128,7 +139,8 @@ def _groups(rows: Sequence[PackRow], share_prompts: bool) -> list[list[int]]:
     groups: dict[tuple, list[int]] = {}
     for i, row in enumerate(rows):
         head = _row_positions(i, row)[:, : len(row.prompt)]
-        groups.setdefault((tuple(row.prompt), tuple(map(tuple, head.tolist()))), []).append(i)
+        key = (tuple(row.prompt), tuple(map(tuple, head.tolist())), row.prompt_key)
+        groups.setdefault(key, []).append(i)
     return list(groups.values())
 
 
@@ -145,6 +157,8 @@ def pack_rows(rows: Sequence[PackRow], share_prompts: bool = True) -> PackedBatc
     ids: list[int] = []
     group_ids: list[int] = []
     row_ids: list[int] = []
+    slot_rows: list[int] = []
+    prompt_rows = torch.zeros(len(rows), dtype=torch.long)
     positions: list[torch.Tensor] = []
     targets: dict[int, list[tuple[int, int]]] = {}  # row -> (sequence position, token)
     t_max = max(1, max(len(r.response) for r in rows))
@@ -155,6 +169,8 @@ def pack_rows(rows: Sequence[PackRow], share_prompts: bool = True) -> PackedBatc
         ids.extend(first.prompt)
         group_ids.extend([g] * len(first.prompt))
         row_ids.extend([-1] * len(first.prompt))
+        slot_rows.extend([members[0]] * len(first.prompt))
+        prompt_rows[members] = members[0]
         positions.append(_row_positions(members[0], first)[:, : len(first.prompt)])
         for i in members:
             row, mask = rows[i], _row_loss_mask(i, rows[i])
@@ -166,6 +182,7 @@ def pack_rows(rows: Sequence[PackRow], share_prompts: bool = True) -> PackedBatc
             ids.extend(body)
             group_ids.extend([g] * len(body))
             row_ids.extend([i] * len(body))
+            slot_rows.extend([i] * len(body))
             pos = _row_positions(i, row)
             positions.append(pos[:, len(row.prompt) : len(row.prompt) + len(body)])
     if len({p.shape[0] for p in positions}) != 1:
@@ -184,6 +201,8 @@ def pack_rows(rows: Sequence[PackRow], share_prompts: bool = True) -> PackedBatc
         position_ids=pos if pos.shape[0] == 1 else pos.unsqueeze(1),
         group_ids=group,
         row_ids=owner,
+        slot_rows=torch.tensor(slot_rows, dtype=torch.long),
+        prompt_rows=prompt_rows,
         attention_mask=(visible & torch.ones(n, n, dtype=torch.bool).tril())[None, None],
         loss_mask=loss_mask,
         target_index=torch.tensor([t[0] for t in flat], dtype=torch.long),
@@ -198,11 +217,21 @@ def packed_logprobs(
     with_entropy: bool,
     entropy_grad: bool = True,
     chunk: int = 0,
+    routes: RowRoutes | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) logprobs (and entropies) of the loss tokens from one forward of the packed
     sequence through `model`'s own forward (a sharding wrapper's hooks run); 0, with no
     gradient, where `batch.loss_mask` is False. With `chunk` the head returns them a chunk
-    of positions at a time (`train.logprob_chunk_size`), never the full logits."""
+    of positions at a time (`train.logprob_chunk_size`), never the full logits. `routes`:
+    an MoE policy's rows' routes to replay (the rows built with their `prompt_key`)."""
+    if routes is not None:
+        routes.apply(
+            Slots(
+                rows=batch.slot_rows.cpu(),
+                pos=batch.position_ids.reshape(-1).cpu(),
+                prompt_rows=batch.prompt_rows.cpu(),
+            )
+        )
     inputs = {
         "input_ids": batch.input_ids,
         "position_ids": batch.position_ids,

@@ -37,6 +37,7 @@ class SingleDeviceEngine(_EngineBase):
         temperature: float,
         with_entropy: bool,
         vision: Sequence[VisionInputs | None] | None = None,
+        routes: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T) response logprobs (and entropies) with gradients, prompts computed once per group.
 
@@ -73,6 +74,7 @@ class SingleDeviceEngine(_EngineBase):
                 with_entropy,
                 self._entropy_grad,
                 self._chunk,
+                self._row_routes(routes, len(prompts)),
             )
 
     def optimizer_step(self) -> float:

@@ -1,0 +1,115 @@
+"""The routes columns of an MoE run's trajectory rows (`rftpipe.engines.moe`).
+
+`routes` (R3): the experts each fed token was routed to during rollout, written by the
+rollout stage. `actor_routes` (R2): the selection of the actor's old-logprob forward,
+written by the advantage stage. Each cell is a row's (P + R - 1, L, k) uint8 array, C-order
+bytes; the shape is in the stage manifest's and the shard's metadata (`rftpipe.routes`).
+Later stages carry the columns along as every other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from rftpipe.dist import Dist
+from rftpipe.engines.moe import ReplayMode, Routers, RouteShape, decode, encode
+from rftpipe.errors import UserError
+
+ROUTES = "routes"
+"""The rollout's routes (R3)."""
+ACTOR_ROUTES = "actor_routes"
+"""The actor's old-logprob forward's selection (R2)."""
+ROUTE_FIELDS = {
+    ROUTES: pa.field(ROUTES, pa.binary()),
+    ACTOR_ROUTES: pa.field(ACTOR_ROUTES, pa.binary()),
+}
+
+REPLAYED: dict[ReplayMode, str | None] = {"none": None, "r3": ROUTES, "r2": ACTOR_ROUTES}
+"""The column each replay mode's training forwards replay."""
+
+
+def with_routes(table: pa.Table, column: str, routes: Sequence[torch.Tensor | None]) -> pa.Table:
+    """`table` with `column` appended: each row's routes (null for a row with none, such
+    as ReMax's greedy baseline, never trained on)."""
+    cells = [None if r is None else encode(r) for r in routes]
+    return table.append_column(ROUTE_FIELDS[column], pa.array(cells, pa.binary()))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RouteColumn:
+    """Reads one routes column back as each row's (P + R - 1, L, k) routes, checked."""
+
+    column: str
+    shape: RouteShape
+
+    def of(self, rows: Sequence[Mapping[str, Any]]) -> list[torch.Tensor | None]:
+        """The routes of rows read as dicts (a train micro-batch); None for a row without
+        (the padding row of a rank with fewer micro-batches)."""
+        out: list[torch.Tensor | None] = []
+        for row in rows:
+            cell = row.get(self.column)
+            what = (
+                f"column {self.column} of step {row.get('step')} prompt_id "
+                f"{row.get('prompt_id')} sample {row.get('sample_idx')}"
+            )
+            if cell is None:
+                if "prompt_id" in row and not row.get("is_baseline"):
+                    raise UserError(f"{what}: no routes for a trained row")
+                out.append(None)
+                continue
+            fed = len(row["prompt_token_ids"]) + len(row["response_token_ids"]) - 1
+            out.append(decode(cell, fed, self.shape, what))
+        return out
+
+    def table(self, table: pa.Table) -> list[torch.Tensor | None]:
+        """Every row's routes of a stage's table, as `of`."""
+        if self.column not in table.column_names:
+            raise ValueError(f"the rows have no column {self.column}")
+        names = ["step", "prompt_id", "sample_idx", "is_baseline"]
+        names += ["prompt_token_ids", "response_token_ids"]
+        return self.of(table.select([*names, self.column]).to_pylist())
+
+
+def routing_metrics(routers: Routers | None, dist: Dist) -> dict[str, float]:
+    """What an MoE policy's routers saw since the last call, summed over ranks ({} for a
+    dense policy; a collective otherwise, so every rank calls it):
+
+    - `moe/agreement`, `moe/agreement/lI`: of the (token, layer) selections the forwards
+      replayed, the share the live router chose alike (as a set), before replay: R3, the
+      rollout's against the trainer's; R2, the old-logprob forward's against the update's.
+      Absent when nothing was replayed.
+    - `moe/load/lI/eJ`: expert J's share of layer I's selections over real tokens (the
+      selection the forward used), and `moe/load_imbalance` (mean over layers) and
+      `moe/load_imbalance/lI`: the busiest expert's load over the mean load (1: even).
+    """
+    if routers is None:
+        return {}
+    stats = routers.take_stats()
+    layers, experts = stats.load.shape
+    flat = np.concatenate([stats.agree, stats.load.reshape(-1), [stats.replayed, stats.tokens]])
+    total = dist.all_reduce_sum(torch.tensor(flat, dtype=torch.float64)).numpy()
+    agree, load = total[:layers], total[layers : layers + layers * experts].reshape(layers, experts)
+    replayed = total[-2]
+    out: dict[str, float] = {}
+    if replayed:
+        share = agree / replayed
+        out["moe/agreement"] = float(share.mean())
+        out |= {f"moe/agreement/l{i}": float(a) for i, a in enumerate(share)}
+    picks = load.sum(axis=1, keepdims=True)
+    if picks.sum():
+        shares = load / np.maximum(picks, 1.0)
+        imbalance = load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-12)
+        out["moe/load_imbalance"] = float(imbalance.mean())
+        out |= {f"moe/load_imbalance/l{i}": float(v) for i, v in enumerate(imbalance)}
+        out |= {
+            f"moe/load/l{i}/e{j}": float(shares[i, j])
+            for i in range(layers)
+            for j in range(experts)
+        }
+    return out

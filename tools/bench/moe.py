@@ -1,0 +1,123 @@
+"""Routing replay's cost in the train forward+backward of an MoE policy.
+
+    python -m tools.bench moe [--model smollm2|tiny] [--experts 4] [--top-k 2]
+                              [--groups 2] [--n 8] [--prompt-tokens 48]
+                              [--min-tokens 8] [--max-tokens 32] [--runs 7] [--threads 2]
+
+Upcycles the dense model (`model.upcycle`: E experts, top-k), then times one forward
+(logprobs and entropy of every response token, through the prefix forest `single` runs)
+plus the backward of their sum, on synthetic rows (`--groups` prompts, `--n` responses
+each, lengths drawn uniformly, seeded), two ways, alternated run by run after a warm-up:
+
+- `live`: the routers select as they do without replay (the hooks still count load and
+  collect the load-balancing loss, as every MoE forward does);
+- `replay`: every token's experts forced to routes recorded from a no-grad pass of the
+  same rows (R3's and R2's path: the plan laid out, weights regathered from the softmax).
+
+Prints each side's median seconds, their ratio, the largest logprob difference between
+the sides (the recorded routes are the live selection, so 0), and the bytes routes take
+per fed token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from tools.bench import Benchmark
+from tools.bench.harness import alternate, parser, timed
+from tools.bench.packing import synthetic_rows
+
+
+def _model(a: argparse.Namespace) -> torch.nn.Module:
+    from rftpipe.config.schema import ModelConfig, UpcycleConfig
+    from rftpipe.engines.models import load_causal_lm, resolve_policy_path
+
+    path = {"smollm2": "builtin:smollm2-135m-instruct", "tiny": "builtin:tiny"}[a.model]
+    cfg = ModelConfig(path=path, upcycle=UpcycleConfig(experts=a.experts, top_k=a.top_k))
+    return load_causal_lm(resolve_policy_path(cfg), "float32")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("moe", __doc__)
+    p.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=48)
+    p.add_argument("--min-tokens", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--runs", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+
+    from rftpipe.engines import moe
+    from rftpipe.engines.train.forward import grouped_logprobs
+
+    model = _model(a)
+    routers = moe.Routers.of(model)
+    assert routers is not None
+    prompts, responses = synthetic_rows(a, model.config.vocab_size)
+    with torch.no_grad():
+        recorded: list[torch.Tensor] = []
+        with routers.recording(noise=0.0):
+            rr = moe.RowRoutes(routers=routers, rows=[None] * len(prompts))
+            grouped_logprobs(model, prompts, responses, 1.0, False, routes=rr)
+            assert routers.last_slots is not None
+            recorded = moe.cut_rows(
+                routers.take(),
+                routers.last_slots,
+                [len(q) for q in prompts],
+                [len(q) + len(r) - 1 for q, r in zip(prompts, responses, strict=True)],
+            )
+
+    def step(rows: list[torch.Tensor | None]) -> tuple[float, torch.Tensor]:
+        def run() -> torch.Tensor:
+            model.zero_grad(set_to_none=True)
+            rr = moe.RowRoutes(routers=routers, rows=rows)
+            lp, ent = grouped_logprobs(model, prompts, responses, 1.0, True, routes=rr)
+            assert ent is not None
+            (lp.sum() + ent.sum()).backward()
+            routers.clear()
+            return lp.detach()
+
+        return timed(run)
+
+    sides = {"live": lambda: step([None] * len(prompts)), "replay": lambda: step(list(recorded))}
+    rounds = alternate(sides, a.runs)
+    med = {k: statistics.median(t for t, _ in v) for k, v in rounds.runs.items()}
+    diff = float((rounds.warmup["live"][1] - rounds.warmup["replay"][1]).abs().max())
+    shape = routers.shape
+    out = {
+        "model": a.model,
+        "experts": a.experts,
+        "top_k": a.top_k,
+        "rows": len(prompts),
+        "tokens": sum(len(q) + len(r) for q, r in zip(prompts, responses, strict=True)),
+        "runs": a.runs,
+        "threads": a.threads,
+        "median_s": med,
+        "replay_over_live": med["replay"] / med["live"],
+        "max_logprob_diff": diff,
+        "route_bytes_per_token": shape.per_token,
+        "moe_layers": shape.layers,
+    }
+    json.dump(out, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+BENCHMARK = Benchmark(
+    name="moe",
+    runs="an upcycled MoE's train forward+backward (prefix forest), routed live and with "
+    "every token's experts replayed from recorded routes, alternated",
+    measures="median seconds per side, replay/live ratio, max logprob difference, route "
+    "bytes per token",
+    main=main,
+)
