@@ -225,10 +225,11 @@ class TrainConfig:
     `r2`: the selection of the trainer's own old-logprob forward with the step's starting
     weights (needs old_logprobs=actor; committed with the advantages); `none`: each
     forward routes live. Under r2/r3 the routing weights are still recomputed from the
-    live router logits, so the router keeps its gradient. `auto`: r3 for an MoE policy
-    (verl, slime and NeMo-RL leave replay off by default; a committed rollout makes ours
-    exact and durable), none for a dense one. A dense policy takes only none/auto; cannot
-    change on resume."""
+    live router logits, so the router keeps its gradient. `auto` (verl and slime make
+    replay opt-in; here a committed rollout makes it exact and durable, so it is on): r3
+    for an MoE policy whose rollout records routes (rollout.engine=hf, single-turn), else
+    r2 where the old logprobs come from the actor, else none; none for a dense policy,
+    which refuses r2/r3. Cannot change on resume."""
 
     moe_aux_loss_coef: float = 0.0
     """Mixture-of-Experts policies: coefficient of the load-balancing auxiliary loss
