@@ -39,13 +39,10 @@ import torch
 
 from rftpipe.config.schema import RunConfig, old_logprobs_source
 from rftpipe.errors import UserError
+from rftpipe.storage import routes as storage_routes
+from rftpipe.storage.routes import MAX_EXPERTS, RouteShape
 
 logger = logging.getLogger(__name__)
-
-ROUTE_DTYPE = np.uint8
-"""Expert ids are stored as uint8: every model we accept has at most 256 experts."""
-
-MAX_EXPERTS = 256
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,37 +63,6 @@ ROUTER_KINDS: dict[str, RouterKind] = {
 }
 """Router classes (transformers 5.x) whose forward maps (N, H) hidden states to (logits
 (N, E), weights (N, k), expert ids (N, k)) from softmax(logits) and top-k."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RouteShape:
-    """What one token's route holds: `layers` MoE layers, each `top_k` of `experts` ids."""
-
-    layers: int
-    experts: int
-    top_k: int
-
-    @property
-    def per_token(self) -> int:
-        """Bytes a token's route takes (one uint8 per layer and selected expert)."""
-        return self.layers * self.top_k
-
-    def to_meta(self) -> dict[str, object]:
-        return {
-            "dtype": "uint8",
-            "layout": "(T, layers, top_k) C-order",
-            "layers": self.layers,
-            "experts": self.experts,
-            "top_k": self.top_k,
-        }
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, object]) -> RouteShape:
-        return cls(
-            layers=int(meta["layers"]),  # type: ignore[call-overload]
-            experts=int(meta["experts"]),  # type: ignore[call-overload]
-            top_k=int(meta["top_k"]),  # type: ignore[call-overload]
-        )
 
 
 JITTER_BLOCKS: dict[str, str] = {"MixtralSparseMoeBlock": "jitter_noise"}
@@ -151,26 +117,13 @@ def route_shape(model: torch.nn.Module) -> RouteShape | None:
 
 def encode(routes: torch.Tensor | np.ndarray) -> bytes:
     """A row's (T, L, k) routes as the bytes of its Parquet cell."""
-    arr = routes.numpy() if isinstance(routes, torch.Tensor) else routes
-    return np.ascontiguousarray(arr, dtype=ROUTE_DTYPE).tobytes()
+    return storage_routes.encode(routes.numpy() if isinstance(routes, torch.Tensor) else routes)
 
 
 def decode(cell: bytes, tokens: int, shape: RouteShape, what: str) -> torch.Tensor:
-    """A row's Parquet cell back to its (tokens, L, k) routes; `what` names the row in the
-    error when the cell does not hold exactly `tokens` routes of `shape`."""
-    want = tokens * shape.per_token
-    if len(cell) != want:
-        raise UserError(
-            f"{what}: its routes hold {len(cell)} bytes, not {want} ({tokens} fed tokens x "
-            f"{shape.layers} layers x top-{shape.top_k}); the shard is corrupt or was edited"
-        )
-    arr = np.frombuffer(cell, dtype=ROUTE_DTYPE).reshape(tokens, shape.layers, shape.top_k)
-    if tokens and int(arr.max()) >= shape.experts:
-        raise UserError(
-            f"{what}: its routes name expert {int(arr.max())} of {shape.experts}; "
-            "the shard is corrupt or was edited"
-        )
-    return torch.from_numpy(arr.copy())
+    """A row's Parquet cell back to its (tokens, L, k) routes (`storage.routes.decode`:
+    one line naming the row when the cell does not fit)."""
+    return torch.from_numpy(storage_routes.decode(cell, tokens, shape, what).copy())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

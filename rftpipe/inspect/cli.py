@@ -8,13 +8,22 @@
     rftpipe inspect RUN_DIR html [--out FILE] [sample filters] [--limit N (64)]
     rftpipe inspect RUN_DIR plot --out PNG [--data-out CSV]
     rftpipe inspect RUN_DIR compare RUN_B [--out PNG]
+    rftpipe inspect RUN_DIR routes [--step N] [--json]
     rftpipe inspect RUN_DIR verify [--json]
 
 `verify` checks every committed file of the run against its manifest (every stage shard,
 every published trajectory file, every file of every committed checkpoint, every stored
 image against its sha256 name) and that every image a committed row references is stored,
 and exits 1 if any is missing, truncated or altered. A restart checks only what it reads; this is the
-full audit, for a quiet moment or a cron job.
+full audit, for a quiet moment or a cron job. On an MoE run it also checks every routes
+column (`routes`, `actor_routes`): each shard's shape against its step's manifest, and
+each row's cell (exactly its fed tokens' routes, expert ids in range; one on every
+trained row), one line per bad row naming it.
+
+`routes` prints, per MoE layer of a step (default: the newest), the expert load of its
+committed routes and the trainer's router agreement and load imbalance that step; a run
+without routes is an error. On an MoE run `html` titles each response token with its
+experts per layer, and `plot` adds a router agreement / load imbalance panel.
 
 Only committed data is read: a step counts once its trajectories are published
 (RUN/trajectories/step=N appears by an atomic rename) and its train MANIFEST.json exists,
@@ -65,7 +74,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from rftpipe.inspect import images, page
+from rftpipe.inspect import images, page, routes
 from rftpipe.inspect.episodes import (
     EPISODE_FIELDS,
     episode_turns,
@@ -293,6 +302,8 @@ def cmd_html(args: argparse.Namespace) -> int:
         c for c in ("reward_status", "reward_error", "advantages", IMAGES_COLUMN) if c in names
     ]
     cols += EPISODE_FIELDS if multi_turn else []
+    route = _run_routes(run)
+    cols += [route.column, "prompt_token_ids", "response_token_ids"] if route else []
     table = select_samples(run, args, cols)
     name = run.rundir.root.name
     out = args.out or Path(f"{name}-samples{'' if args.step is None else f'-step{args.step}'}.html")
@@ -302,6 +313,7 @@ def cmd_html(args: argparse.Namespace) -> int:
         + ("" if args.step is None else f", step {args.step}")
         + (", with images" if IMAGES_COLUMN in names else "")
         + (", multi-turn" if multi_turn else "")
+        + (f", with routes (column {route.column})" if route else "")
     )
     doc = page.render(
         run.rundir.root,
@@ -310,12 +322,23 @@ def cmd_html(args: argparse.Namespace) -> int:
         multi_turn=multi_turn,
         title=f"rftpipe samples: {name}",
         subtitle=subtitle,
+        routes=route,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc, encoding="utf-8")
     print(out)
     print(f"{table.num_rows} sample(s)", file=sys.stderr)
     return 0
+
+
+def _run_routes(run: Run) -> page.RouteMarkup | None:
+    """The page's token routes on an MoE run with routes (None: none)."""
+    try:
+        frags = [f for s in run.steps for f in run.fragments[s]]
+        found = routes.run_routes(run.dataset.schema.names, frags)
+    except ValueError as e:
+        raise InspectError(f"routes: {e}") from None
+    return None if found is None else page.RouteMarkup(*found)
 
 
 def _is_list(t: pa.DataType) -> bool:
@@ -361,9 +384,33 @@ def plot_series(rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
         "train/kl",
         *[f"perf/{s}_s" for s in STAGES],
     ]
+    # An MoE run's router series (train manifest metrics): a dense run's CSV is unchanged.
+    keys += [k for k in MOE_KEYS if any(k in r for r in rows)]
     out: dict[str, list[Any]] = {"step": [r["step"] for r in rows]}
     out.update({k: [r.get(k) for r in rows] for k in keys})
     return out
+
+
+MOE_KEYS = ("moe/agreement", "moe/load_imbalance")
+"""The plotted series of an MoE policy (`rftpipe.stages.routes.routing_metrics`)."""
+
+
+def plot_moe(ax: Any, steps: list[int], series: dict[str, list[Any]]) -> None:
+    """Router agreement (left axis, 0..1) and load imbalance (right axis, 1: even) per step."""
+    if "moe/agreement" in series:
+        ax.plot(steps, _nan(series["moe/agreement"]), marker="o", ms=3, label="agreement")
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("router agreement (replayed selections)")
+    right = ax.twinx()
+    if "moe/load_imbalance" in series:
+        imbalance = _nan(series["moe/load_imbalance"])
+        right.plot(steps, imbalance, color="tab:purple", ls="--", label="load imbalance")
+    right.set_ylim(bottom=1.0)  # even load; the axis starts there
+    right.set_ylabel("load imbalance (busiest / mean)")
+    lines = ax.get_lines() + right.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], fontsize=8)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
 
 
 def _nan(xs: Iterable[Any]) -> list[float]:
@@ -384,7 +431,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
     series = plot_series(summarize(run))
     plt = _pyplot()
     steps = series["step"]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    moe = any(k in series for k in MOE_KEYS)
+    # An MoE run: a third row, one panel across it, for its routers.
+    fig, axes = plt.subplots(3 if moe else 2, 2, figsize=(11, 10 if moe else 7))
+    if moe:
+        grid = axes[2][0].get_gridspec()
+        axes[2][0].remove()
+        axes[2][1].remove()
+        plot_moe(fig.add_subplot(grid[2, :]), steps, series)
+        axes = axes[:2]
     ax = axes[0][0]
     ax.plot(steps, _nan(series["rollout/reward_mean"]), marker="o", ms=3, lw=2, label="reward")
     for k in series:
@@ -493,6 +548,81 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- routes ---------------------------------------------------------------------------------
+
+EXPERTS_PER_TABLE = 16
+"""Expert columns per block of the selections table, so a 64- or 128-expert model's table
+stays readable in a terminal."""
+
+
+def cmd_routes(args: argparse.Namespace) -> int:
+    """Per MoE layer of a step: its committed routes' expert load, and what the trainer
+    measured (router agreement, load imbalance) from the step's train manifest."""
+    run = open_run(args.run_dir)
+    step = run.steps[-1] if args.step is None else args.step
+    if step not in run.fragments:
+        raise InspectError(f"step {step} is not committed (committed: {_spans(run.steps)})")
+    try:
+        loads = routes.step_load(step, run.fragments[step])
+    except ValueError as e:
+        raise InspectError(str(e)) from None
+    if not loads:
+        raise InspectError(
+            f"step {step} of {run.rundir.root} has no routes: a dense policy, or an MoE one "
+            "that records none (train.router_replay=none)"
+        )
+    metrics = StageStore(run.rundir).manifest(step, "train").get("metrics", {})
+    reports = [routes.step_report(load, metrics) for load in loads]
+    if args.json:
+        print(json.dumps(reports, indent=1))
+        return 0
+    for rep in reports:
+        print_routes(rep)
+    return 0
+
+
+def _spans(steps: Sequence[int]) -> str:
+    """`1..30` for consecutive steps, else each."""
+    if list(steps) == list(range(steps[0], steps[-1] + 1)):
+        return f"{steps[0]}..{steps[-1]}"
+    return ", ".join(map(str, steps))
+
+
+def print_routes(rep: dict[str, Any]) -> None:
+    """`step_report`'s record as text: a header, a row per layer, the selections table."""
+    print(
+        f"step {rep['step']}, column {rep['column']} ({routes.WHOSE[rep['column']]}): "
+        f"{rep['rows']} rows, {rep['tokens']} fed tokens"
+    )
+    print(
+        f"{rep['layers']} MoE layers of {rep['experts']} experts, top-{rep['top_k']}; load "
+        f"imbalance {_fmt(rep['imbalance'])} (the trainer's {_fmt(rep['train_imbalance'])}), "
+        f"router agreement {_fmt(rep['agreement'])}, train/moe_aux_loss {_fmt(rep['aux_loss'])}"
+    )
+    layers = rep["per_layer"]
+    for layer in layers:
+        counts = layer["counts"]
+        top = max(range(len(counts)), key=counts.__getitem__)
+        share = counts[top] / max(layer["selections"], 1)
+        layer["busiest"] = f"e{top} {share:.1%}"
+        layer["idle"] = sum(c == 0 for c in counts)
+    columns = [
+        ("layer", "layer"),
+        ("selections", "selections"),
+        ("imbalance", "imbalance"),
+        ("train_imbalance", "train_imb"),
+        ("agreement", "agreement"),
+        ("busiest", "busiest"),
+        ("idle", "idle"),
+    ]
+    print(format_table(layers, columns))
+    print("selections per expert (top_k per fed token per layer):")
+    for lo in range(0, rep["experts"], EXPERTS_PER_TABLE):
+        block = range(lo, min(lo + EXPERTS_PER_TABLE, rep["experts"]))
+        rows = [{"layer": r["layer"], **{f"e{e}": r["counts"][e] for e in block}} for r in layers]
+        print(format_table(rows, [("layer", "layer"), *((f"e{e}", f"e{e}") for e in block)]))
+
+
 # -- command line ---------------------------------------------------------------------------
 
 
@@ -516,6 +646,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise InspectError(f"no run directory at {args.run_dir}")
     audit = verify_run(args.run_dir)
     checked = {"stages": audit.stages, "checkpoints": audit.checkpoints, "images": audit.images}
+    if audit.routes:
+        checked["route_shards"] = audit.routes
     if args.json:
         out = {"checked": checked, "corrupt": audit.corrupt, "missing_images": audit.missing_images}
         print(json.dumps(out, indent=1))
@@ -524,9 +656,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"corrupt: {b['path']} ({b['why']})")
         for m in audit.missing_images:
             print(f"missing image: {m['path']} (referenced by step {m['step']} {m['stage']})")
+        # An MoE run's routes, said only where there are some: a dense run reads as before.
+        with_routes = f" ({audit.routes} shards with routes)" if audit.routes else ""
         print(
-            f"checked {audit.stages} committed stages, {audit.checkpoints} checkpoints and "
-            f"{audit.images} images: {len(audit.corrupt)} corrupt file(s), "
+            f"checked {audit.stages} committed stages{with_routes}, {audit.checkpoints} "
+            f"checkpoints and {audit.images} images: {len(audit.corrupt)} corrupt file(s), "
             f"{len(audit.missing_images)} missing image(s)"
         )
     return 1 if audit.corrupt or audit.missing_images else 0
@@ -565,6 +699,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("run_b", type=Path)
     s.add_argument("--out", type=Path, help="PNG overlaying both runs' reward and length")
     s.set_defaults(func=cmd_compare)
+    s = sub.add_parser("routes", help="an MoE run's expert load and router agreement per layer")
+    s.add_argument("--step", type=int, help="the step (default: the newest committed)")
+    s.add_argument("--json", action="store_true", help="a JSON list, one record per column")
+    s.set_defaults(func=cmd_routes)
     s = sub.add_parser("verify", help="check every committed file against its manifest")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_verify)

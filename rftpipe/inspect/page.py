@@ -13,6 +13,11 @@ script runs when the page has loaded: it marks each <img> with ``data-loaded`` (
 when the browser decoded it, with ``data-natural-size`` WxH) and the body with
 ``data-images-loaded`` / ``data-images-total``, and shows a banner if an image failed; the
 browser test reads those attributes.
+
+On an MoE run with routes (`rftpipe.inspect.routes`) each sample has a folded strip of its
+response tokens (their ids: no tokenizer is loaded), each titled with the experts it was
+routed to per layer when fed, ``L0: 1,3 · L1: 0,2``; the last token, never fed, has none.
+A page holds at most `ROUTE_BUDGET` characters of them.
 """
 
 from __future__ import annotations
@@ -25,9 +30,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rftpipe.inspect import images
 from rftpipe.inspect.episodes import content_text, episode_turns, printable, role, sequence_text
 from rftpipe.storage.layout import IMAGES_COLUMN
+from rftpipe.storage.routes import RouteShape
 
 STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #111; background: #fff; }
@@ -51,6 +59,9 @@ table.rewards td, table.rewards th { border: 1px solid #ccc; padding: 1px 6px;
   text-align: right; }
 .turn { margin-left: 1em; border-left: 3px solid #9bd; padding-left: .6em; margin-top: .4em; }
 .label { font-weight: 600; color: #333; }
+details.routes { margin: .3em 0; }
+.toks { font: 12px/1.8 monospace; overflow-wrap: anywhere; }
+.toks i { font-style: normal; border-bottom: 1px dotted #66a; margin-right: .3em; cursor: help; }
 #image-failures { display: none; background: #fee; color: #900; border: 2px solid #c00;
   padding: .5em; margin-bottom: 1em; }
 """
@@ -116,6 +127,64 @@ def advantage_text(adv: Sequence[float] | None, mask: Sequence[int] | None = Non
     )
 
 
+ROUTE_BUDGET = 4_000_000
+"""Characters of token-route markup a page holds (about 4 MB): a 48-layer top-8 model's
+title is about 1.3 KB a token. Past it a sample says its routes are not shown."""
+
+
+class RouteMarkup:
+    """Each sample's response tokens with their routes, from one routes column, within
+    the page's `ROUTE_BUDGET`."""
+
+    def __init__(self, column: str, shape: RouteShape, budget: int = ROUTE_BUDGET) -> None:
+        self.column = column
+        self.shape = shape
+        self.left = budget
+
+    def titles(self, r: dict[str, Any]) -> list[str] | str:
+        """Each response token's title, or why the row's cell cannot give them."""
+        prompt, response = len(r["prompt_token_ids"]), len(r["response_token_ids"])
+        fed, s = prompt + response - 1, self.shape
+        cell = r[self.column]
+        if len(cell) != fed * s.per_token:
+            return f"its routes hold {len(cell)} bytes, not {fed * s.per_token}"
+        routes = np.frombuffer(cell, np.uint8).reshape(fed, s.layers, s.top_k).tolist()
+        # Route j is the token fed at position j: response token t was fed at prompt + t,
+        # and the last one never was.
+        return [
+            " · ".join(f"L{i}: {','.join(map(str, ids))}" for i, ids in enumerate(routes[j]))
+            if j < fed
+            else "never fed: no route"
+            for j in range(prompt, prompt + response)
+        ]
+
+    def html(self, r: dict[str, Any]) -> str:
+        if r.get(self.column) is None:
+            return '<p class="routes-none">no routes recorded for this row</p>'
+        titles = self.titles(r)
+        if isinstance(titles, str):
+            return (
+                f'<div class="img-error" role="alert">routes: {esc(titles)} (the shard is '
+                "corrupt or was edited; see `rftpipe inspect RUN verify`)</div>"
+            )
+        toks = "".join(
+            f'<i title="{esc(t)}">{tok}</i>'
+            for t, tok in zip(titles, r["response_token_ids"], strict=True)
+        )
+        if len(toks) > self.left:
+            return (
+                '<p class="routes-cut">routes not shown: the page holds at most '
+                f"{ROUTE_BUDGET} characters of them (--step, --limit: fewer samples)</p>"
+            )
+        self.left -= len(toks)
+        return (
+            '<details class="routes"><summary>routes: the experts each response token was '
+            f"routed to when fed, per layer, top-{self.shape.top_k} of {self.shape.experts} "
+            f"(column {esc(self.column)}); hover a token id</summary>"
+            f'<div class="toks">{toks}</div></details>'
+        )
+
+
 class ImageCache:
     """Each stored image read, checked and encoded once per page however many samples
     show it."""
@@ -164,7 +233,12 @@ def rewards_html(r: dict[str, Any], components: Sequence[str]) -> str:
     return out
 
 
-def sample_html(r: dict[str, Any], components: Sequence[str], multi_turn: bool) -> str:
+def sample_html(
+    r: dict[str, Any],
+    components: Sequence[str],
+    multi_turn: bool,
+    routes: RouteMarkup | None = None,
+) -> str:
     head = (
         f"sample {esc(r['sample_idx'])}{esc(sequence_text(r, ', '))}: "
         f"reward {esc(num(r.get('reward')))}, "
@@ -215,6 +289,8 @@ def sample_html(r: dict[str, Any], components: Sequence[str], multi_turn: bool) 
             '<div class="label">response</div>'
             f'<pre class="response">{esc(r.get("response") or "")}</pre>'
         )
+    if routes is not None:
+        parts.append(routes.html(r))
     parts.append("</article>")
     return "".join(parts)
 
@@ -233,7 +309,11 @@ def _groups(rows: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
 
 
 def group_html(
-    rows: list[dict[str, Any]], components: Sequence[str], multi_turn: bool, cache: ImageCache
+    rows: list[dict[str, Any]],
+    components: Sequence[str],
+    multi_turn: bool,
+    cache: ImageCache,
+    routes: RouteMarkup | None = None,
 ) -> str:
     first = rows[0]
     parts = [
@@ -258,7 +338,7 @@ def group_html(
         mine = r.get(IMAGES_COLUMN)
         if mine is not None and mine != shown:
             parts.append(images_html(mine, cache))
-        parts.append(sample_html(r, components, multi_turn))
+        parts.append(sample_html(r, components, multi_turn, routes))
     parts.append("</section>")
     return "".join(parts)
 
@@ -271,10 +351,13 @@ def render(
     multi_turn: bool,
     title: str,
     subtitle: str,
+    routes: RouteMarkup | None = None,
 ) -> str:
-    """The page of `rows` (as `select_samples` returns them, as Python dicts)."""
+    """The page of `rows` (as `select_samples` returns them, as Python dicts); with
+    `routes`, each sample's tokens with their routes (the rows then hold the routes
+    column and the token ids)."""
     cache = ImageCache(run_root)
-    body = "".join(group_html(g, components, multi_turn, cache) for g in _groups(rows))
+    body = "".join(group_html(g, components, multi_turn, cache, routes) for g in _groups(rows))
     if not rows:
         body = "<p>no samples match</p>"
     return (

@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
 from rftpipe.atomic import CorruptionError
 from rftpipe.checkpoint.folder import checkpoint_corruption, committed_checkpoints
+from rftpipe.inspect import routes
 from rftpipe.storage.images import image_corruption, missing_images, stored_images
 from rftpipe.storage.layout import RunDir, list_steps
 from rftpipe.storage.stage_store import StageStore
@@ -30,8 +32,11 @@ class Audit:
     """Committed checkpoints checked."""
     images: int = 0
     """Images of the run's image store rehashed."""
+    routes: int = 0
+    """Committed shards whose routes columns (an MoE run's) were checked."""
     corrupt: list[dict[str, str]] = field(default_factory=list)
-    """One {"path", "why"} per missing, truncated or altered file."""
+    """One {"path", "why"} per missing, truncated or altered file, and per routes problem of
+    a shard (its `why` names the column, step, stage, shard and row)."""
     missing_images: list[dict[str, str | int]] = field(default_factory=list)
     """One {"path", "step", "stage"} per image that committed rows reference and the store
     lacks: the first committed stage (or `trajectories`) found referencing it."""
@@ -44,14 +49,18 @@ def verify_run(run_dir: Path) -> Audit:
     audit = Audit()
     with_rows: list[tuple[int, str, Path]] = []
     for step in list_steps(rundir.stages):
-        for stage in sorted(store.committed_stages(step)):
+        stages = sorted(store.committed_stages(step))
+        shapes = routes.step_shapes(store, step, stages)
+        for stage in stages:
             audit.stages += 1
             try:
                 store.verify(step, stage)
             except CorruptionError as exc:
                 audit.corrupt.append({"path": str(exc.path), "why": exc.why})
                 continue
-            with_rows += [(step, stage, p) for p in store.shard_files(step, stage)]
+            shards = store.shard_files(step, stage)
+            with_rows += [(step, stage, p) for p in shards]
+            _check_routes(audit, step, stage, shards, shapes)
     with_rows += _unlinked_trajectories(rundir, [p for _, _, p in with_rows])
     audit.missing_images = _missing_images(rundir, with_rows, audit.corrupt)
     for _, path in committed_checkpoints(rundir.checkpoints):
@@ -62,6 +71,22 @@ def verify_run(run_dir: Path) -> Audit:
         if (bad := image_corruption(image)) is not None:
             audit.corrupt.append({"path": str(bad.path), "why": bad.why})
     return audit
+
+
+def _check_routes(
+    audit: Audit, step: int, stage: str, shards: list[Path], shapes: list[dict[str, Any]]
+) -> None:
+    """Count the (verified) shards of a stage that carry routes, and add to `corrupt` one
+    entry per shard whose routes shape is not its step's, or per bad row
+    (`routes.shard_problems`)."""
+    for shard in shards:
+        try:
+            problems = routes.shard_problems(shard, step, stage, shapes)
+        except (OSError, pa.ArrowException) as exc:
+            problems = [f"routes of step {step} {stage} {shard.name}: {exc}"]
+        if problems is not None:
+            audit.routes += 1
+            audit.corrupt += [{"path": str(shard), "why": why} for why in problems]
 
 
 def _missing_images(

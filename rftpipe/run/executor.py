@@ -24,8 +24,8 @@ from rftpipe.faults import slow
 from rftpipe.observe import memory
 from rftpipe.run import roles
 from rftpipe.stages.base import Rows, Runtime, Stage, StepPlan, StepState
-from rftpipe.stages.routes import ACTOR_ROUTES, ROUTES
 from rftpipe.storage.layout import schema_version
+from rftpipe.storage.routes import ACTOR_ROUTES, ROUTES
 
 
 def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None:

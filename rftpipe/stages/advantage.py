@@ -24,9 +24,10 @@ from rftpipe.stages import StageName
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
 from rftpipe.stages.batching import model_token_mask, pad_ragged, turn_tokens
 from rftpipe.stages.images import RowImages, image_rows
-from rftpipe.stages.routes import ACTOR_ROUTES, ROUTES, RouteColumn, with_routes
+from rftpipe.stages.routes import RouteColumn, with_routes
 from rftpipe.storage.baseline_rows import baseline_flags
 from rftpipe.storage.branch_rows import has_branches, last_rows
+from rftpipe.storage.routes import ACTOR_ROUTES, ROUTES
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
 """Response logprobs of (prompts, responses) under some model: the reference, or the actor."""

@@ -21,13 +21,14 @@ from rftpipe.config.schema import RunConfig
 from rftpipe.data.prompts import PromptSet
 from rftpipe.data.ptx import PTXExample
 from rftpipe.dist import Dist
-from rftpipe.engines.moe import ReplayMode, RouteShape
+from rftpipe.engines.moe import ReplayMode
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.engines.train.base import TrainEngine
 from rftpipe.engines.train.critic import Critic
 from rftpipe.engines.vision import VisionEncoder
 from rftpipe.rewards.types import RewardComponent
 from rftpipe.storage.layout import RunDir
+from rftpipe.storage.routes import RouteShape
 from rftpipe.storage.stage_store import StageStore
 
 

@@ -25,9 +25,10 @@ from rftpipe.seeding import derive_seed
 from rftpipe.stages import agents, episodes, round_stage
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
 from rftpipe.stages.images import prompt_inputs, store_images, with_image_refs
-from rftpipe.stages.routes import ROUTES, with_routes
+from rftpipe.stages.routes import with_routes
 from rftpipe.storage.branch_rows import BRANCH, BRANCHES
 from rftpipe.storage.layout import schema_version
+from rftpipe.storage.routes import ROUTES
 from rftpipe.storage.stage_store import StageStore
 
 ROLLOUT_SCHEMA = pa.schema(

@@ -1,11 +1,6 @@
-"""The routes columns of an MoE run's trajectory rows (`rftpipe.engines.moe`).
-
-`routes` (R3): the experts each fed token was routed to during rollout, written by the
-rollout stage. `actor_routes` (R2): the selection of the actor's old-logprob forward,
-written by the advantage stage. Each cell is a row's (P + R - 1, L, k) uint8 array, C-order
-bytes; the shape is in the stage manifest's and the shard's metadata (`rftpipe.routes`).
-Later stages carry the columns along as every other.
-"""
+"""The stages' side of the routes columns (their layout: `rftpipe.storage.routes`):
+appending a stage's recorded routes, reading a micro-batch's back as tensors, and the
+routing metrics of a train stage."""
 
 from __future__ import annotations
 
@@ -18,13 +13,10 @@ import pyarrow as pa
 import torch
 
 from rftpipe.dist import Dist
-from rftpipe.engines.moe import ReplayMode, Routers, RouteShape, decode, encode
+from rftpipe.engines.moe import ReplayMode, Routers, decode, encode
 from rftpipe.errors import UserError
+from rftpipe.storage.routes import ACTOR_ROUTES, ROUTES, RouteShape
 
-ROUTES = "routes"
-"""The rollout's routes (R3)."""
-ACTOR_ROUTES = "actor_routes"
-"""The actor's old-logprob forward's selection (R2)."""
 ROUTE_FIELDS = {
     ROUTES: pa.field(ROUTES, pa.binary()),
     ACTOR_ROUTES: pa.field(ACTOR_ROUTES, pa.binary()),
