@@ -490,18 +490,8 @@ def replay_mode(cfg: RunConfig, model_dir: Path) -> ReplayMode:
         if records:
             return "r3"
         return "r2" if old_logprobs_source(cfg.train, cfg.rollout) == "actor" else "none"
-    if mode == "r3" and cfg.rollout.engine != "hf":
-        raise UserError(
-            f"train.router_replay=r3 with rollout.engine={cfg.rollout.engine}: route capture "
-            "(vLLM's enable_return_routed_experts, SGLang's return_routed_experts) needs "
-            "the engine's GPU model runner, which this CPU build lacks; use r2 "
-            "(with train.old_logprobs=actor)"
-        )
-    if mode == "r3" and multi_turn:
-        raise UserError(
-            "train.router_replay=r3 with rollout.env/rollout.agent: multi-turn episodes do "
-            "not record routes yet; use r2 (with train.old_logprobs=actor) or none"
-        )
+    # r3 with an engine or episodes that record no routes is refused at load
+    # (`RunConfig._check_router_replay`).
     return mode
 
 

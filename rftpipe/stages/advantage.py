@@ -24,7 +24,7 @@ from rftpipe.stages import StageName
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
 from rftpipe.stages.batching import model_token_mask, pad_ragged, turn_tokens
 from rftpipe.stages.images import RowImages, image_rows
-from rftpipe.stages.routes import RouteColumn, with_routes
+from rftpipe.stages.routes import committed_column, with_routes
 from rftpipe.storage.baseline_rows import baseline_flags
 from rftpipe.storage.branch_rows import has_branches, last_rows
 from rftpipe.storage.routes import ACTOR_ROUTES, ROUTES
@@ -273,7 +273,7 @@ class AdvantageStage(NoSideEffects):
         scored = rows()
         # A vision-language policy's rows: the reference and the actor see their images.
         vision = RowImages(rt.vision, rt.run.root).of(image_rows(scored))
-        routes, recorded = _replayed_routes(rt, scored)
+        routes, recorded = _replayed_routes(rt, plan.step, scored)
         ref = (
             None
             if rt.reference is None
@@ -320,7 +320,7 @@ class AdvantageStage(NoSideEffects):
 
 
 def _replayed_routes(
-    rt: Runtime, scored: pa.Table
+    rt: Runtime, step: int, scored: pa.Table
 ) -> tuple[list[torch.Tensor | None] | None, list[torch.Tensor] | None]:
     """(the routes this stage's forwards replay, the list R2's old-logprob forward records
     into). R3: the rollout's, read back; R2: the actor's own selection, recorded by its
@@ -328,6 +328,6 @@ def _replayed_routes(
     if rt.route_shape is None or rt.replay == "none":
         return None, None
     if rt.replay == "r3":
-        return RouteColumn(column=ROUTES, shape=rt.route_shape).table(scored), None
+        return committed_column(rt, step, ROUTES).table(scored), None
     recorded: list[torch.Tensor] = []
     return recorded, recorded  # type: ignore[return-value]

@@ -15,7 +15,8 @@ import torch
 from rftpipe.dist import Dist
 from rftpipe.engines.moe import ReplayMode, Routers, decode, encode
 from rftpipe.errors import UserError
-from rftpipe.storage.routes import ACTOR_ROUTES, ROUTES, RouteShape
+from rftpipe.stages.base import Runtime
+from rftpipe.storage.routes import ACTOR_ROUTES, MANIFEST_KEY, ROUTES, RouteShape
 
 ROUTE_FIELDS = {
     ROUTES: pa.field(ROUTES, pa.binary()),
@@ -66,6 +67,24 @@ class RouteColumn:
         names = ["step", "prompt_id", "sample_idx", "is_baseline"]
         names += ["prompt_token_ids", "response_token_ids"]
         return self.of(table.select([*names, self.column]).to_pylist())
+
+
+def committed_column(rt: Runtime, step: int, column: str) -> RouteColumn:
+    """Step `step`'s committed routes `column`, to replay on the policy: refused in one line
+    when the stage that wrote it recorded another shape than the policy's (a resume with
+    another model, past `--allow-fingerprint-mismatch`), before any row is read."""
+    assert rt.route_shape is not None, "routes replay on an MoE policy only"
+    shape = rt.route_shape
+    writer = "rollout" if column == ROUTES else "advantage"
+    recorded = rt.store.manifest(step, writer).get(MANIFEST_KEY)
+    if recorded is not None and RouteShape.from_meta(recorded) != shape:
+        raise UserError(
+            f"model: step {step}'s committed routes are of {recorded['layers']} MoE layers, "
+            f"top {recorded['top_k']} of {recorded['experts']} experts, the model's "
+            f"{shape.layers}, top {shape.top_k} of {shape.experts}; they cannot drive it "
+            "(resume with the model that recorded them)"
+        )
+    return RouteColumn(column=column, shape=shape)
 
 
 def routing_metrics(routers: Routers | None, dist: Dist) -> dict[str, float]:

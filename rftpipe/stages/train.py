@@ -50,7 +50,7 @@ from rftpipe.stages.batching import (
     seeded_rng,
 )
 from rftpipe.stages.images import RowImages
-from rftpipe.stages.routes import REPLAYED, RouteColumn, routing_metrics
+from rftpipe.stages.routes import REPLAYED, RouteColumn, committed_column, routing_metrics
 from rftpipe.storage.baseline_rows import without_baseline
 
 log = logging.getLogger(__name__)
@@ -410,7 +410,7 @@ class TrainStage:
             response_budget=response_budget(rt.cfg.rollout),
             ptx=rt.ptx,
             images=RowImages(rt.vision, rt.run.root) if rt.vision is not None else None,
-            routes=_route_column(rt, table),
+            routes=_route_column(rt, plan.step, table),
         )
         if not plan.global_ids:
             # Dynamic sampling kept no group (none varied): nothing to learn from this step.
@@ -426,7 +426,7 @@ class TrainStage:
         return {**metrics, **perf.mfu(metrics["perf/train_tflops"], peak, rt.dist.world), **critic}
 
 
-def _route_column(rt: Runtime, table: pa.Table) -> RouteColumn | None:
+def _route_column(rt: Runtime, step: int, table: pa.Table) -> RouteColumn | None:
     """The routes column this step's updates replay (None: routed live)."""
     column = REPLAYED[rt.replay]
     if column is None or rt.route_shape is None:
@@ -436,7 +436,7 @@ def _route_column(rt: Runtime, table: pa.Table) -> RouteColumn | None:
             f"train.router_replay={rt.replay}: the committed rows have no column {column} "
             "(a run started without routes cannot replay them)"
         )
-    return RouteColumn(column=column, shape=rt.route_shape)
+    return committed_column(rt, step, column)
 
 
 def _update_metrics(metrics: dict[str, float]) -> dict[str, float]:
