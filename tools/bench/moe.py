@@ -1,4 +1,5 @@
-"""Routing replay's cost in the train forward+backward of an MoE policy.
+"""What an upcycled MoE policy costs in the train forward+backward: against the dense
+model it was made from, and with routing replay against without.
 
     python -m tools.bench moe [--model smollm2|tiny] [--experts 4] [--top-k 2]
                               [--groups 2] [--n 8] [--prompt-tokens 48]
@@ -7,16 +8,18 @@
 Upcycles the dense model (`model.upcycle`: E experts, top-k), then times one forward
 (logprobs and entropy of every response token, through the prefix forest `single` runs)
 plus the backward of their sum, on synthetic rows (`--groups` prompts, `--n` responses
-each, lengths drawn uniformly, seeded), two ways, alternated run by run after a warm-up:
+each, lengths drawn uniformly, seeded), three ways, alternated run by run after a warm-up:
 
+- `dense`: the dense model itself (no routers);
 - `live`: the routers select as they do without replay (the hooks still count load and
   collect the load-balancing loss, as every MoE forward does);
 - `replay`: every token's experts forced to routes recorded from a no-grad pass of the
   same rows (R3's and R2's path: the plan laid out, weights regathered from the softmax).
 
-Prints each side's median seconds, their ratio, the largest logprob difference between
-the sides (the recorded routes are the live selection, so 0), and the bytes routes take
-per fed token.
+Prints each side's median seconds, the ratios replay/live and live/dense, the largest
+logprob difference between replay and live (the recorded routes are the live selection,
+so 0) and between live and dense (upcycling's float error), and the bytes routes take per
+fed token.
 """
 
 from __future__ import annotations
@@ -33,16 +36,21 @@ from tools.bench.harness import alternate, parser, timed
 from tools.bench.packing import synthetic_rows
 
 
-def _model(a: argparse.Namespace) -> torch.nn.Module:
+def _models(a: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the dense model, its upcycled MoE)."""
     from rftpipe.config.schema import ModelConfig, UpcycleConfig
     from rftpipe.engines.models import load_causal_lm, resolve_policy_path
 
     path = {"smollm2": "builtin:smollm2-135m-instruct", "tiny": "builtin:tiny"}[a.model]
+    dense = ModelConfig(path=path)
     cfg = ModelConfig(path=path, upcycle=UpcycleConfig(experts=a.experts, top_k=a.top_k))
-    return load_causal_lm(resolve_policy_path(cfg), "float32")
+    return (
+        load_causal_lm(resolve_policy_path(dense), "float32"),
+        load_causal_lm(resolve_policy_path(cfg), "float32"),
+    )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None) -> argparse.Namespace:
     p = parser("moe", __doc__)
     p.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     p.add_argument("--experts", type=int, default=4)
@@ -54,13 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
     torch.set_num_threads(a.threads)
 
     from rftpipe.engines import moe
     from rftpipe.engines.train.forward import grouped_logprobs
 
-    model = _model(a)
+    dense, model = _models(a)
     routers = moe.Routers.of(model)
     assert routers is not None
     prompts, responses = synthetic_rows(a, model.config.vocab_size)
@@ -89,10 +101,25 @@ def main(argv: list[str] | None = None) -> int:
 
         return timed(run)
 
-    sides = {"live": lambda: step([None] * len(prompts)), "replay": lambda: step(list(recorded))}
+    def dense_step() -> tuple[float, torch.Tensor]:
+        def run() -> torch.Tensor:
+            dense.zero_grad(set_to_none=True)
+            lp, ent = grouped_logprobs(dense, prompts, responses, 1.0, True)
+            assert ent is not None
+            (lp.sum() + ent.sum()).backward()
+            return lp.detach()
+
+        return timed(run)
+
+    sides = {
+        "dense": dense_step,
+        "live": lambda: step([None] * len(prompts)),
+        "replay": lambda: step(list(recorded)),
+    }
     rounds = alternate(sides, a.runs)
     med = {k: statistics.median(t for t, _ in v) for k, v in rounds.runs.items()}
-    diff = float((rounds.warmup["live"][1] - rounds.warmup["replay"][1]).abs().max())
+    first = {k: v[1] for k, v in rounds.warmup.items()}
+    diff = float((first["live"] - first["replay"]).abs().max())
     shape = routers.shape
     out = {
         "model": a.model,
@@ -104,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         "threads": a.threads,
         "median_s": med,
         "replay_over_live": med["replay"] / med["live"],
-        "max_logprob_diff": diff,
+        "live_over_dense": med["live"] / med["dense"],
+        "max_logprob_diff_replay_live": diff,
+        "max_logprob_diff_live_dense": float((first["live"] - first["dense"]).abs().max()),
         "route_bytes_per_token": shape.per_token,
         "moe_layers": shape.layers,
     }
@@ -115,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
 
 BENCHMARK = Benchmark(
     name="moe",
-    runs="an upcycled MoE's train forward+backward (prefix forest), routed live and with "
-    "every token's experts replayed from recorded routes, alternated",
-    measures="median seconds per side, replay/live ratio, max logprob difference, route "
-    "bytes per token",
+    runs="the train forward+backward (prefix forest) of a dense model, of its upcycled MoE "
+    "routed live, and of the MoE with every token's experts replayed, alternated",
+    measures="median seconds per side, replay/live and live/dense ratios, max logprob "
+    "differences, route bytes per token",
     main=main,
 )
