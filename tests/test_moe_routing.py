@@ -239,6 +239,7 @@ def _three_layouts(model, P, R, routes) -> dict[str, torch.Tensor]:  # noqa: ANN
     return out
 
 
+@pytest.mark.kernels  # a tolerance between the rollout's kernels and the trainer's
 def test_noise_in_the_rollouts_router_opens_a_gap_that_replay_closes_in_every_layout() -> None:
     """The rollout selects top-k from perturbed logits (weights from clean ones): routed
     live, the trainer disagrees with it and its logprobs of the sampled tokens move away
@@ -258,6 +259,7 @@ def test_noise_in_the_rollouts_router_opens_a_gap_that_replay_closes_in_every_la
     assert stats.replayed > 0 and float(stats.agree.max()) < stats.replayed  # disagreement seen
 
 
+@pytest.mark.kernels  # a tolerance between the rollout's kernels and the trainer's
 def test_without_noise_replay_and_live_agree_with_the_rollout() -> None:
     model, P, R, LP, RT = _rollout(noise=0.0)
     for name, lp in _three_layouts(model, P, R, RT).items():
