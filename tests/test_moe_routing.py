@@ -330,3 +330,25 @@ def test_a_route_cell_that_does_not_match_its_tokens_is_refused_naming_the_row()
     bad = moe.encode(torch.full((5, 2, 2), 4, dtype=torch.uint8))
     with pytest.raises(UserError, match="name expert 4 of 4"):
         moe.decode(bad, 5, shape, "row x")
+
+
+def test_activation_recompute_replays_the_same_routes() -> None:
+    """With gradient checkpointing the backward runs each layer's forward again: the plan
+    stays set through it, so the gradients equal those without checkpointing, under routes
+    that differ from the live selection (a recompute routed live would differ)."""
+    ids = _ids()
+    P, R = [ids[0, :4].tolist()] * 2, [ids[0, 4:].tolist(), ids[1, 4:].tolist()]
+    grads = []
+    for checkpointing in (False, True):
+        model = _mixtral()
+        _, routes = _record(model, torch.tensor([P[0] + R[0], P[1] + R[1]]))
+        shifted = [((r[:-1].long() + 1) % 4).to(torch.uint8) for r in routes]
+        cfg = TrainConfig(gradient_checkpointing=checkpointing)
+        engine = SingleDeviceEngine(model, cfg, Dist(), total_updates=1)
+        with engine.train_mode():
+            lp, _ = engine.forward(P, R, 1.0, with_entropy=False, routes=shifted)
+            engine.backward(lp.sum())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert torch.allclose(grads[1][name], g, rtol=1e-5, atol=1e-7), name
