@@ -47,6 +47,8 @@ BACKENDS = {  # backend: (overrides, ranks)
     "single": ((), 1),
     "fsdp2": (("train.backend=fsdp2",), 2),
     "deepspeed": (("train.backend=deepspeed",), 2),
+    # ZeRO-3 partitions the routers' weights too (an empty local tensor on each rank).
+    "zero3": (("train.backend=deepspeed", "train.zero_stage=3"), 2),
 }
 # What a trajectory row is, whatever the world size: the rollout's tokens and routes, the
 # reward and the advantages (the rank that made a row, and float error, may differ).
@@ -135,7 +137,7 @@ def test_routes_are_committed_and_the_policy_moves(reference: Callable[[str, str
         assert m["moe/load_imbalance"] >= 1 and m["train/moe_aux_loss"] > 0
 
 
-@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed", "zero3"])
 def test_two_ranks_end_like_one(backend: str, reference: Callable[[str, str], Path]) -> None:
     """R3 on two ranks of a sharded backend gives the one-rank run's rows (tokens, routes,
     rewards, advantages: bitwise) and its final weights (within float error: 1e-5 of the

@@ -87,8 +87,10 @@ def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _experts(router: torch.nn.Module) -> int:
-    weight = router.get_parameter("weight")
-    return int(weight.shape[0])
+    # The router's own count, not its weight's rows: ZeRO-3 leaves an empty local weight.
+    e = router.num_experts
+    assert isinstance(e, int)
+    return e
 
 
 def _top_k(router: torch.nn.Module) -> int:
