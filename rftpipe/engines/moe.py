@@ -364,14 +364,14 @@ class Routers:
                 ids = torch.where(forced[:, None], want, ids)
                 replayed = self._weights(layer, logits, ids, scores.dtype)
                 scores = torch.where(forced[:, None], replayed, scores)
+                # Load and the auxiliary loss are the engines' forwards' (every one sets a
+                # plan); the rollout's decode steps skip them.
                 real = plan.real.to(ids.device)
-            else:
-                real = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+                self._count_load(layer, ids, real)
+                if self._aux is not None:
+                    self._aux.append(aux_loss(logits, ids, real, self.shape.experts))
             if self._recorded is not None:
                 self._recorded[layer].append(ids.detach().cpu())
-            self._count_load(layer, ids, real)
-            if self._aux is not None:
-                self._aux.append(aux_loss(logits, ids, real, self.shape.experts))
             return logits, scores, ids
 
         return hook
