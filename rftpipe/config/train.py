@@ -229,7 +229,8 @@ class TrainConfig:
     replay opt-in; here a committed rollout makes it exact and durable, so it is on): r3
     for an MoE policy whose rollout records routes (rollout.engine=hf, single-turn), else
     r2 where the old logprobs come from the actor, else none; none for a dense policy,
-    which refuses r2/r3. Cannot change on resume."""
+    which refuses r2/r3. A resume that changes it is refused, as for every key outside
+    the resume-safe list."""
 
     moe_aux_loss_coef: float = 0.0
     """Mixture-of-Experts policies: coefficient of the load-balancing auxiliary loss
