@@ -23,6 +23,7 @@ import torch
 from helpers import (
     NEEDS_VLLM,
     ROOT,
+    TESTS_ON_PATH,
     committed_hash,
     events,
     final_weights,
@@ -33,6 +34,7 @@ from safetensors.torch import load_file
 
 from rftpipe.atomic import checksum_file
 from rftpipe.engines.models import resolve_model_path
+from rftpipe.storage.routes import fed_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -371,3 +373,47 @@ def test_lora_with_default_targets_trains_attention_only(tmp_path: Path) -> None
     moved = {k for k in merged if not torch.equal(merged[k], initial[k])}
     assert moved and all(".self_attn." in k for k in moved), sorted(moved)
     assert any(".block_sparse_moe.gate." in k for k in merged)  # the router, unchanged
+
+
+# -- 5. multi-turn episodes -------------------------------------------------------------------
+
+EPISODES = (
+    "rollout.env.path=envs_toy:EvenChars",
+    "rollout.env.max_turns=2",
+    "rollout.env.max_total_tokens=96",
+    "reward.functions=[]",  # the environment's reward is the whole return
+)
+
+
+def test_a_multi_turn_run_records_routes_and_a_kill_between_turns_resumes_bitwise(
+    tmp_path: Path,
+) -> None:
+    """Episodes of two turns under `auto` (r3 on the HF loop): every row's routes cover its
+    tokens up to its last sampled one, and a run killed before a turn's commit after an
+    earlier turn committed (its routes forced again when that turn is replayed onto empty
+    caches) ends as the uninterrupted one, bitwise."""
+    ref = tmp_path / "ref"
+    _ok(submit(ref, *MOE, *EPISODES, env=TESTS_ON_PATH))
+    table = trajectories(ref)
+    assert "routes" in table.column_names and max(table.column("num_turns").to_pylist()) == 2
+    names = ["prompt_token_ids", "response_token_ids", "loss_mask", "routes"]
+    for row in table.select(names).to_pylist():
+        fed = fed_tokens(
+            len(row["prompt_token_ids"]), len(row["response_token_ids"]), row["loss_mask"]
+        )
+        assert len(row["routes"]) == fed * 2 * 2
+    run = tmp_path / "killed"
+    # Killed after step 2's second turn, before its commit: the first turn is committed,
+    # with its routes, and the second is generated again on the replayed caches.
+    env = {
+        **TESTS_ON_PATH,
+        "RFTPIPE_FAULT": "episode_before_turn_commit",
+        "RFTPIPE_FAULT_SKIP": "3",
+    }
+    assert submit(run, *MOE, *EPISODES, env=env).returncode != 0
+    _ok(submit(run, *MOE, *EPISODES, env=TESTS_ON_PATH))
+    resumed = [(e["step"], e["turns"]) for e in events(run) if e["event"] == "resume_turns"]
+    assert resumed == [(2, 1)], resumed
+    assert trajectories(run).equals(table)
+    a, b = final_weights(run), final_weights(ref)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -321,11 +321,6 @@ class RunConfig:
                 "needs the engine's GPU model runner, which this CPU build lacks; use r2 (with "
                 "train.old_logprobs=actor)"
             )
-        if mode == "r3" and (self.rollout.env is not None or self.rollout.agent is not None):
-            raise ValueError(
-                "train.router_replay=r3 with rollout.env/rollout.agent: multi-turn episodes "
-                "do not record routes yet; use r2 (with train.old_logprobs=actor) or none"
-            )
         if mode in ("r2", "r3") and self.train.sp_size > 1:
             raise ValueError(
                 f"train.router_replay={mode} does not run with train.sp_size>1 yet (the "

@@ -227,7 +227,7 @@ class TrainConfig:
     forward routes live. Under r2/r3 the routing weights are still recomputed from the
     live router logits, so the router keeps its gradient. `auto` (verl and slime make
     replay opt-in; here a committed rollout makes it exact and durable, so it is on): r3
-    for an MoE policy whose rollout records routes (rollout.engine=hf, single-turn), else
+    for an MoE policy whose rollout records routes (rollout.engine=hf, episodes too), else
     r2 where the old logprobs come from the actor, else none; none for a dense policy,
     which refuses r2/r3. A resume that changes it is refused, as for every key outside
     the resume-safe list."""

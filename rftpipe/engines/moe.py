@@ -476,8 +476,9 @@ def is_moe_dir(model_dir: Path) -> bool:
 def replay_mode(cfg: RunConfig, model_dir: Path) -> ReplayMode:
     """`train.router_replay` resolved for this policy, or one line why it cannot run.
 
-    auto: r3 where the rollout records routes (the HF loop, single-turn), r2 where the old
-    logprobs come from the actor (a serving engine), else none; dense policies none."""
+    auto: r3 where the rollout records routes (the HF loop, single- or multi-turn), r2
+    where the old logprobs come from the actor (a serving engine), else none; dense
+    policies none."""
     mode = cfg.train.router_replay
     if not is_moe_dir(model_dir):
         if mode in ("r2", "r3"):
@@ -486,13 +487,11 @@ def replay_mode(cfg: RunConfig, model_dir: Path) -> ReplayMode:
                 "model (no MoE router); set none or auto"
             )
         return "none"
-    multi_turn = cfg.rollout.env is not None or cfg.rollout.agent is not None
-    records = cfg.rollout.engine == "hf" and not multi_turn
     if mode == "auto":
-        if records:
+        if cfg.rollout.engine == "hf":
             return "r3"
         return "r2" if old_logprobs_source(cfg.train, cfg.rollout) == "actor" else "none"
-    # r3 with an engine or episodes that record no routes is refused at load
+    # r3 with an engine that records no routes is refused at load
     # (`RunConfig._check_router_replay`).
     return mode
 

@@ -115,13 +115,24 @@ def cells(column: pa.ChunkedArray) -> Cells:
 
 
 def fed_tokens(table: pa.Table) -> np.ndarray:
-    """(N,) int64: the tokens each row fed the model, P + R - 1."""
+    """(N,) int64: the routes each row holds (`rftpipe.storage.routes.fed_tokens`): P + R -
+    1, or for a multi-turn row (with `loss_mask`) up to its last sampled token."""
 
     def length(name: str) -> np.ndarray:
         lens = pc.list_value_length(table.column(name)).fill_null(0)
         return np.asarray(lens.to_numpy(), dtype=np.int64)
 
-    return length("prompt_token_ids") + length("response_token_ids") - 1
+    prompt = length("prompt_token_ids")
+    if "loss_mask" not in table.column_names:
+        return prompt + length("response_token_ids") - 1
+    mask = table.column("loss_mask").combine_chunks()
+    flags = np.asarray(pc.list_flatten(mask).to_numpy(zero_copy_only=False)) != 0
+    parents = np.asarray(pc.list_parent_indices(mask).to_numpy(), dtype=np.int64)
+    lens = length("loss_mask")
+    index = np.arange(len(flags)) - (np.cumsum(lens) - lens)[parents]
+    last = np.full(table.num_rows, -1, dtype=np.int64)
+    np.maximum.at(last, parents[flags], index[flags])
+    return np.where(last >= 0, prompt + last, 0)
 
 
 def _trained(table: pa.Table) -> np.ndarray:

@@ -47,6 +47,8 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
+import torch
+
 from rftpipe.agents.pool import AgentProcesses, AgentSpec, Failed, Finished, Started
 from rftpipe.agents.server import Answer, ChatCall, Endpoint, Limits, PendingCall, TokenCall
 from rftpipe.config.schema import AgentConfig, RolloutConfig
@@ -66,6 +68,8 @@ from rftpipe.stages.episodes import (
     text_tokens,
     tokens_after,
 )
+from rftpipe.stages.routes import RouteColumn
+from rftpipe.storage.routes import ROUTES, RouteShape
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +99,9 @@ class AgentInputs:
     greedy_samples: frozenset[int] = frozenset()
     """The sample indices whose every call is answered with the greedy continuation
     (held-out evaluation's greedy episode, -1): no draws, so no call seeds."""
+    route_shape: RouteShape | None = None
+    """An MoE policy's under R3: the record's routes are read back, answered calls take
+    theirs and replayed calls force them (None: no routes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,10 +254,11 @@ class _Server:
                         slot=len(self.live),
                         greedy=k in inp.greedy_samples,
                     )
-                    lv = _Live(e=e, group=g, record=_recorded(rows, self.eos))
+                    routes = _row_routes(rows, inp.route_shape)
+                    lv = _Live(e=e, group=g, record=_recorded(rows, self.eos, routes))
                     if rows and rows[-1]["episode_status"] is not None:
                         # It had returned before the restart: the record is the episode.
-                        _restore_ended(e, rows)
+                        _restore_ended(e, rows, routes)
                         lv.ended = True
                     self.live.append(lv)
 
@@ -463,7 +471,7 @@ class _Server:
             events().write("agent_divergence", step=self.inp.step, call=lv.calls, slot=lv.e.slot)
             return False
         lv.pending_ids, lv.pending_starts, lv.render, lv.convo = ids, starts, render, convo
-        a = self._take(lv, pc.call, list(rec.tokens), list(rec.logprobs), rec.reason)
+        a = self._take(lv, pc.call, list(rec.tokens), list(rec.logprobs), rec.reason, rec.routes)
         self.from_record += 1
         self.answered(lv, a, pc)
         return True
@@ -513,7 +521,10 @@ class _Server:
                 keys = self.keys_for(g, rows, prompts)
                 if keys is None:
                     return
-                self.engine.generate_rows(prompts, [0] * len(rows), [0] * len(rows), keys=keys)
+                known = [lv.record[c].known() for lv in rows]
+                self.engine.generate_rows(
+                    prompts, [0] * len(rows), [0] * len(rows), keys=keys, routes=known
+                )
 
     def generate(self, pending: list[_Live], turn: int) -> list[Answer]:
         """Call index `turn` of the pending episodes: one engine call per call group (and
@@ -544,6 +555,8 @@ class _Server:
                     [self._seed(rows[i]) for i in sampled],
                     [limits[i] for i in sampled],
                     keys=self.keys_for(g, [rows[i] for i in sampled], prompts),
+                    # A call that starts a sequence is prefilled whole, routed afresh.
+                    routes=[None if rows[i].pending_starts else rows[i].e.routes for i in sampled],
                 )
                 outs.update(zip(sampled, got_rows, strict=True))
                 calls += 1
@@ -564,7 +577,9 @@ class _Server:
                 k = stop_length(self.decode, tokens, stop) if stop else 0
                 if k and last_token_stops(self.decode, tokens[:k], stop):
                     tokens, logprobs, reason = tokens[:k], logprobs[:k], "stop"
-                got[lv.e.slot] = self._take(lv, lv.pending.call, tokens, logprobs, reason)
+                got[lv.e.slot] = self._take(
+                    lv, lv.pending.call, tokens, logprobs, reason, out.routes
+                )
         self.engine_calls.append(calls)
         return [got[lv.e.slot] for lv in pending]
 
@@ -584,25 +599,15 @@ class _Server:
         tokens: list[int],
         logprobs: list[float],
         reason: str,
+        routes: torch.Tensor | None = None,
     ) -> Answer:
         """Append call `lv.calls`'s sampled tokens (after the new prompt tokens) to the
-        episode, and the answer they make."""
+        episode, and the answer they make. `routes`: the call's (R3), over its prompt and
+        the tokens the engine sampled but the last."""
         e = lv.e
         ids = lv.pending_ids
         assert ids is not None
-        if lv.pending_starts:
-            if lv.calls:
-                _close_sequence(e)
-            e.prompt_ids = list(ids)
-        else:
-            new = ids[len(e.prompt_ids) + len(e.response) :]
-            e.response += new
-            e.logprobs += [0.0] * len(new)
-            e.loss_mask += [0] * len(new)
-        e.turn_offsets.append(len(e.response))
-        e.response += tokens
-        e.logprobs += logprobs
-        e.loss_mask += [1] * len(tokens)
+        _append_call(e, ids, lv.pending_starts, lv.calls > 0, tokens, logprobs, routes)
         e.finish_reason = reason
         stopped = bool(tokens) and tokens[-1] in self.eos
         action = self.tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
@@ -666,6 +671,37 @@ class _Server:
         pc.answer(a)
 
 
+def _append_call(
+    e: Episode,
+    ids: list[int],
+    starts: bool,
+    earlier: bool,
+    tokens: list[int],
+    logprobs: list[float],
+    routes: torch.Tensor | None,
+) -> None:
+    """Append a call's prompt `ids` (what they add to the episode's tokens; a new sequence
+    when the call `starts` one, closing the current one if there were `earlier` calls) and
+    its sampled tokens."""
+    if starts:
+        if earlier:
+            _close_sequence(e)
+        e.prompt_ids = list(ids)
+    else:
+        new = ids[len(e.prompt_ids) + len(e.response) :]
+        e.response += new
+        e.logprobs += [0.0] * len(new)
+        e.loss_mask += [0] * len(new)
+    e.turn_offsets.append(len(e.response))
+    e.response += tokens
+    e.logprobs += logprobs
+    e.loss_mask += [1] * len(tokens)
+    # Up to the last token kept: a stop string cut the tokens after it off, and the next
+    # call feeds other tokens there.
+    fed = len(ids) + len(tokens) - 1 if tokens else len(ids)
+    e.routes = None if routes is None else routes[:fed]
+
+
 class _Refused(Exception):
     """A call the endpoint answers with HTTP 400 (the message says why)."""
 
@@ -680,12 +716,29 @@ class _Recorded:
     tokens: list[int]
     logprobs: list[float]
     reason: str
+    routes: torch.Tensor | None = None
+    """Its sequence's routes through this call (R3; None: none recorded)."""
+
+    def known(self) -> torch.Tensor | None:
+        """The routes its prompt's prefill forces when replayed."""
+        return None if self.routes is None else self.routes[: len(self.prompt)]
 
 
-def _recorded(rows: Sequence[Mapping[str, Any]], eos: set[int]) -> list[_Recorded]:
+def _row_routes(
+    rows: Sequence[Mapping[str, Any]], shape: RouteShape | None
+) -> list[torch.Tensor | None]:
+    """Each committed sequence's routes (None each without `shape`)."""
+    if shape is None:
+        return [None] * len(rows)
+    return RouteColumn(column=ROUTES, shape=shape).of(rows)
+
+
+def _recorded(
+    rows: Sequence[Mapping[str, Any]], eos: set[int], routes: Sequence[torch.Tensor | None]
+) -> list[_Recorded]:
     """An episode's committed calls, in call order, from its rows (its sequences)."""
     out = []
-    for row in rows:
+    for row, seq_routes in zip(rows, routes, strict=True):
         offsets = list(row["turn_offsets"])
         response = list(row["response_token_ids"])
         mask = list(row["loss_mask"])
@@ -701,7 +754,9 @@ def _recorded(rows: Sequence[Mapping[str, Any]], eos: set[int]) -> list[_Recorde
                 else ("stop" if tokens and tokens[-1] in eos else "length")
             )
             prompt = list(row["prompt_token_ids"]) + response[:start]
-            out.append(_Recorded(t == 0, prompt, tokens, logprobs[start:end], reason))
+            fed = len(prompt) + len(tokens) - 1 if tokens else len(prompt)
+            mine = None if seq_routes is None else seq_routes[:fed]
+            out.append(_Recorded(t == 0, prompt, tokens, logprobs[start:end], reason, mine))
     return out
 
 
@@ -709,17 +764,22 @@ def _close_sequence(e: Episode) -> None:
     """The episode's current sequence becomes one of its earlier ones (`branches`); the
     next call's tokens start a new one."""
     e.branches.append(replace(e, branches=[]))
+    e.routes = None
     e.response, e.logprobs, e.loss_mask = [], [], []
     e.turn_offsets, e.turn_rewards, e.turn_infos = [], [], []
     e.finish_reason, e.last_action = "length", ""
 
 
-def _restore_ended(e: Episode, rows: Sequence[Mapping[str, Any]]) -> None:
+def _restore_ended(
+    e: Episode, rows: Sequence[Mapping[str, Any]], routes: Sequence[torch.Tensor | None]
+) -> None:
     """An episode that had returned before the restart, from its rows."""
-    for row in rows[:-1]:
+    for row, seq_routes in zip(rows[:-1], routes[:-1], strict=True):
         _restore_sequence(e, row)
+        e.routes = seq_routes
         _close_sequence(e)
     _restore_sequence(e, rows[-1])
+    e.routes = routes[-1]
     e.status = rows[-1]["episode_status"]
 
 

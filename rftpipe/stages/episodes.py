@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
+import torch
+
 from rftpipe.config.schema import EnvConfig, RolloutConfig
 from rftpipe.data.prompts import Prompt
 from rftpipe.engines.vision import VisionEncoder, VisionInputs
@@ -62,6 +64,8 @@ from rftpipe.errors import UserError
 from rftpipe.events import events
 from rftpipe.faults import fault
 from rftpipe.seeding import derive_seed
+from rftpipe.stages.routes import RouteColumn
+from rftpipe.storage.routes import ROUTES, RouteShape
 
 EpisodeStatus = str
 """How an episode ended: `done` (the environment said so), `max_turns`, `truncated` (a
@@ -108,6 +112,10 @@ class Episode:
     branches: list[Episode] = field(default_factory=list)
     """An agent episode's earlier sequences (`rftpipe.storage.branch_rows`), oldest first;
     the fields above are its last one. Empty for an environment's episode."""
+    routes: torch.Tensor | None = None
+    """An MoE policy's routes under R3: (T, L, k) uint8 over the sequence's tokens so far
+    that the engine has fed (its last sampled token and the environment's tokens after it
+    are fed by the next turn), as the engine returns them; None when it records none."""
 
 
 def turn_columns(e: Episode) -> dict[str, Any]:
@@ -167,6 +175,9 @@ class EpisodeInputs:
     encoder: VisionEncoder | None = None
     """A vision-language policy's image encoding: an image prompt's episode holds its
     images' tokens and every turn's engine call sees them (None: a text policy)."""
+    route_shape: RouteShape | None = None
+    """An MoE policy's under R3: a restored episode's committed routes are read back and
+    forced again (None: no routes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +221,8 @@ def run(
                         )
                     if row is None:
                         images.expand(e)
+                    elif inp.route_shape is not None:
+                        e.routes = RouteColumn(column=ROUTES, shape=inp.route_shape).of([row])[0]
                     e.vision = images.of(e)
                     e.slot = sum(len(c) for c in by_call)
                     e.greedy = k in inp.greedy_samples
@@ -292,6 +305,7 @@ def _turn(
             keys=[_key(e) for e, _ in sampled],
             # An engine that keeps each episode's cache took the images with its first turn.
             vision=_vision([e for e, _ in sampled], turn == 0 or not engine.continues_turns),
+            routes=[e.routes for e, _ in sampled],
         )
         got.update({e.slot: out for (e, _), out in zip(sampled, outs, strict=True)})
     if greedy:
@@ -388,12 +402,19 @@ def _replay(inp: EpisodeInputs, engine: Any, episodes: list[Episode]) -> None:
         rows = [e for e in episodes if len(e.turn_offsets) > turn and not e.greedy]
         if not rows:
             break
+        prompts = [e.prompt_ids + e.response[: e.turn_offsets[turn]] for e in rows]
         engine.generate_rows(
-            [e.prompt_ids + e.response[: e.turn_offsets[turn]] for e in rows],
+            prompts,
             [_turn_seed(inp, e, turn) for e in rows],
             [0] * len(rows),
             keys=[_key(e) for e in rows],
             vision=_vision(rows, turn == 0),
+            # Forcing the committed routes over the whole prompt changes nothing where the
+            # turn routed live: the same selection gives the same forward, bit for bit.
+            routes=[
+                None if e.routes is None else e.routes[: len(p)]
+                for e, p in zip(rows, prompts, strict=True)
+            ],
         )
     engine.end_episodes([_key(e) for e in episodes if e.status is not None])
 
@@ -554,6 +575,7 @@ def _sampled(tokenizer: Any, eos: set[int], e: Episode, out: Any) -> tuple[str, 
     e.logprobs += out.logprobs
     e.loss_mask += [1] * len(out.tokens)
     e.finish_reason = out.finish_reason
+    e.routes = out.routes
     stopped = bool(out.tokens) and out.tokens[-1] in eos
     action = tokenizer.decode(out.tokens[:-1] if stopped else out.tokens, skip_special_tokens=True)
     e.last_action = action

@@ -28,7 +28,7 @@ from rftpipe.stages.images import prompt_inputs, store_images, with_image_refs
 from rftpipe.stages.routes import with_routes
 from rftpipe.storage.branch_rows import BRANCH, BRANCHES
 from rftpipe.storage.layout import schema_version
-from rftpipe.storage.routes import ROUTES
+from rftpipe.storage.routes import ROUTES, RouteShape
 from rftpipe.storage.stage_store import StageStore
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -89,6 +89,9 @@ class RolloutInputs:
     """The agent program of each episode (`rollout.agent`), if any."""
     encoder: VisionEncoder | None = None
     """A vision-language policy's image encoding (its prompts' images go to the engine)."""
+    route_shape: RouteShape | None = None
+    """An MoE policy's under R3: episodes restored from a committed turn force their
+    committed routes again (single-turn rows take the engine's routes as they come)."""
 
 
 def run(
@@ -203,6 +206,7 @@ def _episode_table(
         samples=[*range(cfg.n), cfg.n] if inp.baseline else None,
         greedy_samples=frozenset({cfg.n}) if inp.baseline else frozenset(),
         encoder=inp.encoder,
+        route_shape=inp.route_shape,
     )
     log: episodes.TurnLog = turns.log(inp, engine, tokenizer) if turns else Unlogged()
     out = episodes.run(ep_inp, engine, tokenizer, env_maker(env), log)
@@ -237,6 +241,7 @@ def _agent_table(
         calls=[inp.prompts[i : i + g] for i in range(0, len(inp.prompts), g)],
         resumed=resumed,
         resumed_turns=done,
+        route_shape=inp.route_shape,
     )
     log: episodes.TurnLog = turns.log(inp, engine, tokenizer) if turns else Unlogged()
     out, stats = agents.run(ag_inp, engine, tokenizer, log)
@@ -253,6 +258,7 @@ def episode_rows(
     each episode, in branch order); a running one has no status yet."""
     schema = AGENT_SCHEMA if inp.agent is not None else EPISODE_SCHEMA
     cols: dict[str, list] = {name: [] for name in schema.names}
+    routes: list[torch.Tensor | None] = []
     for e in finished:
         sequences = [*e.branches, e]
         for b, seq in enumerate(sequences):
@@ -283,7 +289,17 @@ def episode_rows(
                     **branch,
                 },
             )
-    return pa.Table.from_pydict(cols, schema=schema)
+            # A sequence that never sampled (truncated before its first turn) has no
+            # routes to hold: an empty cell, as its fed tokens are none.
+            routes.append(None if e.greedy else seq.routes if seq.routes is not None else _NONE)
+    table = pa.Table.from_pydict(cols, schema=schema)
+    # An MoE policy under R3: the engine recorded every turn's routes.
+    recorded = any(r is not None and r is not _NONE for r in routes)
+    return with_routes(table, ROUTES, routes) if recorded else table
+
+
+_NONE = torch.zeros((0, 1, 1), dtype=torch.uint8)
+"""The routes of a sequence that fed nothing."""
 
 
 def env_maker(env: EnvConfig) -> episodes.EnvMaker:
@@ -419,6 +435,7 @@ class RolloutStage(NoSideEffects):
             env=rt.cfg.rollout.env,
             agent=rt.cfg.rollout.agent,
             encoder=rt.vision,
+            route_shape=rt.route_shape if rt.replay == "r3" else None,
         )
         turns = TurnStore(rt.store, rt.dist, self.name)
         if rt.vision is not None:

@@ -16,7 +16,7 @@ from rftpipe.dist import Dist
 from rftpipe.engines.moe import ReplayMode, Routers, decode, encode
 from rftpipe.errors import UserError
 from rftpipe.stages.base import Runtime
-from rftpipe.storage.routes import ACTOR_ROUTES, MANIFEST_KEY, ROUTES, RouteShape
+from rftpipe.storage.routes import ACTOR_ROUTES, MANIFEST_KEY, ROUTES, RouteShape, fed_tokens
 
 ROUTE_FIELDS = {
     ROUTES: pa.field(ROUTES, pa.binary()),
@@ -29,14 +29,29 @@ REPLAYED: dict[ReplayMode, str | None] = {"none": None, "r3": ROUTES, "r2": ACTO
 
 def with_routes(table: pa.Table, column: str, routes: Sequence[torch.Tensor | None]) -> pa.Table:
     """`table` with `column` appended: each row's routes (null for a row with none, such
-    as ReMax's greedy baseline, never trained on)."""
-    cells = [None if r is None else encode(r) for r in routes]
+    as ReMax's greedy baseline, never trained on), cut to its `fed_tokens` (a forward that
+    fed more, such as a multi-turn call that sampled nothing, leaves no route to a token
+    whose output no sampled token used)."""
+    names = ["prompt_token_ids", "response_token_ids", "loss_mask"]
+    rows = table.select([n for n in names if n in table.column_names]).to_pylist()
+    cells: list[bytes | None] = []
+    for i, (r, row) in enumerate(zip(routes, rows, strict=True)):
+        if r is None:
+            cells.append(None)
+            continue
+        fed = fed_tokens(
+            len(row["prompt_token_ids"]), len(row["response_token_ids"]), row.get("loss_mask")
+        )
+        if r.shape[0] < fed:
+            raise ValueError(f"row {i}: routes for {r.shape[0]} of its {fed} fed tokens")
+        cells.append(encode(r[:fed]))
     return table.append_column(ROUTE_FIELDS[column], pa.array(cells, pa.binary()))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RouteColumn:
-    """Reads one routes column back as each row's (P + R - 1, L, k) routes, checked."""
+    """Reads one routes column back as each row's routes (`fed_tokens` of them: P + R - 1
+    for a single-turn row), checked."""
 
     column: str
     shape: RouteShape
@@ -56,7 +71,9 @@ class RouteColumn:
                     raise UserError(f"{what}: no routes for a trained row")
                 out.append(None)
                 continue
-            fed = len(row["prompt_token_ids"]) + len(row["response_token_ids"]) - 1
+            fed = fed_tokens(
+                len(row["prompt_token_ids"]), len(row["response_token_ids"]), row.get("loss_mask")
+            )
             out.append(decode(cell, fed, self.shape, what))
         return out
 
@@ -65,7 +82,8 @@ class RouteColumn:
         if self.column not in table.column_names:
             raise ValueError(f"the rows have no column {self.column}")
         names = ["step", "prompt_id", "sample_idx", "is_baseline"]
-        names += ["prompt_token_ids", "response_token_ids"]
+        names += ["prompt_token_ids", "response_token_ids", "loss_mask"]
+        names = [n for n in names if n in table.column_names]
         return self.of(table.select([*names, self.column]).to_pylist())
 
 

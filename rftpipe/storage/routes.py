@@ -2,7 +2,8 @@
 
 A route is, for one token fed to the model, the top-k expert ids its MoE layers selected.
 A row's cell is its (T, layers, top_k) uint8 array in C order, T = len(prompt_token_ids) +
-len(response_token_ids) - 1 (the last sampled token is never fed). `routes` (R3) holds the
+len(response_token_ids) - 1 (the last sampled token is never fed); a multi-turn row's
+covers every token before its last sampled one (`fed_tokens`). `routes` (R3) holds the
 rollout's, written by the rollout stage; `actor_routes` (R2) the advantage stage's
 old-logprob forward's; later stages carry them along. The shape is in the writing stage's
 manifest (`routes`) and in each shard's Parquet metadata (`rftpipe.routes`). The training
@@ -12,7 +13,7 @@ this module.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,18 @@ class RouteShape:
         if not all(isinstance(v, int) and v > 0 for v in sizes.values()):
             raise ValueError(f"the routes' shape {dict(meta)} has a size that is not a count")
         return cls(**sizes)
+
+
+def fed_tokens(prompt: int, response: int, loss_mask: Sequence[int] | None = None) -> int:
+    """How many routes a row holds: one per token before its last sampled one, the tokens
+    whose routes shaped a sampled token. A single-turn row (no `loss_mask`): P + R - 1. A
+    multi-turn row (`loss_mask` 1 on sampled tokens): up to its last sampled token, so a
+    running episode's committed row (environment tokens after its last turn, not fed yet)
+    holds fewer than P + R - 1; one with no sampled token holds none."""
+    if loss_mask is None:
+        return prompt + response - 1
+    last = next((i for i in range(len(loss_mask) - 1, -1, -1) if loss_mask[i]), -1)
+    return prompt + last if last >= 0 else 0
 
 
 def encode(routes: np.ndarray) -> bytes:

@@ -47,6 +47,10 @@ class SampleOutput:
     logprobs: list[float]
     """log softmax(logits / T) of each sampled token."""
     finish_reason: FinishReason
+    routes: torch.Tensor | None = None
+    """An MoE policy's routes under R3 (`rftpipe.engines.moe`): (P + R - 1, L, k) uint8
+    over the row's prompt and its sampled tokens but the last (P when none was sampled);
+    None when the engine records none."""
 
 
 class RolloutEngine(Protocol):
@@ -87,12 +91,15 @@ class RolloutEngine(Protocol):
         keys: Sequence[Hashable] | None = None,
         *,
         vision: Vision = None,
+        routes: Sequence[torch.Tensor | None] | None = None,
     ) -> list[SampleOutput]:
         """One sample of each prompt (a multi-turn episode's next turn): row r drawn from
         `seeds[r]` alone (from run seed, step, stage, prompt id, sample, turn) and cut at
         `max_new[r]` new tokens (0: not generated, an empty `length` sample), so a row does
         not depend on the other rows' seeds. `keys` name each row's episode, for an engine
-        that `continues_turns`; the others ignore them. SGLang raises NotImplementedError."""
+        that `continues_turns`; the others ignore them. `routes`: each row's routes
+        recorded so far over its prompt's first tokens (an engine that records routes
+        forces them; the others ignore them). SGLang raises NotImplementedError."""
         ...
 
     @property

@@ -3,7 +3,8 @@ transformers model, and its stop-string check (vLLM's rule)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,7 +120,7 @@ class HFGenerateEngine:
         log = _RouteLog()
         with self._routers.recording(seed=seeds[0]):
             tokens, logprobs, reasons = self._decode(prompts, n, draw, limits, vision, log)
-        return split_groups(tokens, logprobs, reasons, n, log.rows(n, tokens))
+        return split_groups(tokens, logprobs, reasons, n, log.rows(tokens))
 
     @torch.no_grad()
     def generate_rows(
@@ -129,6 +130,7 @@ class HFGenerateEngine:
         max_new: Sequence[int],
         keys: Sequence[Hashable] | None = None,
         vision: Vision = None,
+        routes: Sequence[torch.Tensor | None] | None = None,
     ) -> list[SampleOutput]:
         """One sample of each prompt, row r drawn from its own generator seeded `seeds[r]`
         and cut at `max_new[r]` new tokens: a multi-turn episode's next turn, whose draws
@@ -142,9 +144,18 @@ class HFGenerateEngine:
         `vision` (each row's images) is for a first turn only (a call that prefills its
         rows whole): a later turn's appended chunk must be text, as its kept cache already
         holds the images.
+
+        Recording routes (R3), each row's `routes` (its routes so far, over its prompt's
+        first tokens) are forced in this call's prefill: a position is routed once, by the
+        first forward that feeds it, and every later one (the next turn's prefill, with or
+        without a kept cache, a resumed stage's replay, the trainer) replays that selection;
+        forcing the selection a live forward makes changes nothing, bit for bit. The output
+        routes cover each row's prompt and its sampled tokens but the last.
         """
         if not prompts:
             return []
+        known: list[torch.Tensor | None] = [None] * len(prompts) if routes is None else list(routes)
+        log = _RouteLog() if self._routers is not None else None
         device = next(self.model.parameters()).device
         gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
 
@@ -156,22 +167,47 @@ class HFGenerateEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            if keys is not None and self.continue_turns:
-                tokens, logprobs, reasons = self._continue(
-                    prompts, list(keys), draw, max_new, vision
-                )
-            else:
-                # A group's first turn: n consecutive rows of one prompt, prefilled once and
-                # its cache shared, as `generate_groups` does (the draws stay each row's own).
-                n = _run_length(prompts, vision)
-                first = self._prefill(prompts[::n], n, None if vision is None else vision[::n])
-                tokens, logprobs, reasons = self._sample_loop(first, draw, max_new)
+            with self._recording(seeds[0]):
+                if keys is not None and self.continue_turns:
+                    tokens, logprobs, reasons = self._continue(
+                        prompts, list(keys), draw, max_new, vision, known, log
+                    )
+                else:
+                    # A group's first turn: n consecutive rows of one prompt, prefilled once
+                    # and its cache shared, as `generate_groups` does (the draws stay each
+                    # row's own).
+                    n = _run_length(prompts, vision, known)
+                    first = self._prefill(
+                        prompts[::n], n, None if vision is None else vision[::n], log, known[::n]
+                    )
+                    tokens, logprobs, reasons = self._sample_loop(first, draw, max_new, log)
         finally:
             self.model.train(was_training)
+        fed = [None] * len(tokens) if log is None else log.rows(tokens)
         return [
-            SampleOutput(tokens=t, logprobs=lp, finish_reason=r)
-            for t, lp, r in zip(tokens, logprobs, reasons, strict=True)
+            SampleOutput(tokens=t, logprobs=lp, finish_reason=r, routes=f)
+            for t, lp, r, f in zip(tokens, logprobs, reasons, fed, strict=True)
         ]
+
+    def _recording(self, seed: int) -> contextlib.AbstractContextManager[None]:
+        return (
+            contextlib.nullcontext()
+            if self._routers is None
+            else self._routers.recording(seed=seed)
+        )
+
+    @contextlib.contextmanager
+    def _forcing(self, known: Sequence[torch.Tensor | None], slots: moe.Slots) -> Iterator[None]:
+        """Force the rows' `known` routes in the forward this wraps, laid out by `slots`
+        (rows without routes, and positions past them, route live)."""
+        if self._routers is None or all(r is None for r in known):
+            yield
+            return
+        self._routers.set_plan(moe.lay_out(known, slots.rows, slots.pos, self._routers.shape))
+        try:
+            yield
+        finally:
+            self._routers.clear()
 
     @torch.no_grad()
     def greedy_rows(
@@ -249,21 +285,26 @@ class HFGenerateEngine:
         keys: list[Hashable],
         draw: Callable[[int], torch.Tensor],
         limits: Sequence[int],
-        vision: Vision = None,
+        vision: Vision,
+        known: list[torch.Tensor | None],
+        log: _RouteLog | None,
     ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
         """`generate_rows` on the kept caches of `keys`' episodes."""
         if len(set(keys)) != len(keys):
             raise ValueError("generate_rows: a key appears twice in one call")
         held = {id(s): s for k in keys if (s := self._sessions.get(k)) is not None}
         if not held:
-            n = _run_length(prompts, vision)
-            first = self._prefill(prompts[::n], n, None if vision is None else vision[::n])
+            n = _run_length(prompts, vision, known)
+            first = self._prefill(
+                prompts[::n], n, None if vision is None else vision[::n], log, known[::n]
+            )
             sess = _Session(
                 keys=list(keys),
                 cache=first.cache,
                 mask=first.mask,
                 next_pos=first.pos[:, -1] + 1,
                 tokens=[list(p) for p in prompts],
+                routes=None if log is None else log.prefix_rows(len(prompts)),
             )
         else:
             if vision is not None and any(v is not None for v in vision):
@@ -278,11 +319,11 @@ class HFGenerateEngine:
             if where != sorted(where):
                 raise ValueError("generate_rows: the keys are not in their earlier call's order")
             sess.keep([k in set(keys) for k in sess.keys])
-            first = self._prefill_chunk(sess, prompts)
+            first = self._prefill_chunk(sess, prompts, known, log)
         for k in keys:
             self._sessions[k] = sess
         width = first.mask.shape[1]
-        out = self._sample_loop(first, draw, limits)
+        out = self._sample_loop(first, draw, limits, log)
         # Only prefilled positions stay: the decode steps' K/V are computed one token at a
         # time, which a resumed stage's replay would not reproduce.
         grown = first.cache.get_seq_length() - width
@@ -290,7 +331,13 @@ class HFGenerateEngine:
             first.cache.crop(-grown)
         return out
 
-    def _prefill_chunk(self, sess: _Session, prompts: Sequence[Sequence[int]]) -> _Prefilled:
+    def _prefill_chunk(
+        self,
+        sess: _Session,
+        prompts: Sequence[Sequence[int]],
+        known: list[torch.Tensor | None],
+        log: _RouteLog | None,
+    ) -> _Prefilled:
         """Prefill what each row's prompt adds to its kept tokens, on top of `sess`."""
         chunks = []
         for r, (held, prompt) in enumerate(zip(sess.tokens, prompts, strict=True)):
@@ -306,14 +353,26 @@ class HFGenerateEngine:
         # position is its row's previous one (never attended, any value would do).
         pos = sess.next_pos[:, None] + cmask.cumsum(-1) - 1
         mask = torch.cat([sess.mask, cmask], dim=1)
-        logits = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=sess.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
+        with self._forcing(known, _chunk_slots(cmask, [len(t) for t in sess.tokens])):
+            logits = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=sess.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+        if log is not None and self._routers is not None:
+            assert sess.routes is not None, "a recording engine's session keeps its routes"
+            for r, (kept, mine) in enumerate(zip(sess.routes, known, strict=True)):
+                n = min(len(kept), 0 if mine is None else len(mine))
+                if mine is not None and not torch.equal(kept[:n], mine[:n].to(kept.dtype)):
+                    raise ValueError(
+                        f"generate_rows: row {r}'s routes differ from those its kept cache "
+                        "was computed with"
+                    )
+            log.prefilled(self._routers.take(), cmask, heads=sess.routes)
+            sess.routes = log.prefix_rows(len(prompts))
         sess.mask, sess.next_pos = mask, pos[:, -1] + 1
         sess.tokens = [list(p) for p in prompts]
         return _Prefilled(sess.cache, mask, pos[:, -1:], logits)
@@ -324,9 +383,11 @@ class HFGenerateEngine:
         n: int,
         vision: Vision = None,
         log: _RouteLog | None = None,
+        known: Sequence[torch.Tensor | None] | None = None,
     ) -> _Prefilled:
         """Prefill each prompt once (left padding) and repeat its cache n-fold, row-major:
-        prefill costs one row per group instead of n. `vision`: each prompt's images."""
+        prefill costs one row per group instead of n. `vision`: each prompt's images;
+        `known`: each prompt's routes to force (`generate_rows`)."""
         device = next(self.model.parameters()).device
         # Left padding; a single group has none, so its numerics never see padding.
         ids, mask = (t.to(device) for t in _left_pad(prompts, self.pad_id))
@@ -348,16 +409,17 @@ class HFGenerateEngine:
             # last text token's, on all three axes), not from its length; pads hold 0.
             pos = images["position_ids"].amax(dim=(0, 2))[:, None].expand_as(mask)
         cache = DynamicCache(config=as_causal_lm(self.model).config)
-        logits = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            **({"position_ids": pos} | images),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
+        with self._forcing(known or [None], moe.padded_slots(mask)):
+            logits = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                **({"position_ids": pos} | images),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
         if log is not None and self._routers is not None:
-            log.prefilled(self._routers.take(), mask)
+            log.prefilled(self._routers.take(), mask, share=n)
         if n > 1:
             cache.batch_repeat_interleave(n)
         return _Prefilled(
@@ -567,28 +629,49 @@ class _Prefilled:
 
 @dataclass(kw_only=True, slots=True)
 class _RouteLog:
-    """One `generate_groups` call's recorded routes (R3): each prefilled prompt's, then
-    each decode forward's. Decode forward t fed every row's response token t (a row that
-    had ended fed a pad, whose route is dropped)."""
+    """One call's recorded routes (R3): each prefilled row's, then each decode forward's.
+    Decode forward t fed every row's response token t (a row that had ended fed a pad,
+    whose route is dropped)."""
 
+    heads: list[torch.Tensor] | None = None
+    """Per row, the routes of the positions its kept cache held before this call's
+    prefill (None: the prefill fed whole prompts)."""
     prompts: list[torch.Tensor] = field(default_factory=list)
-    """Per prompt (P, L, k): its own tokens' routes (its left padding dropped)."""
+    """Per prefilled row (P, L, k): the routes of what it prefilled (left padding
+    dropped)."""
+    share: int = 1
+    """Rows per prefilled row (a group's n samples share its prompt's prefill)."""
     decoded: list[torch.Tensor] = field(default_factory=list)
     """Per decode forward (rows, L, k)."""
 
-    def prefilled(self, recorded: torch.Tensor, mask: torch.Tensor) -> None:
+    def prefilled(
+        self,
+        recorded: torch.Tensor,
+        mask: torch.Tensor,
+        share: int = 1,
+        heads: list[torch.Tensor] | None = None,
+    ) -> None:
         """Take a left-padded prefill's (G * W, L, k) selection."""
         width = mask.shape[1]
         per_row = recorded.view(mask.shape[0], width, *recorded.shape[1:])
         self.prompts = [per_row[g, width - int(m.sum()) :] for g, m in enumerate(mask.cpu())]
+        self.share, self.heads = share, heads
 
-    def rows(self, n: int, tokens: list[list[int]]) -> list[torch.Tensor]:
-        """Row r's (P + R - 1, L, k) uint8 routes: its group's prompt's (shared by the n
+    def prefix_rows(self, rows: int) -> list[torch.Tensor]:
+        """Each row's routes over its whole prompt (what its kept cache holds)."""
+        return [self._prefix(r) for r in range(rows)]
+
+    def _prefix(self, r: int) -> torch.Tensor:
+        mine = self.prompts[r // self.share].to(torch.uint8)
+        return mine if self.heads is None else torch.cat([self.heads[r], mine])
+
+    def rows(self, tokens: list[list[int]]) -> list[torch.Tensor]:
+        """Row r's (P + R - 1, L, k) uint8 routes: its prompt's (a group's shared by its n
         samples), then its response's tokens but the last (never fed)."""
         out = []
         for r, toks in enumerate(tokens):
             fed = [self.decoded[t][r : r + 1] for t in range(max(0, len(toks) - 1))]
-            out.append(torch.cat([self.prompts[r // n], *fed]).to(torch.uint8))
+            out.append(torch.cat([self._prefix(r), *fed]).to(torch.uint8))
         return out
 
 
@@ -605,6 +688,8 @@ class _Session:
     """(rows,): the position the row's next token takes."""
     tokens: list[list[int]]
     """Each row's tokens in the cache (its prompt at the last call)."""
+    routes: list[torch.Tensor] | None = None
+    """Each row's routes over those tokens (a recording engine's; else None)."""
 
     def keep(self, rows: list[bool]) -> None:
         """Drop the rows not kept (exact row selection: the kept rows' values are
@@ -618,6 +703,8 @@ class _Session:
         self.mask, self.next_pos = self.mask[idx], self.next_pos[idx]
         self.keys = [k for k, kept in zip(self.keys, rows, strict=True) if kept]
         self.tokens = [t for t, kept in zip(self.tokens, rows, strict=True) if kept]
+        if self.routes is not None:
+            self.routes = [t for t, kept in zip(self.routes, rows, strict=True) if kept]
 
 
 def completes_stop(before: str, after: str, stop: Sequence[str]) -> bool:
@@ -673,17 +760,37 @@ class _StopText:
         return hits
 
 
-def _run_length(rows: Sequence[Sequence[int]], vision: Vision = None) -> int:
+def _run_length(
+    rows: Sequence[Sequence[int]],
+    vision: Vision = None,
+    routes: Sequence[torch.Tensor | None] | None = None,
+) -> int:
     """n if `rows` are runs of n equal rows one after another (n > 1), else 1; with
-    `vision`, a run's rows also hold the same images."""
+    `vision`, a run's rows also hold the same images, and with `routes` the same routes."""
     for n in range(len(rows), 1, -1):
         if len(rows) % n == 0 and all(
             list(rows[i]) == list(rows[i - i % n])
             and (vision is None or _same_images(vision[i], vision[i - i % n]))
+            and (routes is None or _same_routes(routes[i], routes[i - i % n]))
             for i in range(len(rows))
         ):
             return n
     return 1
+
+
+def _same_routes(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def _chunk_slots(cmask: torch.Tensor, held: Sequence[int]) -> moe.Slots:
+    """The `Slots` of a kept-cache chunk: slot (r, j) holds token `held[r]` + j - (its
+    left padding) of row r's sequence, -1 on padding."""
+    real = cmask.bool().cpu()
+    pos = real.long().cumsum(-1) - 1 + torch.tensor(list(held))[:, None]
+    rows = torch.arange(real.shape[0])[:, None].expand_as(real)
+    return moe.Slots(rows=torch.where(real, rows, -1).reshape(-1), pos=pos.clamp(min=0).reshape(-1))
 
 
 def _same_images(a: VisionInputs | None, b: VisionInputs | None) -> bool:

@@ -310,6 +310,7 @@ class SGLangEngine:
         max_new: Sequence[int],
         keys: Sequence[Hashable] | None = None,
         vision: Vision = None,
+        routes: Sequence[torch.Tensor | None] | None = None,
     ) -> list[SampleOutput]:
         """Multi-turn episodes are not built on SGLang (the config refuses `rollout.env` with
         `rollout.engine=sglang`; this guards any other caller)."""

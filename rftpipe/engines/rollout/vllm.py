@@ -481,6 +481,7 @@ class VLLMEngine:
         max_new: Sequence[int],
         keys: Sequence[Hashable] | None = None,
         vision: Vision = None,
+        routes: Sequence[torch.Tensor | None] | None = None,
     ) -> list[SampleOutput]:
         """One sample of each prompt (a multi-turn episode's next turn): row r is its own
         request, seeded `seeds[r]` and cut at `max_new[r]` tokens, so its tokens depend on
