@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 
 from rftpipe.atomic import checksum_file
 from rftpipe.engines.models import resolve_model_path
+from rftpipe.inspect import cli
 from rftpipe.storage.routes import fed_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -386,7 +387,7 @@ EPISODES = (
 
 
 def test_a_multi_turn_run_records_routes_and_a_kill_between_turns_resumes_bitwise(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Episodes of two turns under `auto` (r3 on the HF loop): every row's routes cover its
     tokens up to its last sampled one, and a run killed before a turn's commit after an
@@ -402,6 +403,12 @@ def test_a_multi_turn_run_records_routes_and_a_kill_between_turns_resumes_bitwis
             len(row["prompt_token_ids"]), len(row["response_token_ids"]), row["loss_mask"]
         )
         assert len(row["routes"]) == fed * 2 * 2
+    # The inspector reads them: `verify` passes, the page titles every token.
+    capsys.readouterr()
+    assert cli.main([str(ref), "verify"]) == 0, capsys.readouterr()
+    assert cli.main([str(ref), "html", "--out", str(tmp_path / "p.html")]) == 0
+    doc = (tmp_path / "p.html").read_text()
+    assert '<details class="routes">' in doc and '<div class="img-error"' not in doc
     run = tmp_path / "killed"
     # Killed after step 2's second turn, before its commit: the first turn is committed,
     # with its routes, and the second is generated again on the replayed caches.

@@ -35,7 +35,7 @@ import numpy as np
 from rftpipe.inspect import images
 from rftpipe.inspect.episodes import content_text, episode_turns, printable, role, sequence_text
 from rftpipe.storage.layout import IMAGES_COLUMN
-from rftpipe.storage.routes import RouteShape
+from rftpipe.storage.routes import RouteShape, fed_tokens
 
 STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #111; background: #fff; }
@@ -144,13 +144,13 @@ class RouteMarkup:
     def titles(self, r: dict[str, Any]) -> list[str] | str:
         """Each response token's title, or why the row's cell cannot give them."""
         prompt, response = len(r["prompt_token_ids"]), len(r["response_token_ids"])
-        fed, s = prompt + response - 1, self.shape
+        fed, s = fed_tokens(prompt, response, r.get("loss_mask")), self.shape
         cell = r[self.column]
         if len(cell) != fed * s.per_token:
             return f"its routes hold {len(cell)} bytes, not {fed * s.per_token}"
         routes = np.frombuffer(cell, np.uint8).reshape(fed, s.layers, s.top_k).tolist()
         # Route j is the token fed at position j: response token t was fed at prompt + t,
-        # and the last one never was.
+        # and the last one (of a multi-turn row, the last sampled one) never was.
         return [
             " · ".join(f"L{i}: {','.join(map(str, ids))}" for i, ids in enumerate(routes[j]))
             if j < fed

@@ -28,7 +28,7 @@ from rftpipe.stages.images import prompt_inputs, store_images, with_image_refs
 from rftpipe.stages.routes import with_routes
 from rftpipe.storage.branch_rows import BRANCH, BRANCHES
 from rftpipe.storage.layout import schema_version
-from rftpipe.storage.routes import ROUTES, RouteShape
+from rftpipe.storage.routes import MANIFEST_KEY, META_KEY, ROUTES, RouteShape
 from rftpipe.storage.stage_store import StageStore
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -389,10 +389,16 @@ class _StoreLog:
             "rftpipe.stage": name,
             "rftpipe.step": str(step),
         }
+        manifest: dict[str, object] = {"turns": k}
+        shape = self.inp.route_shape
+        if shape is not None and ROUTES in table.column_names:
+            # As a stage's shards and manifest say it (`rftpipe.run.executor`).
+            meta[META_KEY] = json.dumps(shape.to_meta(), sort_keys=True)
+            manifest[MANIFEST_KEY] = shape.to_meta()
         t.store.write_shard(step, name, t.dist.rank, table, meta)
         t.dist.barrier()
         if t.dist.is_main:
-            t.store.commit(step, name, t.dist.world, {"turns": k})
+            t.store.commit(step, name, t.dist.world, manifest)
             if k > 1:
                 # The newer turn holds every episode: the older one is not read again.
                 t.store.uncommit(step, t.name(k - 1))
