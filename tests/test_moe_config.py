@@ -37,6 +37,9 @@ def test_auto_is_r3_where_the_rollout_records_else_r2_with_actor_logprobs(moe_di
     # A serving engine's rollout records no routes here; the old logprobs are the actor's.
     assert moe.replay_mode(_cfg("rollout.engine=vllm"), moe_dir) == "r2"
     assert moe.replay_mode(_cfg("train.router_replay=none"), moe_dir) == "none"
+    # Episodes and agent calls record routes on the HF loop too.
+    episodes = ("rollout.env.path=envs_toy:EvenChars", "reward.functions=[]")
+    assert moe.replay_mode(_cfg(*episodes), moe_dir) == "r3"
     assert (
         moe.replay_mode(_cfg("train.router_replay=r2", "train.old_logprobs=actor"), moe_dir) == "r2"
     )
@@ -63,6 +66,10 @@ def test_r2_needs_the_actor_forward_and_expert_parallelism_is_refused() -> None:
         _cfg("train.router_replay=r2")
     with pytest.raises(ValueError, match="expert_parallel=2 cannot run"):
         _cfg("train.expert_parallel=2")
+    sp = ("train.backend=fsdp2", "train.sp_size=2", "train.packing=false")
+    with pytest.raises(ValueError, match="moe_aux_loss_coef with train.sp_size>1: each rank"):
+        _cfg(*sp, "train.moe_aux_loss_coef=0.01")
+    assert _cfg(*sp, "train.router_replay=r3").train.router_replay == "r3"
 
 
 def test_route_shape_from_the_directory_alone(moe_dir: Path) -> None:

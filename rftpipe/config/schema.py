@@ -321,10 +321,11 @@ class RunConfig:
                 "needs the engine's GPU model runner, which this CPU build lacks; use r2 (with "
                 "train.old_logprobs=actor)"
             )
-        if mode in ("r2", "r3") and self.train.sp_size > 1:
+        if self.train.moe_aux_loss_coef and self.train.sp_size > 1:
             raise ValueError(
-                f"train.router_replay={mode} does not run with train.sp_size>1 yet (the "
-                "sequence-parallel slices do not carry routes); set train.sp_size=1"
+                "train.moe_aux_loss_coef with train.sp_size>1: each rank would balance the "
+                "experts over its own slice of the sequences, not over the rows; set "
+                "train.sp_size=1 or train.moe_aux_loss_coef=0"
             )
 
     def _check_disaggregated(self) -> None:

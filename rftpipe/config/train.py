@@ -236,7 +236,7 @@ class TrainConfig:
     """Mixture-of-Experts policies: coefficient of the load-balancing auxiliary loss
     (Switch/Mixtral form, mean over MoE layers) added to the policy loss. It counts the
     selection the forward used, the replayed one under r2/r3. 0: off (metric still
-    logged)."""
+    logged). Refused with sp_size > 1 (each rank would balance its own slice)."""
 
     expert_parallel: int = 1
     """Ranks that split each MoE layer's experts between them. Only 1 (every rank holds

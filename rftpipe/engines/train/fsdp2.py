@@ -9,9 +9,18 @@ from typing import Any, cast
 
 import torch
 
+from rftpipe.engines import moe
 from rftpipe.engines.models import as_decoder_model
 from rftpipe.engines.train.base import _EngineBase, _text_only
-from rftpipe.engines.train.ulysses import SPContext, gather_rows, install, sp_context, sp_forward
+from rftpipe.engines.train.ulysses import (
+    SPContext,
+    gather_list,
+    gather_recorded,
+    gather_rows,
+    install,
+    sp_context,
+    sp_forward,
+)
 from rftpipe.engines.train.vision import hf_model, vision_tower
 from rftpipe.engines.vision import VisionInputs
 from rftpipe.errors import UserError
@@ -135,6 +144,7 @@ class FSDP2Engine(_EngineBase):
                 self._entropy_grad,
                 self.device,
                 self._chunk,
+                self._row_routes(routes, len(prompts)),
             )
         return self._root_forward(prompts, responses, temperature, with_entropy, routes)
 
@@ -153,8 +163,25 @@ class FSDP2Engine(_EngineBase):
         # Ranks of an SP group score different rows here (the advantage stage's and the
         # reference's own shares): the group scores all of them together, in micro-batches.
         every_prompt, every_response, mine = gather_rows(self._sp, prompts, responses)
-        out = super().compute_logprobs(every_prompt, every_response, temperature)
+        every_route = None if routes is None else gather_list(self._sp, routes)
+        every_record: list[torch.Tensor] | None = None if record is None else []
+        out = super().compute_logprobs(
+            every_prompt, every_response, temperature, routes=every_route, record=every_record
+        )
+        if record is not None and every_record is not None:
+            record.extend(every_record[mine.start : mine.stop])
         return out[mine.start : mine.stop]
+
+    def _recorded_rows(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
+        if self._sp is None:
+            return super()._recorded_rows(prompts, responses)
+        # Each rank of the SP group recorded its slice of the rows: put them together.
+        assert self.routers is not None and self.routers.last_slots is not None
+        slots, recorded = gather_recorded(self._sp, self.routers.last_slots, self.routers.take())
+        lengths = [len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True)]
+        return moe.cut_rows(recorded, slots, [len(p) for p in prompts], lengths)
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights on every rank, for the rollout engine's own copy."""

@@ -38,6 +38,7 @@ import torch.distributed as tdist
 
 from rftpipe.algos.losses import entropy_from_logits, gather_logprobs
 from rftpipe.dist import Dist
+from rftpipe.engines import moe
 from rftpipe.engines.models import as_causal_lm
 from rftpipe.engines.train.chunked_head import head_returns_logprobs
 from rftpipe.engines.train.forward import build_micro_batch
@@ -124,6 +125,35 @@ def gather_rows(
 
 
 # -- the model side --------------------------------------------------------------------------
+
+
+def slice_slots(attention_mask: torch.Tensor, start: int, s: int) -> moe.Slots:
+    """The `Slots` of this rank's slice (positions start .. start + s - 1) of right-padded
+    rows: slot (b, j) holds row b's token start + j, or padding (-1) past its length."""
+    lengths = attention_mask.sum(-1).cpu()
+    pos = torch.arange(start, start + s).expand(len(lengths), s)
+    rows = torch.arange(len(lengths))[:, None].expand_as(pos)
+    real = pos < lengths[:, None]
+    return moe.Slots(rows=torch.where(real, rows, -1).reshape(-1), pos=pos.reshape(-1))
+
+
+def gather_recorded(
+    ctx: SPContext, slots: moe.Slots, recorded: torch.Tensor
+) -> tuple[moe.Slots, torch.Tensor]:
+    """The SP group's slices of one recorded forward put together: every rank's slot map
+    and selection (R2 records each rank's own positions), in rank order."""
+    parts: list[Any] = [None] * ctx.sp
+    tdist.all_gather_object(parts, (slots.rows, slots.pos, recorded), group=ctx.group)
+    rows = torch.cat([p[0] for p in parts])
+    pos = torch.cat([p[1] for p in parts])
+    return moe.Slots(rows=rows, pos=pos), torch.cat([p[2] for p in parts])
+
+
+def gather_list(ctx: SPContext, items: Sequence[Any]) -> list[Any]:
+    """Every rank's `items` of the SP group, in rank order (as `gather_rows` orders rows)."""
+    parts: list[Any] = [None] * ctx.sp
+    tdist.all_gather_object(parts, list(items), group=ctx.group)
+    return [x for part in parts for x in part]
 
 
 def _name(impl: str) -> str:
@@ -263,18 +293,23 @@ def sp_forward(
     entropy_grad: bool,
     device: torch.device,
     chunk: int = 0,
+    routes: moe.RowRoutes | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) response logprobs (and entropies) of rows that every rank of the SP group
     passes alike, each rank running its slice of the sequences through the root module's
     own forward (FSDP2's hooks); the same values as the sp=1 forward on every rank. With
     `chunk` (`train.logprob_chunk_size`) the head returns the logprobs a chunk of
-    positions at a time (`head_returns_logprobs`), never this slice's full logits."""
+    positions at a time (`head_returns_logprobs`), never this slice's full logits.
+    `routes` (an MoE policy): the slice's tokens replay their rows' routes, laid out by
+    position as the sp=1 forward lays out the whole rows."""
     mb = build_micro_batch(prompts, responses, pad_id=0).to(device)
     width = mb.input_ids.shape[1]
     s = -(-width // ctx.sp)  # slice length: the rows padded to a multiple of sp
     start = ctx.sp_rank * s
     ids = torch.nn.functional.pad(mb.input_ids, (0, s * ctx.sp - width))[:, start : start + s]
     positions = torch.arange(start, start + s, device=device).expand(ids.shape[0], s)
+    if routes is not None:
+        routes.apply(slice_slots(mb.attention_mask, start, s))
     # Logits only from the first position that predicts a response token (at least one, so
     # that every rank's loss depends on its forward and every rank enters the backward's
     # all-to-alls).
