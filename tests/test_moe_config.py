@@ -59,6 +59,8 @@ def test_r3_that_the_rollout_cannot_record_is_refused_at_load() -> None:
         ValueError, match="rollout.engine=vllm: route capture .* needs the engine's"
     ):
         _cfg("train.router_replay=r3", "rollout.engine=vllm")
+    with pytest.raises(ValueError, match="rollout.engine=sglang: route capture .* SGLang's"):
+        _cfg("train.router_replay=r3", "rollout.engine=sglang")
 
 
 def test_r2_needs_the_actor_forward_and_expert_parallelism_is_refused() -> None:
