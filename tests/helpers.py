@@ -159,12 +159,13 @@ def count_calls(module: torch.nn.Module) -> list[int]:
     return calls
 
 
-def save_perturbed_tiny(out: Path) -> Path:
-    """The tiny model, perturbed so its logits are far from uniform (differences show),
-    saved with its tokenizer as an HF directory at `out`."""
+def save_perturbed_tiny(out: Path, src: Path | None = None) -> Path:
+    """The tiny model (or the model at `src`), perturbed so its logits are far from uniform
+    (differences show; an upcycled model's experts then differ), saved with its tokenizer
+    as an HF directory at `out`."""
     from rftpipe.engines.models import load_causal_lm, load_tokenizer, prepare_tiny
 
-    src = prepare_tiny()
+    src = src or prepare_tiny()
     torch.manual_seed(0)
     model = load_causal_lm(src, "float32")
     with torch.no_grad():
@@ -361,6 +362,37 @@ def episode_prompts(tok, n: int = 2) -> list:  # -> list[rftpipe.data.prompts.Pr
             )
         )
     return out
+
+
+class Killed(Exception):
+    """A stage "died" (`MemoryLog`)."""
+
+
+class MemoryLog:
+    """Agent call indices committed in memory as the rows a restart reads; the stage
+    "dies" (raises `Killed`) right after call index `kill_after` is committed."""
+
+    def __init__(self, engine, tok, prompts, agent, kill_after: int | None = None) -> None:  # noqa: ANN001
+        from rftpipe.stages import rollout
+
+        self.inp = rollout.RolloutInputs(step=1, rank=0, run_seed=0, prompts=prompts, agent=agent)
+        self.engine, self.tok, self.kill_after = engine, tok, kill_after
+        self.rows: dict[tuple[int, int], list[dict]] = {}
+        self.turns = 0
+
+    def commit(self, turns: int, finished) -> None:  # noqa: ANN001
+        from rftpipe.stages import rollout
+
+        table = rollout.episode_rows(self.inp, self.engine, self.tok, finished)
+        self.rows = {}
+        for r in table.to_pylist():
+            self.rows.setdefault((r["prompt_id"], r["sample_idx"]), []).append(r)
+        self.turns = turns
+        if turns == self.kill_after:
+            raise Killed
+
+    def any(self, flag: bool) -> bool:
+        return flag
 
 
 class EngineSpy:

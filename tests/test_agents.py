@@ -24,6 +24,8 @@ from helpers import (
     TESTS_ON_PATH,
     TINY,
     EngineSpy,
+    Killed,
+    MemoryLog,
     OneRankLog,
     alive,
     episode_prompts,
@@ -424,33 +426,6 @@ def test_sigkill_between_calls_resumes_from_the_record_bitwise(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-class _Killed(Exception):
-    pass
-
-
-class MemoryLog:
-    """Commits kept in memory as the rows a restart reads; the stage "dies" (raises) right
-    after call index `kill_after` is committed."""
-
-    def __init__(self, engine, tok, prompts, agent, kill_after: int | None = None) -> None:  # noqa: ANN001
-        self.inp = rollout.RolloutInputs(step=1, rank=0, run_seed=0, prompts=prompts, agent=agent)
-        self.engine, self.tok, self.kill_after = engine, tok, kill_after
-        self.rows: dict[tuple[int, int], list[dict]] = {}
-        self.turns = 0
-
-    def commit(self, turns: int, finished) -> None:  # noqa: ANN001
-        table = rollout.episode_rows(self.inp, self.engine, self.tok, finished)
-        self.rows = {}
-        for r in table.to_pylist():
-            self.rows.setdefault((r["prompt_id"], r["sample_idx"]), []).append(r)
-        self.turns = turns
-        if turns == self.kill_after:
-            raise _Killed
-
-    def any(self, flag: bool) -> bool:
-        return flag
-
-
 def _resumable(tiny, agent: AgentConfig, kill_after: int, n: int = 2):
     """The agent's episodes killed after call index `kill_after`'s commit and resumed from
     what it committed; and the same episodes uninterrupted."""
@@ -473,7 +448,7 @@ def _resumable(tiny, agent: AgentConfig, kill_after: int, n: int = 2):
         return agents.run(inp, engine, tok, log)
 
     first = MemoryLog(SimpleNamespace(weight_version=0), tok, prompts, agent, kill_after)
-    with pytest.raises(_Killed):
+    with pytest.raises(Killed):
         go(first)
     return (lambda: go(OneRankLog(), first.rows, first.turns)), (lambda: go(OneRankLog()))
 

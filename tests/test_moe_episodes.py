@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import OneRankLog, episode_prompts
+from helpers import Killed, MemoryLog, OneRankLog, episode_prompts, save_perturbed_tiny
 
 from rftpipe.config.schema import AgentConfig, EnvConfig, RolloutConfig
 from rftpipe.engines import moe
@@ -40,16 +40,9 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("moe")
-    src = resolve_model_path("builtin:tiny-moe")
-    torch.manual_seed(0)
-    model = load_causal_lm(src, "float32")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(out)
-    load_tokenizer(src).save_pretrained(out)
-    return out
+    return save_perturbed_tiny(
+        tmp_path_factory.mktemp("moe"), resolve_model_path("builtin:tiny-moe")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -179,35 +172,6 @@ def test_a_turn_routes_earlier_tokens_as_first_routed_and_a_replay_rebuilds_it_b
         assert a.routes is not None and b.routes is not None and torch.equal(a.routes, b.routes)
 
 
-class _Killed(Exception):
-    pass
-
-
-class _MemoryLog:
-    """Agent call indices committed in memory as the rows a restart reads; the stage dies
-    right after index `kill_after` is committed (None: never)."""
-
-    def __init__(self, tok, prompts, agent: AgentConfig, kill_after: int | None) -> None:  # noqa: ANN001
-        self.inp = rollout.RolloutInputs(step=1, rank=0, run_seed=0, prompts=prompts, agent=agent)
-        self.tok, self.kill_after = tok, kill_after
-        self.rows: dict[tuple[int, int], list[dict]] = {}
-        self.turns = 0
-
-    def commit(self, turns: int, finished) -> None:  # noqa: ANN001
-        table = rollout.episode_rows(
-            self.inp, SimpleNamespace(weight_version=0), self.tok, finished
-        )
-        self.rows = {}
-        for r in table.to_pylist():
-            self.rows.setdefault((r["prompt_id"], r["sample_idx"]), []).append(r)
-        self.turns = turns
-        if turns == self.kill_after:
-            raise _Killed
-
-    def any(self, flag: bool) -> bool:
-        return flag
-
-
 @pytest.mark.kernels  # a tolerance between the rollout's kernels and the trainer's
 def test_a_branched_agent_episode_has_routes_per_sequence_replayed_and_resumed_bitwise(
     tiny, noisy: None
@@ -251,8 +215,8 @@ def test_a_branched_agent_episode_has_routes_per_sequence_replayed_and_resumed_b
     replayed, live = _gaps(model, seqs)
     assert replayed < TOL, replayed
     assert live > 50 * TOL, live
-    log = _MemoryLog(tok, prompts, agent, kill_after=2)
-    with pytest.raises(_Killed):
+    log = MemoryLog(SimpleNamespace(weight_version=0), tok, prompts, agent, kill_after=2)
+    with pytest.raises(Killed):
         go(log)
     got = go(OneRankLog(), log.rows, log.turns)
     for a, b in zip(got, whole, strict=True):
