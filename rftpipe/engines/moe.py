@@ -210,6 +210,18 @@ def cut_rows(
     return out
 
 
+def cut_pairs(
+    recorded: torch.Tensor,
+    slots: Slots,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+) -> list[torch.Tensor]:
+    """`cut_rows` for a forward of (prompt, response) rows: row r's P + R - 1 routes (its
+    last token predicts nothing the rollout sampled, so a route there is nobody's)."""
+    lengths = [len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True)]
+    return cut_rows(recorded, slots, [len(p) for p in prompts], lengths)
+
+
 @dataclass(kw_only=True, slots=True)
 class RoutingStats:
     """What the routers saw since the last `take_stats`, summed over forwards."""

@@ -1,9 +1,11 @@
 """What an upcycled MoE policy costs in the train forward+backward: against the dense
-model it was made from, and with routing replay against without.
+model it was made from, and with routing replay against without; with `--decode`, what
+one decode step costs at each batch size.
 
     python -m tools.bench moe [--model smollm2|tiny] [--experts 4] [--top-k 2]
                               [--groups 2] [--n 8] [--prompt-tokens 48]
                               [--min-tokens 8] [--max-tokens 32] [--runs 7] [--threads 2]
+    python -m tools.bench moe --decode 8,48 [--prompt-tokens 30] [--steps 10] [--runs 7]
 
 Upcycles the dense model (`model.upcycle`: E experts, top-k), then times one forward
 (logprobs and entropy of every response token, through the prefix forest `single` runs)
@@ -20,6 +22,13 @@ Prints each side's median seconds, the ratios replay/live and live/dense, the la
 logprob difference between replay and live (the recorded routes are the live selection,
 so 0) and between live and dense (upcycling's float error), and the bytes routes take per
 fed token.
+
+`--decode B1,B2,...`: for each batch size B, B random prompts of `--prompt-tokens` tokens
+are prefilled (no-grad, eval mode, a KV cache, as the HF rollout loop runs), then
+`--steps` decode steps of one token per row are timed one by one; a run's figure is the
+median step. The dense model and the MoE (routed live, no hooks) alternate run by run.
+Prints per B each side's median of the runs' medians (milliseconds), MoE/dense, and the
+milliseconds per row. Which rows share a decode call is `rollout.groups_per_call`.
 """
 
 from __future__ import annotations
@@ -62,7 +71,58 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--decode", default="", help="batch sizes (comma-separated): time decode")
+    p.add_argument("--steps", type=int, default=10)
     return p.parse_args(argv)
+
+
+def _decode_step_ms(model: torch.nn.Module, batch: int, a: argparse.Namespace) -> float:
+    """The median milliseconds of `a.steps` decode steps after a prefill of `batch` rows."""
+    gen = torch.Generator().manual_seed(batch)
+    vocab = int(model.config.vocab_size)
+    ids = torch.randint(100, vocab, (batch, a.prompt_tokens), generator=gen)
+    model.eval()
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+        tok = ids[:, -1:]
+        times = []
+        for _ in range(a.steps):
+            t, out = timed(
+                lambda tok=tok: model(input_ids=tok, past_key_values=cache, use_cache=True)
+            )
+            tok = out.logits[:, -1:].argmax(-1)
+            times.append(t)
+    return 1e3 * statistics.median(times)
+
+
+def _decode(a: argparse.Namespace, dense: torch.nn.Module, model: torch.nn.Module) -> dict:
+    out: dict[str, dict[str, float]] = {}
+    for b in (int(x) for x in a.decode.split(",")):
+        rounds = alternate(
+            {
+                "dense": lambda b=b: _decode_step_ms(dense, b, a),
+                "moe": lambda b=b: _decode_step_ms(model, b, a),
+            },
+            a.runs,
+        )
+        med = {k: statistics.median(v) for k, v in rounds.runs.items()}
+        out[str(b)] = {
+            "dense_ms": med["dense"],
+            "moe_ms": med["moe"],
+            "moe_over_dense": med["moe"] / med["dense"],
+            "dense_ms_per_row": med["dense"] / b,
+            "moe_ms_per_row": med["moe"] / b,
+        }
+    return {
+        "model": a.model,
+        "experts": a.experts,
+        "top_k": a.top_k,
+        "prompt_tokens": a.prompt_tokens,
+        "steps": a.steps,
+        "runs": a.runs,
+        "threads": a.threads,
+        "decode": out,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     from rftpipe.engines.train.forward import grouped_logprobs
 
     dense, model = _models(a)
+    if a.decode:
+        json.dump(_decode(a, dense, model), sys.stdout, indent=2)
+        print()
+        return 0
     routers = moe.Routers.of(model)
     assert routers is not None
     prompts, responses = synthetic_rows(a, model.config.vocab_size)
@@ -82,12 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             rr = moe.RowRoutes(routers=routers, rows=[None] * len(prompts))
             grouped_logprobs(model, prompts, responses, 1.0, False, routes=rr)
             assert routers.last_slots is not None
-            recorded = moe.cut_rows(
-                routers.take(),
-                routers.last_slots,
-                [len(q) for q in prompts],
-                [len(q) + len(r) - 1 for q, r in zip(prompts, responses, strict=True)],
-            )
+            recorded = moe.cut_pairs(routers.take(), routers.last_slots, prompts, responses)
 
     def step(rows: list[torch.Tensor | None]) -> tuple[float, torch.Tensor]:
         def run() -> torch.Tensor:
@@ -145,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
 BENCHMARK = Benchmark(
     name="moe",
     runs="the train forward+backward (prefix forest) of a dense model, of its upcycled MoE "
-    "routed live, and of the MoE with every token's experts replayed, alternated",
+    "routed live, and of the MoE with every token's experts replayed, alternated; with "
+    "--decode, a decode step of each at each batch size",
     measures="median seconds per side, replay/live and live/dense ratios, max logprob "
     "differences, route bytes per token",
     main=main,

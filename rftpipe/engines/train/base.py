@@ -513,10 +513,7 @@ class _EngineBase:
     ) -> list[torch.Tensor]:
         """Each row's (P + R - 1, L, k) selection of the forward just recorded."""
         assert self.routers is not None and self.routers.last_slots is not None
-        lengths = [len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True)]
-        return moe.cut_rows(
-            self.routers.take(), self.routers.last_slots, [len(p) for p in prompts], lengths
-        )
+        return moe.cut_pairs(self.routers.take(), self.routers.last_slots, prompts, responses)
 
     def run_module(self, **inputs: torch.Tensor) -> torch.Tensor:
         """The wrapped module's own forward on `inputs` (moved to the engine's device),

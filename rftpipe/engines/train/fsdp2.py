@@ -180,8 +180,7 @@ class FSDP2Engine(_EngineBase):
         # Each rank of the SP group recorded its slice of the rows: put them together.
         assert self.routers is not None and self.routers.last_slots is not None
         slots, recorded = gather_recorded(self._sp, self.routers.last_slots, self.routers.take())
-        lengths = [len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True)]
-        return moe.cut_rows(recorded, slots, [len(p) for p in prompts], lengths)
+        return moe.cut_pairs(recorded, slots, prompts, responses)
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights on every rank, for the rollout engine's own copy."""
