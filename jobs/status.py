@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jobs import slurm
 from rftpipe.config.loader import load_config
-from rftpipe.config.schema import RunConfig
+from rftpipe.config.schema import RunConfig, skip_blockers
 from rftpipe.stages import FINAL, chain_position
 from rftpipe.stages.generation import ahead_line, generated_ahead
 from rftpipe.storage.layout import RunDir
@@ -55,6 +55,10 @@ def describe(run_dir: Path) -> dict:
         "jobs": {j: slurm.job_state(j) for j in job_ids},
         "recent_events": [e for e in events if e.get("event") in interesting][-5:],
         "replays_to_note": replays_to_note(run),
+        # train.skip_zero_advantage=auto that cannot skip here, and why.
+        "skip_blocked": (
+            list(skip_blockers(cfg).values()) if cfg.train.skip_zero_advantage == "auto" else []
+        ),
     }
 
 
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     for job, st in info["jobs"].items():
         print(f"slurm job {job}: {st}")
+    for why in info["skip_blocked"]:
+        print(f"train.skip_zero_advantage=auto does not skip all-alike groups: {why}")
     for r in info["replays_to_note"][-5:]:
         print(replay_line(r))
     for e in info["recent_events"]:

@@ -173,3 +173,11 @@ def hold_256mib_once(sample) -> float:
 def last_digit(sample) -> float:
     """The response's last character as a number (test_branches.py's rows end in one)."""
     return float(sample.response[-1])
+
+
+def even_share_odd_prompts(sample) -> float:
+    """rftpipe signature: 1 for every sample of an even prompt id (its group is all alike:
+    advantage 0, skipped by the train stage), the share of even token ids for the others."""
+    if sample.prompt_id % 2 == 0:
+        return 1.0
+    return even_share(sample)

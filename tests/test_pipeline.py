@@ -135,6 +135,8 @@ SINGLE_TURN_METRICS = {
     *(f"train/{k}" for k in ("clip_frac", "dual_clip_frac", "entropy", "grad_norm", "kl")),
     *(f"train/{k}" for k in ("kl_coef", "lr", "pg_loss", "ratio_mean", "tokens", "updates")),
     "train/skipped_micro_batches",
+    # 2026-12-02: rows of all-alike groups left out of the update (train.skip_zero_advantage)
+    "train/skipped_rows",
     # 2026-11-28: each role's busy and idle seconds over the step (rftpipe.run.roles)
     *(f"perf/{r}_{k}_s" for r in ("generation", "training") for k in ("busy", "idle")),
 }

@@ -554,7 +554,21 @@ def compute_advantages(
     if flags is not None and bool(flags.any()) and not entry.traits.needs_baseline_rollout:
         # Baseline rows would otherwise join their group's statistics as ordinary samples.
         raise ValueError(f"advantage estimator {entry.name!r} takes no baseline rows")
-    return estimator(inputs, settings, reduce_sum=reduce_sum)
+    adv = estimator(inputs, settings, reduce_sum=reduce_sum)
+    if entry.traits.alike_groups_zero:
+        adv = torch.where(
+            alike_groups(_sequence_scores(inputs), inputs.group_index)[:, None], 0.0, adv
+        )
+    return adv
+
+
+def alike_groups(scores: Tensor, group_index: Tensor) -> Tensor:
+    """``(B,)`` bool: the sample's group has all its scores equal (compared as max and
+    min, so it is exact: no float mean or standard deviation is tested)."""
+    onehot = _group_onehot(group_index)
+    member = onehot.to(torch.bool)
+    spread = _group_max(scores, member) > -_group_max(-scores, member)
+    return (spread.to(torch.float64) @ onehot) == 0
 
 
 def compute_episode_advantages(

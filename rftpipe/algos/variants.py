@@ -81,6 +81,13 @@ class EstimatorTraits:
     penalty), so an agent episode's earlier sequences can take its last one's
     (`rollout.agent.branches=split`)."""
 
+    alike_groups_zero: bool = False
+    """A group whose scores are all equal carries no signal: its rows' advantages are
+    exactly 0 on every token (`compute_advantages` sets them so; the estimator's own
+    arithmetic would leave the float residue of the group's mean), so their policy-loss
+    gradient is exactly 0 and the train stage may skip them (`train.skip_zero_advantage`).
+    Not REINFORCE++-baseline's (its batch whitening moves a zero) nor the token baselines'."""
+
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageSettings, EstimatorTraits, Callable[..., Any]] = Registry(
     "advantage estimator", base=AdvantageSettings, traits=EstimatorTraits
@@ -122,7 +129,9 @@ class GRPOSettings(GroupStdSettings):
 
 
 ADVANTAGE_ESTIMATORS.register(
-    "grpo", settings=GRPOSettings, traits=EstimatorTraits(needs_groups=True, per_sequence=True)
+    "grpo",
+    settings=GRPOSettings,
+    traits=EstimatorTraits(needs_groups=True, per_sequence=True, alike_groups_zero=True),
 )
 
 
@@ -132,7 +141,9 @@ class DrGRPOSettings(AdvantageSettings):
 
 
 ADVANTAGE_ESTIMATORS.register(
-    "dr_grpo", settings=DrGRPOSettings, traits=EstimatorTraits(needs_groups=True, per_sequence=True)
+    "dr_grpo",
+    settings=DrGRPOSettings,
+    traits=EstimatorTraits(needs_groups=True, per_sequence=True, alike_groups_zero=True),
 )
 
 
@@ -142,7 +153,9 @@ class RLOOSettings(AdvantageSettings):
 
 
 ADVANTAGE_ESTIMATORS.register(
-    "rloo", settings=RLOOSettings, traits=EstimatorTraits(needs_groups=True, per_sequence=True)
+    "rloo",
+    settings=RLOOSettings,
+    traits=EstimatorTraits(needs_groups=True, per_sequence=True, alike_groups_zero=True),
 )
 
 
@@ -176,7 +189,9 @@ class OPOSettings(AdvantageSettings):
 
 
 ADVANTAGE_ESTIMATORS.register(
-    "opo", settings=OPOSettings, traits=EstimatorTraits(needs_groups=True, per_sequence=True)
+    "opo",
+    settings=OPOSettings,
+    traits=EstimatorTraits(needs_groups=True, per_sequence=True, alike_groups_zero=True),
 )
 
 
@@ -188,7 +203,7 @@ class GPGAdvantageSettings(AdvantageSettings):
 ADVANTAGE_ESTIMATORS.register(
     "gpg",
     settings=GPGAdvantageSettings,
-    traits=EstimatorTraits(needs_groups=True, per_sequence=True),
+    traits=EstimatorTraits(needs_groups=True, per_sequence=True, alike_groups_zero=True),
 )
 
 
@@ -200,7 +215,7 @@ class GRPOPassKSettings(GroupStdSettings):
 ADVANTAGE_ESTIMATORS.register(
     "grpo_passk",
     settings=GRPOPassKSettings,
-    traits=EstimatorTraits(needs_groups=True, per_sequence=True),
+    traits=EstimatorTraits(needs_groups=True, per_sequence=True, alike_groups_zero=True),
 )
 
 
@@ -270,6 +285,11 @@ class PolicyLossSettings:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PolicyLossTraits:
     """What a policy loss needs from the rest of the train config, checked at load."""
+
+    reads_zero_advantage_rows: bool = False
+    """The loss of a token with advantage 0 can be nonzero, or depends on the other tokens
+    of its micro-batch (KL-Cov penalises high-covariance tokens whatever their advantage;
+    Clip-Cov ranks a micro-batch's tokens): rows with zero advantages are never skipped."""
 
     sequence_level: bool = False
     """The loss is one value per response, written on each of its tokens: only
@@ -390,7 +410,9 @@ class ClipCovSettings(PPOClipSettings):
             raise ValueError(f"lb must be < ub, got {self.lb} and {self.ub}")
 
 
-POLICY_LOSSES.register("clip_cov", settings=ClipCovSettings)
+POLICY_LOSSES.register(
+    "clip_cov", settings=ClipCovSettings, traits=PolicyLossTraits(reads_zero_advantage_rows=True)
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -412,7 +434,9 @@ class KLCovSettings(PolicyLossSettings):
         _check_non_negative("coef", self.coef)
 
 
-POLICY_LOSSES.register("kl_cov", settings=KLCovSettings)
+POLICY_LOSSES.register(
+    "kl_cov", settings=KLCovSettings, traits=PolicyLossTraits(reads_zero_advantage_rows=True)
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -164,7 +164,9 @@ def from_dict(
     with ``saved=True``: a config written by an older version is migrated by dropping
     the value, so the field takes its default. Likewise a key that moved into a variant
     field's settings (see :class:`MovedKey`) is refused with its new name, except in
-    ``data`` with ``saved=True``, which is migrated. Overrides are always refused.
+    ``data`` with ``saved=True``, which is migrated. Overrides are always refused. A field
+    added with a default that changes what a run computes declares the value that means
+    "as before" in ``{"before_it_existed": value}``: a saved config without the key gets it.
     """
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise TypeError(f"expected a dataclass type, got {cls!r}")
@@ -198,6 +200,10 @@ def _migrate(cls: type, data: Mapping[str, Any]) -> dict[Any, Any]:
     for f in dataclasses.fields(cls):
         if f.metadata.get("moved"):
             _move_into_variant(out, f, hints[f.name])
+        if f.name not in out and "before_it_existed" in f.metadata:
+            # A saved config holds every key of its version: one without this key was
+            # written before it existed, and resumes doing what that version did.
+            out[f.name] = f.metadata["before_it_existed"]
         if f.name not in out:
             continue
         if _retired(f, out[f.name]) is not None:

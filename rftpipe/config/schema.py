@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rftpipe.algos.variants import ADVANTAGE_ESTIMATORS, ROLLOUT_CORRECTIONS
+from rftpipe.algos.variants import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 from rftpipe.config.advantage import AdvantageConfig
 from rftpipe.config.agent import AgentConfig
 from rftpipe.config.checkpoint import CheckpointConfig
@@ -454,3 +454,43 @@ def refuse_stretched_lr_schedule(old: RunConfig, new: RunConfig) -> None:
             f"({old.total_steps} -> {new.total_steps}): the schedule spans total_steps; "
             "start a new run directory for a longer schedule"
         )
+
+
+def skip_blockers(cfg: RunConfig) -> dict[str, str]:
+    """What keeps `train.skip_zero_advantage=auto` from skipping all-alike groups' rows:
+    {metric name: why}, empty where skipping leaves the update as it is. Config alone, so
+    the same on every rank (and in `jobs.status`)."""
+    t = cfg.train
+    estimator = ADVANTAGE_ESTIMATORS.of(cfg.advantage.estimator).name
+    loss = POLICY_LOSSES.of(t.policy_loss).name
+    checks = {
+        "estimator": (
+            not ADVANTAGE_ESTIMATORS.of(cfg.advantage.estimator).traits.alike_groups_zero,
+            f"advantage.estimator={estimator} gives an all-alike group nonzero advantages",
+        ),
+        "kl_loss": (cfg.kl.mode == "loss", "kl.mode=loss: the KL term reads every row"),
+        "kl_reward": (
+            cfg.kl.mode == "reward",
+            "kl.mode=reward: the scores hold the KL penalty, not the rewards alone",
+        ),
+        "entropy_coef": (bool(t.entropy_coef), "train.entropy_coef: the bonus reads every row"),
+        "entropy_mask_top": (
+            t.entropy_mask_top < 1.0,
+            "train.entropy_mask_top < 1 ranks a micro-batch's tokens, zero-advantage ones too",
+        ),
+        "moe_aux_loss": (
+            bool(t.moe_aux_loss_coef),
+            "train.moe_aux_loss_coef: the load-balancing loss counts every row's tokens",
+        ),
+        "policy_loss": (
+            POLICY_LOSSES.of(t.policy_loss).traits.reads_zero_advantage_rows,
+            f"train.policy_loss={loss} reads zero-advantage tokens",
+        ),
+    }
+    return {name: why for name, (blocks, why) in checks.items() if blocks}
+
+
+def skips_alike_groups(cfg: RunConfig) -> bool:
+    """Whether the policy's update skips the rows of all-alike groups
+    (`train.skip_zero_advantage=auto` and nothing in `skip_blockers`)."""
+    return cfg.train.skip_zero_advantage == "auto" and not skip_blockers(cfg)

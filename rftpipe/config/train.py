@@ -238,6 +238,21 @@ class TrainConfig:
     selection the forward used, the replayed one under r2/r3. 0: off (metric still
     logged). Refused with sp_size > 1 (each rank would balance its own slice)."""
 
+    skip_zero_advantage: Literal["auto", "off"] = field(
+        default="auto", metadata={"before_it_existed": "off"}
+    )
+    """Rows of a group whose scores are all equal (advantage exactly 0 under the group
+    estimators: grpo, dr_grpo, rloo, opo, gpg, grpo_passk) skip the train stage's forward
+    and backward. `auto`: skip where that leaves the update as it is, within float summation
+    error: not with a term that reads such rows (a KL loss, entropy_coef, the kl_cov and
+    clip_cov losses, entropy_mask_top < 1, moe_aux_loss_coef) nor with kl.mode=reward (its
+    penalty is in the scores); the losses' normalisers still count the skipped rows and
+    each mini-batch runs at least one micro-batch, so every parameter gets its gradient
+    (zeros) and AdamW's step is what it was. Under skipping `train/entropy`, `train/kl`,
+    `train/clip_frac`, `train/ratio_mean` and `train/tokens` are over the trained rows;
+    `train/skipped_rows` counts the others. `off`: train every row (what a run directory made
+before this key resumes with)."""
+
     expert_parallel: int = 1
     """Ranks that split each MoE layer's experts between them. Only 1 (every rank holds
     every expert, sharded by the backend like any weight) runs here; docs/moe.md says what

@@ -47,6 +47,9 @@ class TrainInputs:
     """The rows' images (a vision-language policy), rebuilt from the run's image store."""
     routes: RouteColumn | None = None
     """The routes column the policy's forwards replay (an MoE policy under R2/R3)."""
+    skip: frozenset[int] | None = None
+    """Rows (indexes into `table`) the policy's update leaves out: all-alike groups'
+    (`rftpipe.config.schema.skips_alike_groups`); None: skipping off."""
 
     def vision(self, chunk: Sequence[Mapping[str, Any]]) -> Vision:
         """A micro-batch's images, per row (None: a text-only micro-batch)."""
@@ -187,10 +190,40 @@ class MiniBatch:
     (the caller gives it weight 0)."""
 
 
+def alike_rows(table: pa.Table) -> frozenset[int]:
+    """This rank's rows whose group (the rows of one prompt id, as the advantage stage
+    groups them; a group is never split across ranks) has all its rewards equal: their
+    advantages are exactly 0 (`EstimatorTraits.alike_groups_zero`). Checked, not assumed:
+    a row named here with a nonzero advantage is a bug, refused in one line."""
+    ids = table.column("prompt_id").to_pylist()
+    rewards = table.column("reward").to_pylist()
+    seen: dict[int, set[float]] = {}
+    for pid, r in zip(ids, rewards, strict=True):
+        seen.setdefault(pid, set()).add(r)
+    out = frozenset(i for i, pid in enumerate(ids) if len(seen[pid]) == 1)
+    advantages = table.column("advantages").to_pylist()
+    for i in out:
+        if any(a != 0.0 for a in advantages[i]):
+            raise RuntimeError(
+                f"row {i} (prompt_id {ids[i]}): its group's rewards are all equal but its "
+                "advantages are not 0; the estimator lacks alike_groups_zero"
+            )
+    return out
+
+
 def mini_batches(
-    cfg: TrainConfig, dist: Dist, inp: TrainInputs, rows: Sequence[dict[str, Any]]
+    cfg: TrainConfig,
+    dist: Dist,
+    inp: TrainInputs,
+    rows: Sequence[dict[str, Any]],
+    skip: frozenset[int] | None = None,
 ) -> Iterator[MiniBatch]:
     """The epochs x mini-batches of one update phase over `rows` (`inp.table` as dicts).
+
+    `skip` (None: skipping off): local rows left out of the micro-batches but still counted
+    in the mini-batch's token and sequence totals, the losses' normalisers; a mini-batch
+    then runs at least one micro-batch (a weight-0 padding one if every rank skipped all
+    its rows), so the parameters get their (zero) gradients as without skipping.
 
     Collective: every rank must consume the same number of mini-batches in step.
     """
@@ -202,13 +235,15 @@ def mini_batches(
         )
         counts = dist.all_reduce_sum(counts)
         for m, mb in enumerate(plan):
-            local = [rows[i] for i in mb]
+            local = [rows[i] for i in mb if skip is None or i not in skip]
             chunks = split_micro_batches(
                 cfg,
                 [r["prompt_token_ids"] for r in local],
                 [r["response_token_ids"] for r in local],
             )
             n_chunks = int(dist.all_reduce_max(torch.tensor([len(chunks)]))[0])
+            if skip is not None:
+                n_chunks = max(n_chunks, 1)
             micro = [
                 [local[i] for i in chunks[c]] if c < len(chunks) else [] for c in range(n_chunks)
             ]

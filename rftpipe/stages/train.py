@@ -29,7 +29,13 @@ from rftpipe.algos.correction import correction_weights
 from rftpipe.algos.losses import AGGREGATIONS, entropy_top_mask, kl_estimate, policy_loss
 from rftpipe.algos.variants import ROLLOUT_CORRECTIONS, K3Settings
 from rftpipe.atomic import CorruptionError
-from rftpipe.config.schema import KLConfig, TrainConfig, response_budget
+from rftpipe.config.schema import (
+    KLConfig,
+    TrainConfig,
+    response_budget,
+    skip_blockers,
+    skips_alike_groups,
+)
 from rftpipe.data.ptx import PTXExample, ptx_batch
 from rftpipe.data.sampler import rank_slice
 from rftpipe.dist import Dist
@@ -44,6 +50,7 @@ from rftpipe.stages import StageName, critic_train
 from rftpipe.stages.base import ReplayCheck, Rows, Runtime, StageOutput, StepPlan
 from rftpipe.stages.batching import (
     TrainInputs,
+    alike_rows,
     mini_batches,
     model_token_mask,
     pad_ragged,
@@ -85,6 +92,7 @@ _SUMS = (
     "ptx_nll",
     "ptx_tokens",
     "moe_aux_loss",
+    "skipped_rows",
 )
 
 
@@ -129,7 +137,8 @@ def _run(
     rows = inp.table.to_pylist()
     sums = dict.fromkeys(_SUMS, 0.0)
     lr = engine.current_lr()  # the step's first update; the scheduler moves it per update
-    for mb in mini_batches(cfg, dist, inp, rows):
+    sums["skipped_rows"] = float(len(inp.skip or ()))
+    for mb in mini_batches(cfg, dist, inp, rows, inp.skip):
         for chunk in mb.micro:
             _micro_step(cfg, kl, engine, dist, inp, chunk, mb.counts, sums)
         if cfg.ptx.coef:
@@ -140,6 +149,8 @@ def _run(
         engine.lr_scheduler_step()
         fault("train_mid_step")
     metrics = _finish_metrics(sums, dist, correction.traits.reads_ratio)
+    if inp.skip is None:  # skipping off: the metrics as they always were
+        del metrics["train/skipped_rows"]
     return {**metrics, **_ptx_metrics(sums, dist, cfg), "train/lr": lr}
 
 
@@ -323,6 +334,8 @@ def _finish_metrics(sums: dict[str, float], dist: Dist, correction: bool) -> dic
         "train/updates": sums["updates"],
         "train/tokens": g["tokens"],
         "train/skipped_micro_batches": sums["skipped"],
+        # Rows of all-alike groups left out of the forward and backward (each once).
+        "train/skipped_rows": g["skipped_rows"],
     }
     if correction:
         # Over every token of every epoch, like the other per-token means.
@@ -411,6 +424,7 @@ class TrainStage:
             ptx=rt.ptx,
             images=RowImages(rt.vision, rt.run.root) if rt.vision is not None else None,
             routes=_route_column(rt, plan.step, table),
+            skip=alike_rows(table) if skips_alike_groups(rt.cfg) else None,
         )
         if not plan.global_ids:
             # Dynamic sampling kept no group (none varied): nothing to learn from this step.
@@ -420,6 +434,9 @@ class TrainStage:
             # Critic warm-up: the actor waits (no update, no KL-controller input).
             return {"train/kl": 0.0, "train/updates": 0.0, **critic}
         metrics = run(rt.cfg.train, rt.cfg.kl, rt.train_engine, dist, inp)
+        if rt.cfg.train.skip_zero_advantage == "auto":
+            # Why auto does not skip here (each blocker a metric, 1.0; jobs.status says it too).
+            metrics |= {f"train/skip_blocked/{k}": 1.0 for k in skip_blockers(rt.cfg)}
         rt.kl_ctrl.update(metrics["train/kl"], n_steps=len(plan.global_ids) * n)
         dtype = perf.compute_dtype(rt.cfg.train.param_dtype, rt.cfg.model.dtype)
         peak = perf.peak_tflops(rt.dist.device, dtype, rt.cfg.launch.peak_tflops)
