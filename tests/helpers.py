@@ -105,6 +105,17 @@ def trajectories(run_dir: Path) -> pa.Table:
     return table.sort_by(keys)
 
 
+def table_samples(table: pa.Table) -> list[tuple[int, int]]:
+    """(prompt_id, sample_idx) of each row: a train stage's `global_samples` for one rank."""
+    return list(
+        zip(
+            table.column("prompt_id").to_pylist(),
+            table.column("sample_idx").to_pylist(),
+            strict=True,
+        )
+    )
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "export" / "model.safetensors")
 

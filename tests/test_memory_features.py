@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT, count_calls, script_command
+from helpers import ROOT, count_calls, script_command, table_samples
 from safetensors.torch import load_file
 
 from jobs.submit import local_rank_env
@@ -78,13 +78,7 @@ def _train_step(cfg: TrainConfig, table: pa.Table) -> tuple[dict, dict, int]:
     """One train stage on a fresh tiny model: metrics, weights, decoder forward count."""
     engine = SingleDeviceEngine(load_causal_lm(prepare_tiny(), "float32"), cfg, Dist())
     calls = count_calls(engine.model.get_decoder())
-    samples = list(
-        zip(
-            table.column("prompt_id").to_pylist(),
-            table.column("sample_idx").to_pylist(),
-            strict=True,
-        )
-    )
+    samples = table_samples(table)
     inp = batching.TrainInputs(
         step=1, run_seed=0, table=table, global_samples=samples, kl_coef=0.0, temperature=1.0
     )

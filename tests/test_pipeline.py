@@ -137,6 +137,7 @@ SINGLE_TURN_METRICS = {
     "train/skipped_micro_batches",
     # 2026-12-02: rows of all-alike groups left out of the update (train.skip_zero_advantage)
     "train/skipped_rows",
+    "train/skipped_tokens",
     # 2026-11-28: each role's busy and idle seconds over the step (rftpipe.run.roles)
     *(f"perf/{r}_{k}_s" for r in ("generation", "training") for k in ("busy", "idle")),
 }

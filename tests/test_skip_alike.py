@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
-from helpers import TESTS_ON_PATH, events, final_weights, submit, trajectories
+from helpers import TESTS_ON_PATH, events, final_weights, submit, table_samples, trajectories
 
 from jobs import status
 from rftpipe.algos.advantage import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
@@ -102,13 +102,7 @@ def _table(rewards: list[list[float]], settings=None) -> pa.Table:  # noqa: ANN0
 def _step(table: pa.Table, skip: frozenset[int] | None, **train_cfg) -> tuple[dict, list]:  # noqa: ANN003
     cfg = TrainConfig(lr=1e-3, weight_decay=0.1, micro_batch_size=3, **train_cfg)
     engine = SingleDeviceEngine(load_causal_lm(prepare_tiny(), "float32"), cfg, Dist())
-    samples = list(
-        zip(
-            table.column("prompt_id").to_pylist(),
-            table.column("sample_idx").to_pylist(),
-            strict=True,
-        )
-    )
+    samples = table_samples(table)
     inp = batching.TrainInputs(
         step=1, run_seed=0, table=table, global_samples=samples, kl_coef=0.0, temperature=1.0,
         response_budget=4, skip=skip,
@@ -161,6 +155,7 @@ def test_skipping_alike_rows_leaves_the_update_as_it_was(
     part, w_part = _step(table, skip, **over)
     assert "train/skipped_rows" not in full and part["train/skipped_rows"] == 8
     assert part["train/tokens"] < full["train/tokens"]
+    assert part["train/tokens"] + part["train/skipped_tokens"] == full["train/tokens"]
     initial = [p.detach() for p in load_causal_lm(prepare_tiny(), "float32").parameters()]
     assert _rel(initial, w_full) > 1e-5  # the step moved the weights
     assert _rel(w_full, w_part) < 1e-6, _rel(w_full, w_part)
@@ -176,6 +171,7 @@ def test_a_step_of_only_alike_groups_still_takes_its_optimizer_step() -> None:
     full, w_full = _step(table, None)
     part, w_part = _step(table, batching.alike_rows(table))
     assert part["train/skipped_rows"] == 8 and part["train/tokens"] == 0
+    assert part["train/skipped_tokens"] == full["train/tokens"]
     initial = [p.detach() for p in load_causal_lm(prepare_tiny(), "float32").parameters()]
     assert _rel(initial, w_part) > 0  # weight decay
     assert _rel(w_full, w_part) < 1e-6, _rel(w_full, w_part)

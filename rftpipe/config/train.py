@@ -250,8 +250,9 @@ class TrainConfig:
     each mini-batch runs at least one micro-batch, so every parameter gets its gradient
     (zeros) and AdamW's step is what it was. Under skipping `train/entropy`, `train/kl`,
     `train/clip_frac`, `train/ratio_mean` and `train/tokens` are over the trained rows;
-    `train/skipped_rows` counts the others. `off`: train every row (what a run directory made
-before this key resumes with)."""
+    `train/skipped_rows` and `train/skipped_tokens` count the others; where auto cannot
+    skip, `train/skip_blocked/<what>` and `jobs.status` say why. `off`: train every row
+    (what a run directory made before this key resumes with)."""
 
     expert_parallel: int = 1
     """Ranks that split each MoE layer's experts between them. Only 1 (every rank holds

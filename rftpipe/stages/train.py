@@ -53,6 +53,7 @@ from rftpipe.stages.batching import (
     alike_rows,
     mini_batches,
     model_token_mask,
+    model_tokens,
     pad_ragged,
     seeded_rng,
 )
@@ -93,6 +94,7 @@ _SUMS = (
     "ptx_tokens",
     "moe_aux_loss",
     "skipped_rows",
+    "skipped_tokens",
 )
 
 
@@ -137,7 +139,10 @@ def _run(
     rows = inp.table.to_pylist()
     sums = dict.fromkeys(_SUMS, 0.0)
     lr = engine.current_lr()  # the step's first update; the scheduler moves it per update
-    sums["skipped_rows"] = float(len(inp.skip or ()))
+    skipped = sorted(inp.skip or ())
+    sums["skipped_rows"] = float(len(skipped))
+    # Per epoch, as train/tokens counts the trained ones.
+    sums["skipped_tokens"] = float(cfg.ppo_epochs * sum(model_tokens(rows[i]) for i in skipped))
     for mb in mini_batches(cfg, dist, inp, rows, inp.skip):
         for chunk in mb.micro:
             _micro_step(cfg, kl, engine, dist, inp, chunk, mb.counts, sums)
@@ -150,7 +155,7 @@ def _run(
         fault("train_mid_step")
     metrics = _finish_metrics(sums, dist, correction.traits.reads_ratio)
     if inp.skip is None:  # skipping off: the metrics as they always were
-        del metrics["train/skipped_rows"]
+        del metrics["train/skipped_rows"], metrics["train/skipped_tokens"]
     return {**metrics, **_ptx_metrics(sums, dist, cfg), "train/lr": lr}
 
 
@@ -336,6 +341,7 @@ def _finish_metrics(sums: dict[str, float], dist: Dist, correction: bool) -> dic
         "train/skipped_micro_batches": sums["skipped"],
         # Rows of all-alike groups left out of the forward and backward (each once).
         "train/skipped_rows": g["skipped_rows"],
+        "train/skipped_tokens": g["skipped_tokens"],
     }
     if correction:
         # Over every token of every epoch, like the other per-token means.
