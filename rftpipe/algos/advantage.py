@@ -370,10 +370,7 @@ def gpg_advantages(
     _, mean, _ = _group_stats(scores, inputs.group_index)
     # Compare max and min rather than testing std > 0: the float mean of equal values may
     # differ from them in the last bit, which would also leave them a tiny advantage.
-    onehot = _group_onehot(inputs.group_index)
-    member = onehot.to(torch.bool)
-    spread = _group_max(scores, member) > -_group_max(-scores, member)
-    informative = (spread.to(torch.float64) @ onehot) > 0
+    informative = ~alike_groups(scores, inputs.group_index)
     centred = torch.where(informative, scores - mean, 0.0)
     # Every rank joins the sum, even one without rows.
     totals = reduce_sum(torch.stack([torch.ones_like(scores).sum(), informative.sum().double()]))
