@@ -461,12 +461,12 @@ def skip_blockers(cfg: RunConfig) -> dict[str, str]:
     {metric name: why}, empty where skipping leaves the update as it is. Config alone, so
     the same on every rank (and in `jobs.status`)."""
     t = cfg.train
-    estimator = ADVANTAGE_ESTIMATORS.of(cfg.advantage.estimator).name
-    loss = POLICY_LOSSES.of(t.policy_loss).name
+    estimator = ADVANTAGE_ESTIMATORS.of(cfg.advantage.estimator)
+    loss = POLICY_LOSSES.of(t.policy_loss)
     checks = {
         "estimator": (
-            not ADVANTAGE_ESTIMATORS.of(cfg.advantage.estimator).traits.alike_groups_zero,
-            f"advantage.estimator={estimator} gives an all-alike group nonzero advantages",
+            not estimator.traits.alike_groups_zero,
+            f"advantage.estimator={estimator.name} gives an all-alike group nonzero advantages",
         ),
         "kl_loss": (cfg.kl.mode == "loss", "kl.mode=loss: the KL term reads every row"),
         "kl_reward": (
@@ -483,8 +483,8 @@ def skip_blockers(cfg: RunConfig) -> dict[str, str]:
             "train.moe_aux_loss_coef: the load-balancing loss counts every row's tokens",
         ),
         "policy_loss": (
-            POLICY_LOSSES.of(t.policy_loss).traits.reads_zero_advantage_rows,
-            f"train.policy_loss={loss} reads zero-advantage tokens",
+            loss.traits.reads_zero_advantage_rows,
+            f"train.policy_loss={loss.name} reads zero-advantage tokens",
         ),
     }
     return {name: why for name, (blocks, why) in checks.items() if blocks}
