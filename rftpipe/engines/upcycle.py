@@ -35,7 +35,7 @@ from rftpipe.errors import UserError
 
 if TYPE_CHECKING:
     import torch
-    from transformers import LlamaConfig, MixtralConfig
+    from transformers import LlamaConfig, MixtralConfig, MixtralForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -231,24 +231,18 @@ def _shards(
     yield {name: get(name) for name in rest}
 
 
-def write_upcycled(
-    dense_dir: Path, out_dir: Path, experts: int, top_k: int, router_seed: int
-) -> None:
-    """Write into the new directory `out_dir` the Mixtral upcycling of the dense Llama in
-    `dense_dir` (`experts` copies of each MLP, `top_k` per token, the router of
-    `router_seed`), its config, and the dense directory's tokenizer, chat template and
-    generation config."""
+@contextlib.contextmanager
+def _upcycled_shards(
+    dense_dir: Path, experts: int, top_k: int, router_seed: int
+) -> Iterator[tuple[LlamaConfig, int, Iterator[dict[str, torch.Tensor]]]]:
+    """(the dense config, the number of shards, the upcycled shards one at a time), the dense
+    files open while the shards are read."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     check_settings(experts, top_k, router_seed)
     dense = check_source(dense_dir)
     files = _weight_files(dense_dir)
     per_layer, rest = _group_by_layer(list(files), dense.num_hidden_layers)
-    log.info("upcycling %s to %d experts (top %d) in %s", dense_dir, experts, top_k, out_dir)
-    out_dir.mkdir(parents=True)
-    weight_map: dict[str, str] = {}
-    total = 0
     with contextlib.ExitStack() as stack:
         handles = {
             f: stack.enter_context(safe_open(f, framework="pt")) for f in set(files.values())
@@ -257,9 +251,25 @@ def write_upcycled(
         def get(name: str) -> torch.Tensor:
             return handles[files[name]].get_tensor(name)
 
-        shards = _shards(per_layer, rest, get, experts, router_seed)
+        yield dense, len(per_layer) + 1, _shards(per_layer, rest, get, experts, router_seed)
+
+
+def write_upcycled(
+    dense_dir: Path, out_dir: Path, experts: int, top_k: int, router_seed: int
+) -> None:
+    """Write into the new directory `out_dir` the Mixtral upcycling of the dense Llama in
+    `dense_dir` (`experts` copies of each MLP, `top_k` per token, the router of
+    `router_seed`), its config, and the dense directory's tokenizer, chat template and
+    generation config."""
+    from safetensors.torch import save_file
+
+    log.info("upcycling %s to %d experts (top %d) in %s", dense_dir, experts, top_k, out_dir)
+    weight_map: dict[str, str] = {}
+    total = 0
+    with _upcycled_shards(dense_dir, experts, top_k, router_seed) as (dense, n, shards):
+        out_dir.mkdir(parents=True)
         for i, tensors in enumerate(shards, start=1):
-            shard = f"model-{i:05d}-of-{len(per_layer) + 1:05d}.safetensors"
+            shard = f"model-{i:05d}-of-{n:05d}.safetensors"
             save_file(tensors, out_dir / shard, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, shard))
             total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -267,6 +277,23 @@ def write_upcycled(
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     mixtral_config(dense, experts, top_k).save_pretrained(out_dir)
     _copy_side_files(dense_dir, out_dir)
+
+
+def load_upcycled(
+    dense_dir: Path, experts: int, top_k: int, router_seed: int
+) -> MixtralForCausalLM:
+    """The model `write_upcycled` writes, built in memory from the same tensors and loaded
+    through the same weight conversion, with no copy on disk: a check of a large model's
+    upcycling (SmolLM2's is 1.4 GB in float32) on a machine with little disk."""
+    from transformers import MixtralForCausalLM
+
+    with _upcycled_shards(dense_dir, experts, top_k, router_seed) as (dense, _, shards):
+        state = {name: t for tensors in shards for name, t in tensors.items()}
+    config = mixtral_config(dense, experts, top_k)
+    model: MixtralForCausalLM = MixtralForCausalLM.from_pretrained(
+        None, config=config, state_dict=state
+    )
+    return model
 
 
 def _copy_side_files(dense_dir: Path, out_dir: Path) -> None:
