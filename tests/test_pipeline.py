@@ -132,6 +132,8 @@ SINGLE_TURN_METRICS = {
     *(f"rollout/reward_{k}" for k in ("dense_even_tokens", "errors", "timeouts")),
     # 2026-11-28: which weights sampled the step, and their lag (rollout.staleness)
     *("rollout/weight_version", "rollout/staleness"),
+    # 2026-12-02: the HF loop's decode forwards and rows fed (rollout.compact_decode)
+    *(f"rollout/decode_{k}" for k in ("forwards", "row_steps", "static_row_steps")),
     *(f"train/{k}" for k in ("clip_frac", "dual_clip_frac", "entropy", "grad_norm", "kl")),
     *(f"train/{k}" for k in ("kl_coef", "lr", "pg_loss", "ratio_mean", "tokens", "updates")),
     "train/skipped_micro_batches",

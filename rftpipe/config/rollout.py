@@ -143,6 +143,17 @@ class RolloutConfig:
     global prompt order and ranks get whole calls, so samples stay identical on any world
     size; spread the work evenly with prompts_per_step a multiple of this x ranks."""
 
+    compact_decode: Literal["auto", "off"] = field(
+        default="auto", metadata={"before_it_existed": "off"}
+    )
+    """The HF loop (`engine=hf`): `auto`: each sample draws from its own generator
+    (`rftpipe.seeding.sample_seed`), and rows that ended leave the decode batch once they are
+    an eighth of it, so a call decodes only its running rows; a sample's tokens then depend
+    on its batch only through float rounding (docs/engines.md states the bound). `off`: every
+    row decodes until the call's last row ends, and a call draws from one generator by row
+    position (the loop before 2026-12-02; a saved config without this key resumes with it).
+    Multi-turn and agent calls draw per row either way."""
+
     env: EnvConfig | None = None
     """A multi-turn environment for each episode (unset: one response per sample, scored
     by `reward`). See docs/environments.md."""

@@ -318,9 +318,24 @@ def _stage_metrics(store: StageStore, step: int) -> dict[str, Any]:
     out: dict[str, Any] = dict(store.manifest(step, "advantage").get("metrics", {}))
     out.update(store.manifest(step, "train")["metrics"])
     out["train/kl_coef"] = store.manifest(step, "advantage").get("kl_coef", 0.0)
+    out.update(_decode_metrics(store, step))
     for stage in ORDER:
         out[f"perf/{stage}_s"] = generation.stage_seconds(store, step, stage)
         # Rank 0's peak memory in the stage (the first round's, under dynamic sampling).
         out.update(store.manifest(step, stage).get("memory", {}))
     out.update(generation.step_summary(store, step))
     return out
+
+
+def _decode_metrics(store: StageStore, step: int) -> dict[str, int]:
+    """The HF loop's decode forwards and rows fed, against the static batch's, over the
+    step's generation rounds (none for engines that batch requests themselves, nor for
+    rollouts committed before they were counted)."""
+    found = [
+        store.manifest(step, r).get("decode")
+        for r in generation.committed_rounds(store, step, "rollout")
+    ]
+    counts = [c for c in found if c is not None]
+    if not counts or len(counts) < len(found):
+        return {}
+    return {f"rollout/decode_{k}": sum(c[k] for c in counts) for k in generation.DECODE_KEYS}

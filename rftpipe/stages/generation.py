@@ -27,6 +27,9 @@ VARIED = "varied"
 TARGET = "target_groups"
 """Score-manifest field: the groups the step needs (data.prompts_per_step)."""
 
+DECODE_KEYS = ("forwards", "row_steps", "static_row_steps")
+"""Rollout-manifest field `decode`: the HF loop's counts (`DecodeCounts`), summed over ranks."""
+
 Deal = Callable[[Sequence[int], int, int], list[int]]
 """(a round's global prompt ids, rank, world) -> that rank's share: how rounds are dealt."""
 

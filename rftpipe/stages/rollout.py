@@ -24,6 +24,7 @@ from rftpipe.events import events
 from rftpipe.seeding import derive_seed
 from rftpipe.stages import agents, episodes, round_stage
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
+from rftpipe.stages.generation import DECODE_KEYS
 from rftpipe.stages.images import prompt_inputs, store_images, with_image_refs
 from rftpipe.stages.routes import with_routes
 from rftpipe.storage.branch_rows import BRANCH, BRANCHES
@@ -448,10 +449,18 @@ class RolloutStage(NoSideEffects):
             # The images are durable before any shard that references them is written (a
             # multi-turn stage's turn shards too).
             store_images(rt.run.root, plan.mine)
+        rt.rollout_engine.take_decode_counts()  # not this stage's (an evaluation's, say)
         table = run(rt.cfg.rollout, rt.rollout_engine, rt.tokenizer, inp, turns)
         if rt.vision is not None:
             table = with_image_refs(table, plan.mine)
         extra: dict[str, object] = {"sampler": plan.sampler, "prompt_ids": plan.global_ids}
+        counts = rt.rollout_engine.take_decode_counts()
+        if counts is not None:
+            # Summed over the ranks that generated (each runs the same number of stages).
+            total = rt.dist.all_reduce_sum(
+                torch.tensor([counts.forwards, counts.row_steps, counts.static_row_steps])
+            )
+            extra["decode"] = dict(zip(DECODE_KEYS, map(int, total.tolist()), strict=True))
         if rt.replay == "r3" and rt.route_shape is not None:
             if ROUTES not in table.column_names and len(table):
                 raise RuntimeError(f"{self.name}: the engine recorded no routes under r3")

@@ -57,6 +57,7 @@ BENCHMARKS: dict[str, str] = {
     "vllm_vision": "tools.bench.vllm_vision",
     "overhead": "tools.bench.overhead",
     "moe": "tools.bench.moe",
+    "decode_batch": "tools.bench.decode_batch",
 }
 """Name -> module, in the order `list` prints them. `trl` is the default benchmark."""
 

@@ -53,6 +53,22 @@ class SampleOutput:
     None when the engine records none."""
 
 
+@dataclass(slots=True)
+class DecodeCounts:
+    """The HF loop's decode forwards and the rows they fed, against what a static batch
+    would have fed (every call row at every forward): `rollout/decode_row_steps`."""
+
+    forwards: int = 0
+    row_steps: int = 0
+    static_row_steps: int = 0
+
+    def add(self, forwards: int, row_steps: int, rows: int) -> None:
+        """Count a call's `forwards`, feeding `row_steps` rows in all, of its `rows` rows."""
+        self.forwards += forwards
+        self.row_steps += row_steps
+        self.static_row_steps += forwards * rows
+
+
 class RolloutEngine(Protocol):
     weight_version: int
     """The train step whose weights the engine samples from (0: the initial ones)."""
@@ -147,6 +163,11 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release the engine and end any process of its own; it is not used again."""
+        ...
+
+    def take_decode_counts(self) -> DecodeCounts | None:
+        """Decode forwards and rows fed since the last call (the HF loop's; None for an
+        engine that schedules its own batches, where an ended request leaves at once)."""
         ...
 
 

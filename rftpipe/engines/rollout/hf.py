@@ -15,13 +15,19 @@ from rftpipe.config.schema import RolloutConfig
 from rftpipe.engines import moe
 from rftpipe.engines.models import as_causal_lm
 from rftpipe.engines.rollout.base import (
+    DecodeCounts,
     FinishReason,
     GroupOutput,
     SampleOutput,
     Vision,
     split_groups,
 )
+from rftpipe.engines.rollout.decode_batch import AUTO, STATIC, CompactRule, DecodeBatch
 from rftpipe.engines.vision import VisionInputs, vision_forward_inputs
+from rftpipe.seeding import sample_seed
+
+Draw = Callable[[list[int]], torch.Tensor]
+"""Uniform draws (len(rows), 1) in float64 for the call's `rows` in the decode batch."""
 
 
 class HFGenerateEngine:
@@ -30,8 +36,13 @@ class HFGenerateEngine:
 
     Each group's prompt is prefilled once and its n samples decode against that shared
     cache, the same exact prefix sharing the train forward uses. Sampling follows
-    `generate`'s order (EOS masked before min_new_tokens, temperature, top-k, top-p) and
-    draws from a generator seeded by the call's derived seed alone.
+    `generate`'s order (EOS masked before min_new_tokens, temperature, top-k, top-p). Each
+    sample draws from its own generator, seeded by `sample_seed` of its group's seed and
+    its index, so a sample's draws do not depend on which rows share its batch; a row that
+    ended leaves the decode batch (`decode_batch`, `rollout.compact_decode`). With
+    `compact_decode=off` every row decodes until the call's last row ends and the call
+    draws from one generator seeded by its first group's seed, by row position (the loop
+    before 2026-12-02, kept bit for bit for runs that started with it).
 
     Which groups share a call is fixed by the step's global prompt order (see the rollout
     stage), so padding and batch shape, and with them the samples, are the same on any
@@ -82,6 +93,11 @@ class HFGenerateEngine:
         prefills its whole history."""
         self._sessions: dict[Hashable, _Session] = {}
         """Each live episode's kept cache (one per call: its rows share it), by key."""
+        self.compaction: CompactRule | None = AUTO if cfg.compact_decode == "auto" else None
+        """When ended rows leave the decode batch; None: never, and `generate_groups` draws
+        by position from one generator per call (`compact_decode=off`)."""
+        self.decode_counts = DecodeCounts()
+        """Decode forwards and rows fed since the last `take_decode_counts`."""
 
     @property
     def groups_per_call(self) -> int:
@@ -106,13 +122,13 @@ class HFGenerateEngine:
         seeds: Sequence[int],
         vision: Vision = None,
     ) -> list[GroupOutput]:
-        # One generator per call: the call's groups are fixed by the global prompt order.
         device = next(self.model.parameters()).device
-        gen = torch.Generator(device=device).manual_seed(seeds[0])
-
-        def draw(rows: int) -> torch.Tensor:
-            return torch.rand(rows, 1, generator=gen, dtype=torch.float64, device=device)
-
+        if self.compaction is None:
+            # One generator per call, drawn by row position: the call's groups are fixed by
+            # the global prompt order, and every row stays in the batch.
+            draw = _call_draws(seeds[0], device)
+        else:
+            draw = _row_draws([sample_seed(s, k) for s in seeds for k in range(n)], device)
         limits = [self.cfg.max_new_tokens] * (len(prompts) * n)
         if self._routers is None:
             tokens, logprobs, reasons = self._decode(prompts, n, draw, limits, vision)
@@ -156,14 +172,7 @@ class HFGenerateEngine:
             return []
         known: list[torch.Tensor | None] = [None] * len(prompts) if routes is None else list(routes)
         log = _RouteLog() if self._routers is not None else None
-        device = next(self.model.parameters()).device
-        gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-
-        def draw(rows: int) -> torch.Tensor:
-            return torch.cat(
-                [torch.rand(1, 1, generator=g, dtype=torch.float64, device=device) for g in gens]
-            )
-
+        draw = _row_draws(seeds, next(self.model.parameters()).device)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -283,7 +292,7 @@ class HFGenerateEngine:
         self,
         prompts: Sequence[Sequence[int]],
         keys: list[Hashable],
-        draw: Callable[[int], torch.Tensor],
+        draw: Draw,
         limits: Sequence[int],
         vision: Vision,
         known: list[torch.Tensor | None],
@@ -322,14 +331,9 @@ class HFGenerateEngine:
             first = self._prefill_chunk(sess, prompts, known, log)
         for k in keys:
             self._sessions[k] = sess
-        width = first.mask.shape[1]
-        out = self._sample_loop(first, draw, limits, log)
         # Only prefilled positions stay: the decode steps' K/V are computed one token at a
         # time, which a resumed stage's replay would not reproduce.
-        grown = first.cache.get_seq_length() - width
-        if grown > 0:
-            first.cache.crop(-grown)
-        return out
+        return self._sample_loop(first, draw, limits, log, hold=first.mask.shape[1])
 
     def _prefill_chunk(
         self,
@@ -433,7 +437,7 @@ class HFGenerateEngine:
         self,
         prompts: Sequence[Sequence[int]],
         n: int,
-        draw: Callable[[int], torch.Tensor] | None,
+        draw: Draw | None,
         limits: Sequence[int],
         vision: Vision = None,
         log: _RouteLog | None = None,
@@ -451,19 +455,23 @@ class HFGenerateEngine:
     def _sample_loop(
         self,
         first: _Prefilled,
-        draw: Callable[[int], torch.Tensor] | None,
+        draw: Draw | None,
         limits: Sequence[int],
         log: _RouteLog | None = None,
+        hold: int | None = None,
     ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
         """Decode from a prefill's next-token logits: `draw(rows)` gives each step's uniform
-        draws, and row r stops with "length" after `limits[r]` new tokens."""
+        draws for the rows in the batch, and row r stops with "length" after `limits[r]` new
+        tokens. Ended rows leave the batch by `self.compaction`. `hold`: a kept session
+        cache's width, which the cache is cropped back to, every row in place."""
         cfg = self.cfg
         device = first.logits.device
-        cache, mask, pos, logits = first.cache, first.mask, first.pos, first.logits
+        logits = first.logits
         rows = logits.shape[0]
+        batch = DecodeBatch.of(first.cache, first.mask, first.pos, hold)
+        rule = self.compaction if self.compaction is not None and batch.can_leave() else STATIC
         limit = torch.tensor(list(limits), device=device)
-        # A row with no budget is done before its first token (its draws still happen, so
-        # the other rows' draws do not move).
+        # A row with no budget is done before its first token.
         done = limit <= 0
         eos = torch.tensor(self.eos_ids, device=device)
         # Per row, its length once it ended (EOS or stop string), None while it runs.
@@ -471,57 +479,55 @@ class HFGenerateEngine:
         texts = None
         if cfg.stop and self.decode is not None:  # `__init__` refuses stop without decode
             texts = _StopText(self.decode, cfg.stop, rows)
-        new_tokens: list[torch.Tensor] = []
-        new_lps: list[torch.Tensor] = []
         steps = max(limits, default=0)
+        out_tok = torch.full((rows, steps), self.pad_id, dtype=torch.long, device=device)
+        out_lp = torch.zeros((rows, steps), dtype=torch.float32, device=device)
         for t in range(steps):
+            live = batch.rows
+            ended = done[live]
             scaled = logits.float() / cfg.temperature
             if draw is None:
                 tok = logits.argmax(dim=-1)
             else:
-                tok = _sample(torch.softmax(self._filter(scaled, t), dim=-1), draw(rows))
-            tok = torch.where(done, self.pad_id, tok)
-            new_tokens.append(tok)
-            new_lps.append(torch.log_softmax(scaled, dim=-1).gather(-1, tok[:, None]).squeeze(1))
-            hit = torch.isin(tok, eos) & ~done
+                tok = _sample(torch.softmax(self._filter(scaled, t), dim=-1), draw(live.tolist()))
+            tok = torch.where(ended, self.pad_id, tok)
+            out_tok[live, t] = tok
+            out_lp[live, t] = torch.log_softmax(scaled, dim=-1).gather(-1, tok[:, None])[:, 0]
+            hit = torch.isin(tok, eos) & ~ended
             if texts is not None:
                 # Greedy decoding ignores min_new_tokens, as `greedy` (generate) does.
                 check = draw is None or t >= cfg.min_new_tokens
-                hit |= texts.completed(tok.tolist(), (~done).tolist(), check).to(device)
-            for r in hit.nonzero().flatten().tolist():
-                ends[r] = t + 1
+                running = (~ended).tolist()
+                hit |= texts.completed(live.tolist(), tok.tolist(), running, check).to(device)
+            for i in hit.nonzero().flatten().tolist():
+                ends[int(live[i])] = t + 1
             # A row at its own limit stops with "length" (its end stays None).
-            done |= hit | (limit <= t + 1)
+            ended |= hit | (limit[live] <= t + 1)
+            done[live] = ended
             if bool(done.all()) or t == steps - 1:
                 break
-            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
-            pos = pos + 1
+            if rule.due(int(ended.sum()), len(ended)):
+                batch.leave(~ended)
+                tok = tok[~ended]
+            batch.advance()
             logits = self.model(
                 input_ids=tok[:, None],
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=cache,
+                attention_mask=batch.mask,
+                position_ids=batch.pos,
+                past_key_values=batch.cache,
                 use_cache=True,
             ).logits[:, -1]
             if log is not None and self._routers is not None:
-                log.decoded.append(self._routers.take())
-        tokens: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        reasons: list[FinishReason] = []
-        if not new_tokens:  # every limit 0: nothing generated
-            return [[] for _ in range(rows)], [[] for _ in range(rows)], ["length"] * rows
-        for row, row_lp, end, lim in zip(
-            torch.stack(new_tokens, 1).tolist(),
-            torch.stack(new_lps, 1).tolist(),
-            ends,
-            limits,
-            strict=True,
-        ):
-            cut = lim if end is None else end
-            tokens.append(row[:cut])
-            logprobs.append(row_lp[:cut])
-            reasons.append("length" if end is None else "stop")
-        return tokens, logprobs, reasons
+                log.decode(self._routers.take(), batch.rows, rows)
+        if hold is not None:
+            batch.restore()
+        self.decode_counts.add(batch.forwards, batch.row_steps, rows)
+        return _cut_rows(out_tok, out_lp, ends, limits)
+
+    def take_decode_counts(self) -> DecodeCounts:
+        """The decode counts since the last call (the rollout stage's metrics)."""
+        out, self.decode_counts = self.decode_counts, DecodeCounts()
+        return out
 
     def _filter(self, scaled: torch.Tensor, t: int) -> torch.Tensor:
         """What sampling draws from at new-token index t: EOS masked before min_new_tokens,
@@ -642,7 +648,16 @@ class _RouteLog:
     share: int = 1
     """Rows per prefilled row (a group's n samples share its prompt's prefill)."""
     decoded: list[torch.Tensor] = field(default_factory=list)
-    """Per decode forward (rows, L, k)."""
+    """Per decode forward (batch rows, L, k)."""
+    decoded_at: list[torch.Tensor] = field(default_factory=list)
+    """Per decode forward, each call row's index in its batch (-1: it had left)."""
+
+    def decode(self, recorded: torch.Tensor, batch_rows: torch.Tensor, rows: int) -> None:
+        """Take a decode forward's selection over the call's rows `batch_rows`."""
+        at = torch.full((rows,), -1, dtype=torch.long)
+        at[batch_rows.cpu()] = torch.arange(len(batch_rows))
+        self.decoded.append(recorded)
+        self.decoded_at.append(at)
 
     def prefilled(
         self,
@@ -670,7 +685,11 @@ class _RouteLog:
         samples), then its response's tokens but the last (never fed)."""
         out = []
         for r, toks in enumerate(tokens):
-            fed = [self.decoded[t][r : r + 1] for t in range(max(0, len(toks) - 1))]
+            # A row's token t was fed at forward t, while the row still ran (in the batch).
+            fed = [
+                self.decoded[t][int(self.decoded_at[t][r])][None]
+                for t in range(max(0, len(toks) - 1))
+            ]
             out.append(torch.cat([self._prefix(r), *fed]).to(torch.uint8))
         return out
 
@@ -749,14 +768,17 @@ class _StopText:
         self.stop = stop
         self.tokens: list[list[int]] = [[] for _ in range(rows)]
 
-    def completed(self, toks: list[int], running: list[bool], check: bool) -> torch.Tensor:
-        """Rows whose new token completes a stop string (only when `check`: before
-        min_new_tokens no stop string counts, as in vLLM)."""
+    def completed(
+        self, rows: list[int], toks: list[int], running: list[bool], check: bool
+    ) -> torch.Tensor:
+        """Which of the batch's `rows` (the call's indices) complete a stop string with
+        their new tokens `toks` (only when `check`: before min_new_tokens no stop string
+        counts, as in vLLM)."""
         hits = torch.zeros(len(toks), dtype=torch.bool)
-        for r, (tok, alive) in enumerate(zip(toks, running, strict=True)):
+        for i, (r, tok, alive) in enumerate(zip(rows, toks, running, strict=True)):
             if alive:
                 self.tokens[r].append(tok)
-                hits[r] = check and last_token_stops(self.decode, self.tokens[r], self.stop)
+                hits[i] = check and last_token_stops(self.decode, self.tokens[r], self.stop)
         return hits
 
 
@@ -809,6 +831,45 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tens
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     return ids, mask
+
+
+def _cut_rows(
+    out_tok: torch.Tensor, out_lp: torch.Tensor, ends: list[int | None], limits: Sequence[int]
+) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
+    """Each row's tokens and logprobs up to its end (EOS or stop string: "stop") or its
+    limit ("length"), from the (rows, steps) tensors of the decode loop."""
+    tokens: list[list[int]] = []
+    logprobs: list[list[float]] = []
+    reasons: list[FinishReason] = []
+    for row, row_lp, end, lim in zip(out_tok.tolist(), out_lp.tolist(), ends, limits, strict=True):
+        cut = lim if end is None else end
+        tokens.append(row[:cut])
+        logprobs.append(row_lp[:cut])
+        reasons.append("length" if end is None else "stop")
+    return tokens, logprobs, reasons
+
+
+def _call_draws(seed: int, device: torch.device) -> Draw:
+    """The call's rows in the batch draw, in row order, from one generator seeded `seed`."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(rows: list[int]) -> torch.Tensor:
+        return torch.rand(len(rows), 1, generator=gen, dtype=torch.float64, device=device)
+
+    return draw
+
+
+def _row_draws(seeds: Sequence[int], device: torch.device) -> Draw:
+    """Each call row draws from its own generator seeded `seeds[r]`: a row's k-th draw is
+    its k-th token's, whichever rows share the batch."""
+    gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+    def draw(rows: list[int]) -> torch.Tensor:
+        return torch.cat(
+            [torch.rand(1, 1, generator=gens[r], dtype=torch.float64, device=device) for r in rows]
+        )
+
+    return draw
 
 
 def _sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

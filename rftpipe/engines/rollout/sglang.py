@@ -497,6 +497,10 @@ class SGLangEngine:
 
     # -- lifetime -----------------------------------------------------------------------
 
+    def take_decode_counts(self) -> None:
+        """None: the engine's scheduler batches requests itself, an ended one leaving at once."""
+        return None
+
     def close(self) -> None:
         """Shut the engine and its processes down (idempotent)."""
         engine, self._engine = self._engine, None

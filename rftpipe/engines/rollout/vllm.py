@@ -627,6 +627,10 @@ class VLLMEngine:
         self.llm.wake_up()
         self._asleep = False
 
+    def take_decode_counts(self) -> None:
+        """None: the engine's scheduler batches requests itself, an ended one leaving at once."""
+        return None
+
     def close(self) -> None:
         """Release the engine, and end its engine core process where it has one (its
         memory goes when this process ends in any case)."""
