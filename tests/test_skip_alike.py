@@ -29,11 +29,17 @@ from rftpipe.algos.variants import (
     RLOOSettings,
 )
 from rftpipe.config.loader import load_config
-from rftpipe.config.schema import KLConfig, RunConfig, TrainConfig, skips_alike_groups
+from rftpipe.config.schema import (
+    AdvantageConfig,
+    KLConfig,
+    RunConfig,
+    TrainConfig,
+    skips_alike_groups,
+)
 from rftpipe.dist import Dist
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 from rftpipe.engines.train.single import SingleDeviceEngine
-from rftpipe.stages import batching, train
+from rftpipe.stages import advantage, batching, train
 
 # Eight samples of 0.1: summed in some orders their float mean is 0.09999999999999999
 # (whether the estimator's group matmul leaves that residue depends on the CPU's kernels).
@@ -163,6 +169,54 @@ def test_skipping_alike_rows_leaves_the_update_as_it_was(
         assert _close(full[key], part[key]), (key, full[key], part[key])
 
 
+def test_the_actors_old_logprob_pass_skips_the_same_rows() -> None:
+    """Item 3: with the old policy from the actor (`train.old_logprobs=actor`), the
+    advantage stage's forward leaves out the rows the train stage will skip. The others'
+    old logprobs equal the full pass's within 1e-6 (other micro-batches), the skipped rows
+    carry their sampling logprobs (never read), and the logprob-difference metrics are over
+    the computed rows, which the counts say."""
+    table = _table(REWARDS).drop_columns(["advantages"])
+    cfg = TrainConfig(micro_batch_size=3)
+    engine = SingleDeviceEngine(load_causal_lm(prepare_tiny(), "float32"), cfg, Dist())
+    fed: list[int] = []
+
+    def actor(prompts, responses):  # noqa: ANN001, ANN202
+        fed.append(len(prompts))
+        return engine.compute_logprobs(prompts, responses, temperature=1.0)
+
+    stage = advantage.AdvantageStageConfig(
+        advantage=AdvantageConfig(), kl=KLConfig(), kl_coef=0.0
+    )  # fmt: skip
+    add = Dist().all_reduce_sum
+
+    def run(skip: frozenset[int]) -> tuple[pa.Table, dict]:  # noqa: ANN001
+        return advantage.run(
+            stage, table, None, add, actor_logprobs=actor, reduce_max=add, skip=skip
+        )
+
+    full, m_full = run(frozenset())
+    skip = batching.alike_groups(table)
+    assert skip == frozenset(range(8))
+    part, m_part = run(skip)
+    assert fed == [16, 8]
+    assert part.column("advantages").equals(full.column("advantages"))
+    old_full = full.column("old_logprobs").to_pylist()
+    old_part = part.column("old_logprobs").to_pylist()
+    sampled = table.column("logprobs").to_pylist()
+    for i, (a, b) in enumerate(zip(old_full, old_part, strict=True)):
+        if i in skip:
+            assert b == sampled[i]
+        else:
+            assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-6
+    assert m_full["advantage/old_logprob_skipped_rows"] == 0
+    assert m_part["advantage/old_logprob_skipped_rows"] == 8
+    tokens = sum(len(r) for r in table.column("response_token_ids").to_pylist()[:8])
+    assert m_part["advantage/old_logprob_skipped_tokens"] == tokens
+    # Over the 8 varied rows only: their own mean of |old - sampled|.
+    diffs = [abs(x - y) for i in range(8, 16) for x, y in zip(old_part[i], sampled[i], strict=True)]
+    assert m_part["rollout/logprob_abs_diff_mean"] == pytest.approx(sum(diffs) / len(diffs))
+
+
 def test_a_step_of_only_alike_groups_still_takes_its_optimizer_step() -> None:
     """Nothing to train: each mini-batch runs one weight-0 padding micro-batch, so every
     parameter has a zero gradient (not None) and AdamW's weight decay moves the weights as
@@ -259,6 +313,25 @@ def test_a_run_skips_and_a_kill_mid_train_resumes_bitwise(tmp_path: Path) -> Non
     (m,) = [m for m in map(json.loads, lines) if "train/kl" in m]
     assert "train/skipped_rows" not in m and m["train/skip_blocked/kl_loss"] == 1.0
     assert status.describe(kl)["skip_blocked"] == ["kl.mode=loss: the KL term reads every row"]
+
+
+@pytest.mark.slow
+def test_a_run_on_the_actors_old_logprobs_skips_them_too(tmp_path: Path) -> None:
+    """`train.old_logprobs=actor`: the advantage stage's actor pass leaves out the rows the
+    train stage skips (the counts agree), and the step's weights equal those of the run
+    that skips nothing within 1e-6 relative."""
+    got = {}
+    for mode in ("auto", "off"):
+        run = tmp_path / mode
+        over = ("total_steps=1", "train.old_logprobs=actor", f"train.skip_zero_advantage={mode}")
+        out = submit(run, *HALF, *over, env=TESTS_ON_PATH)
+        assert out.returncode == 0, out.stderr[-3000:]
+        (m,) = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        got[mode] = m, final_weights(run)
+    (auto, w_auto), (off, w_off) = got["auto"], got["off"]
+    assert auto["advantage/old_logprob_skipped_rows"] == auto["train/skipped_rows"] > 0
+    assert off["advantage/old_logprob_skipped_rows"] == 0
+    assert _rel([w_off[k] for k in w_off], [w_auto[k] for k in w_off]) < 1e-6
 
 
 @pytest.mark.slow

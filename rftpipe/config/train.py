@@ -251,8 +251,10 @@ class TrainConfig:
     (zeros) and AdamW's step is what it was. Under skipping `train/entropy`, `train/kl`,
     `train/clip_frac`, `train/ratio_mean` and `train/tokens` are over the trained rows;
     `train/skipped_rows` and `train/skipped_tokens` count the others; where auto cannot
-    skip, `train/skip_blocked/<what>` and `jobs.status` say why. `off`: train every row
-    (what a run directory made before this key resumes with)."""
+    skip, `train/skip_blocked/<what>` and `jobs.status` say why. The actor's old-logprob
+    pass (old_logprobs=actor) leaves the same rows out (`advantage/old_logprob_skipped_*`;
+    the `rollout/logprob_*` metrics are then over the computed rows) but under r2. `off`:
+    train every row (what a run directory made before this key resumes with)."""
 
     expert_parallel: int = 1
     """Ranks that split each MoE layer's experts between them. Only 1 (every rank holds

@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import pyarrow as pa
 import torch
@@ -19,15 +20,22 @@ from rftpipe.algos.advantage import (
     gae_returns,
 )
 from rftpipe.algos.losses import kl_estimate
-from rftpipe.config.schema import AdvantageConfig, KLConfig, old_logprobs_source
+from rftpipe.config.schema import (
+    AdvantageConfig,
+    KLConfig,
+    old_logprobs_source,
+    skips_alike_groups,
+)
 from rftpipe.stages import StageName
 from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepPlan
-from rftpipe.stages.batching import model_token_mask, pad_ragged, turn_tokens
+from rftpipe.stages.batching import alike_groups, model_token_mask, pad_ragged, turn_tokens
 from rftpipe.stages.images import RowImages, image_rows
 from rftpipe.stages.routes import committed_column, with_routes
 from rftpipe.storage.baseline_rows import baseline_flags
 from rftpipe.storage.branch_rows import has_branches, last_rows
 from rftpipe.storage.routes import ACTOR_ROUTES, ROUTES
+
+T = TypeVar("T")
 
 RefLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[list[float]]]
 """Response logprobs of (prompts, responses) under some model: the reference, or the actor."""
@@ -88,6 +96,7 @@ def run(
     actor_logprobs: RefLogprobs | None = None,
     reduce_max: Reducer | None = None,
     critic_values: CriticValues | None = None,
+    skip: frozenset[int] = frozenset(),
 ) -> tuple[pa.Table, dict[str, float]]:
     """This rank's rows with `advantages` (and `old_logprobs`, `ref_logprobs`, `values`,
     `returns`) appended, and the stage's metrics (global over ranks).
@@ -99,6 +108,11 @@ def run(
     With `actor_logprobs` (the actor's weights are still those that sampled the rows), its
     logprobs become column `old_logprobs`: PPO's old policy in the train stage and the
     policy side of the `kl.mode=reward` penalty. `reduce_max` is then needed too.
+
+    `skip`: rows the train stage will skip (`batching.alike_groups`, under
+    `train.skip_zero_advantage=auto`), whose old logprobs nothing reads: the actor's pass
+    leaves them out, their `old_logprobs` are their sampling logprobs, and the
+    logprob-difference metrics are over the other rows.
     """
     batch = _Batch.of(scored)
     out = scored
@@ -106,11 +120,17 @@ def run(
     old_column = "logprobs"
     if actor_logprobs is not None:
         assert reduce_max is not None, "the logprob-difference metrics need reduce_max"
-        out = _append_floats(out, "old_logprobs", actor_logprobs(batch.prompts, batch.responses))
+        old = _skipping(actor_logprobs, skip, scored.column("logprobs").to_pylist())
+        out = _append_floats(out, "old_logprobs", old(batch.prompts, batch.responses))
         old_column = "old_logprobs"
         # The greedy rows recorded no sampling logprobs: nothing to compare.
-        diff_mask = batch.mask & ~batch.is_baseline[:, None]
+        skipped = torch.tensor([i in skip for i in range(len(batch.prompts))], dtype=torch.bool)
+        diff_mask = batch.mask & ~(batch.is_baseline | skipped)[:, None]
         metrics = _logprob_diff_metrics(out, diff_mask, reduce_sum, reduce_max)
+        counts = [float(skipped.sum()), float((batch.padded & skipped[:, None]).sum())]
+        total = reduce_sum(torch.tensor(counts, dtype=torch.float64))
+        metrics["advantage/old_logprob_skipped_rows"] = float(total[0])
+        metrics["advantage/old_logprob_skipped_tokens"] = float(total[1])
     penalty = None
     if cfg.kl.mode != "none":
         assert ref_logprobs is not None, "a KL term needs the reference model"
@@ -130,6 +150,21 @@ def run(
         table = _append_floats(table, "returns", unpad(returns, batch.padded))
         metrics = {**metrics, **_value_metrics(values, returns, batch.mask, reduce_sum)}
     return table, metrics
+
+
+def _skipping(fn: RefLogprobs, skip: frozenset[int], fill: list[list[float]]) -> RefLogprobs:
+    """`fn` over the rows not in `skip`; a skipped row gets its row of `fill`."""
+    if not skip:
+        return fn
+
+    def run(
+        prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        keep = [i for i in range(len(prompts)) if i not in skip]
+        got = iter(fn([prompts[i] for i in keep], [responses[i] for i in keep]))
+        return [list(fill[i]) if i in skip else next(got) for i in range(len(prompts))]
+
+    return run
 
 
 def _append_floats(table: pa.Table, name: str, rows: list[list[float]]) -> pa.Table:
@@ -289,15 +324,24 @@ class AdvantageStage(NoSideEffects):
         # The actor still holds the weights that sampled these rows (the step's train stage
         # has not run, and a restart replays every earlier one before this stage), and a
         # committed column is never recomputed, so the old policy is exact under replay too.
+        from_actor = old_logprobs_source(rt.cfg.train, rt.cfg.rollout) == "actor"
+        # Rows the train stage skips need no old policy; under R2 this forward records
+        # every row's routes, so it skips none.
+        skip = (
+            alike_groups(scored)
+            if from_actor and recorded is None and skips_alike_groups(rt.cfg)
+            else frozenset()
+        )
+        keep = [i for i in range(scored.num_rows) if i not in skip]
         actor = (
             partial(
                 rt.train_engine.compute_logprobs,
                 temperature=rt.cfg.rollout.temperature,
-                vision=vision,
-                routes=None if recorded is not None else routes,
+                vision=_only(vision, keep),
+                routes=None if recorded is not None else _only(routes, keep),
                 record=recorded,
             )
-            if old_logprobs_source(rt.cfg.train, rt.cfg.rollout) == "actor"
+            if from_actor
             else None
         )
         table, metrics = run(
@@ -311,12 +355,18 @@ class AdvantageStage(NoSideEffects):
             critic_values=None
             if rt.critic is None
             else partial(rt.critic.compute_values, vision=vision),
+            skip=skip,
         )
         extra: dict[str, object] = {"kl_coef": kl_coef, "metrics": metrics}
         if recorded is not None and rt.route_shape is not None:
             table = with_routes(table, ACTOR_ROUTES, recorded)
             extra["routes"] = rt.route_shape.to_meta()
         return StageOutput(rows=table, extra=extra)
+
+
+def _only(rows: Sequence[T] | None, keep: list[int]) -> list[T] | None:
+    """The rows `keep` of a per-row list (None stays None)."""
+    return None if rows is None else [rows[i] for i in keep]
 
 
 def _replayed_routes(

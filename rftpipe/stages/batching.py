@@ -190,17 +190,23 @@ class MiniBatch:
     (the caller gives it weight 0)."""
 
 
-def alike_rows(table: pa.Table) -> frozenset[int]:
+def alike_groups(table: pa.Table) -> frozenset[int]:
     """This rank's rows whose group (the rows of one prompt id, as the advantage stage
-    groups them; a group is never split across ranks) has all its rewards equal: their
-    advantages are exactly 0 (`EstimatorTraits.alike_groups_zero`). Checked, not assumed:
-    a row named here with a nonzero advantage is a bug, refused in one line."""
+    groups them; a group is never split across ranks) has all its rewards equal: under an
+    estimator with `EstimatorTraits.alike_groups_zero` their advantages are exactly 0."""
     ids = table.column("prompt_id").to_pylist()
     rewards = table.column("reward").to_pylist()
     seen: dict[int, set[float]] = {}
     for pid, r in zip(ids, rewards, strict=True):
         seen.setdefault(pid, set()).add(r)
-    out = frozenset(i for i, pid in enumerate(ids) if len(seen[pid]) == 1)
+    return frozenset(i for i, pid in enumerate(ids) if len(seen[pid]) == 1)
+
+
+def alike_rows(table: pa.Table) -> frozenset[int]:
+    """`alike_groups` of a table with advantages, checked, not assumed: a row named here
+    with a nonzero advantage is a bug, refused in one line."""
+    out = alike_groups(table)
+    ids = table.column("prompt_id").to_pylist()
     advantages = table.column("advantages").to_pylist()
     for i in out:
         if any(a != 0.0 for a in advantages[i]):
