@@ -94,7 +94,9 @@ class RolloutEngine(Protocol):
     ) -> list[GroupOutput]:
         """n samples of each prompt; `seeds[g]` is group g's seed, derived from (run seed,
         step, stage, prompt id). An engine seeds each sample from its group's seed and its
-        index, or (HF loop) one generator per call from the first group's seed. `vision`:
+        index (`rftpipe.seeding.sample_seed`), or (the HF loop with
+        `rollout.compact_decode=off`) draws from one generator per call, seeded by the first
+        group's seed. `vision`:
         each prompt's images (a vision-language model), also in the other generating
         calls."""
         ...
