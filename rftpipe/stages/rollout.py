@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pyarrow as pa
 import torch
@@ -457,9 +457,8 @@ class RolloutStage(NoSideEffects):
         counts = rt.rollout_engine.take_decode_counts()
         if counts is not None:
             # Summed over the ranks that generated (each runs the same number of stages).
-            total = rt.dist.all_reduce_sum(
-                torch.tensor([counts.forwards, counts.row_steps, counts.static_row_steps])
-            )
+            values = asdict(counts)
+            total = rt.dist.all_reduce_sum(torch.tensor([values[k] for k in DECODE_KEYS]))
             extra["decode"] = dict(zip(DECODE_KEYS, map(int, total.tolist()), strict=True))
         if rt.replay == "r3" and rt.route_shape is not None:
             if ROUTES not in table.column_names and len(table):

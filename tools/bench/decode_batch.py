@@ -32,6 +32,7 @@ import json
 import random
 import statistics
 import sys
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
@@ -69,8 +70,8 @@ def _model(name: str) -> tuple[torch.nn.Module, object]:
     return load_causal_lm(path, "float32").eval(), load_tokenizer(path)
 
 
-def _median_ms(fn: object, runs: int) -> float:
-    return 1e3 * statistics.median(timed(fn)[0] for _ in range(runs))  # type: ignore[arg-type]
+def _median_ms(fn: Callable[[], object], runs: int) -> float:
+    return 1e3 * statistics.median(timed(fn)[0] for _ in range(runs))
 
 
 def _costs(a: argparse.Namespace, model: torch.nn.Module) -> dict:

@@ -4,8 +4,8 @@ leave it (`rollout.compact_decode`).
 A row that ended (EOS, a stop string, its own limit) would otherwise be fed a pad at every
 decode step until the call's last row ends. Leaving costs one exact row selection of the
 KV cache (each kept row's values copied, unchanged); staying costs that row's share of
-every later decode forward. Measured on SmolLM2-135M in float32 on the 2-core development machine
-(2026-12-02, `python -m tools.bench decode_batch --costs`): a decode forward over a
+every later decode forward. Measured on SmolLM2-135M in float32 on the 2-core development
+machine (2026-12-02, `python -m tools.bench decode_batch --costs`): a decode forward over a
 64-position cache took 414 ms for 48 rows, 328 ms for 24, 263 ms for 4 (a fixed part for
 the weights plus a few ms a row), while selecting 36 of the 48 rows took 12 ms (55 ms at
 256 positions). So a selection pays for itself within about two decode forwards once an
