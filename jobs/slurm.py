@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rftpipe.errors import UserError
+from rftpipe.run.holder import LIVE_STATES
 from rftpipe.run.slurm_job import job_info
 
 #: Seconds between Slurm's USR2 and the time limit (it must fit one stage plus a commit).
@@ -195,6 +196,17 @@ def job_state(job_id: str) -> str:
 
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "GONE"}
+
+
+def live_jobs(run_dir: Path) -> list[tuple[str, str]]:
+    """(job id, state) of the jobs submitted for `run_dir` that Slurm still holds: queued,
+    running or requeued (RUN/slurm/jobs.txt, where `submit` lists them)."""
+    listed = run_dir / "slurm" / "jobs.txt"
+    if not listed.exists() or shutil.which("squeue") is None:
+        return []
+    states = [(job, job_state(job)) for job in dict.fromkeys(listed.read_text().split())]
+    # The states in which a job holds its run directory, as the workers judge a holder.
+    return [(job, state) for job, state in states if state in LIVE_STATES]
 
 
 def wait(job_id: str, run_dir: Path, poll_s: float = 5.0) -> str:

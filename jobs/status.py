@@ -39,6 +39,9 @@ def describe(run_dir: Path) -> dict:
         "stop",
         "requeue_decision",
         "requeue_failed",
+        "idle_requeues",
+        "no_space",
+        "checkpoint_skipped",
         "user_error",
         "checkpoint",
         "repair",
@@ -55,6 +58,14 @@ def describe(run_dir: Path) -> dict:
         "jobs": {j: slurm.job_state(j) for j in job_ids},
         "recent_events": [e for e in events if e.get("event") in interesting][-5:],
         "replays_to_note": replays_to_note(run),
+        # The one line a run that ran out of space or quota stopped with (exit 75).
+        "no_space": next(
+            (e["message"] for e in reversed(events) if e.get("event") == "no_space"), None
+        ),
+        # Why the job ended FAILED instead of requeueing (launch.max_idle_requeues).
+        "idle_requeues": next(
+            (e["message"] for e in reversed(events) if e.get("event") == "idle_requeues"), None
+        ),
         # train.skip_zero_advantage=auto that cannot skip here, and why.
         "skip_blocked": (
             list(skip_blockers(cfg).values()) if cfg.train.skip_zero_advantage == "auto" else []
@@ -126,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     for job, st in info["jobs"].items():
         print(f"slurm job {job}: {st}")
+    if info["no_space"] and not info["finished"]:
+        print(f"stopped: {info['no_space']}")
+    if info["idle_requeues"] and not info["finished"]:
+        print(f"not requeued: {info['idle_requeues']}")
     for why in info["skip_blocked"]:
         print(f"train.skip_zero_advantage=auto does not skip all-alike groups: {why}")
     for r in info["replays_to_note"][-5:]:

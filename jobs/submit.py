@@ -27,8 +27,10 @@ from rftpipe.atomic import atomic_write_bytes
 from rftpipe.config.loader import diff_keys, dump_yaml, load_config, to_dict
 from rftpipe.config.schema import RESUME_SAFE_KEYS, RunConfig, refuse_stretched_lr_schedule
 from rftpipe.errors import UserError
+from rftpipe.run.holder import DYING_GRACE_S, alive, recorded
+from rftpipe.space import EXIT_NO_SPACE, NoSpace
 from rftpipe.stages import FINAL
-from rftpipe.storage.fresh_start import committed_work, exclusive, set_aside
+from rftpipe.storage.fresh_start import committed_work, exclusive, refuse_misplaced, set_aside
 from rftpipe.storage.layout import RunDir
 from rftpipe.storage.stage_store import StageStore
 
@@ -66,6 +68,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--allow-fingerprint-mismatch",
         action="store_true",
         help="resume although config, model or data fingerprints changed",
+    )
+    p.add_argument(
+        "--submit-anyway",
+        action="store_true",
+        help="resume although a job of this run is still queued or running: a Slurm job "
+        "then waits for it to end (afterany)",
     )
     p.add_argument(
         "--create-only",
@@ -122,6 +130,25 @@ def write_run_config(cfg: RunConfig, run_dir: Path, fresh: bool) -> Path | None:
     target = run.pending_config_path if run.config_path.exists() else run.config_path
     atomic_write_bytes(target, dump_yaml(cfg).encode())
     return None
+
+
+def second_job(run_dir: Path, args: argparse.Namespace) -> None:
+    """A resume of a run that a live job still holds submits nothing (that job resumes by
+    itself) unless `--submit-anyway`: then a Slurm job waits for it (`afterany`), and a
+    local run is refused by its workers while it holds the run (`rftpipe.run.holder`)."""
+    live = slurm.live_jobs(run_dir)
+    if live and args.submit_anyway:
+        args.sbatch.append("dependency=afterany:" + ":".join(job for job, _ in live))
+        return
+    if live:
+        jobs = ", ".join(f"slurm job {job} ({state})" for job, state in live)
+        raise UserError(
+            f"run_dir: {run_dir} already has {jobs}, which resumes by itself; pass "
+            "--submit-anyway to submit another that starts once it has ended"
+        )
+    holder = recorded(RunDir(run_dir))
+    if holder is not None and not args.submit_anyway and alive(holder, DYING_GRACE_S):
+        raise UserError(f"run_dir: {run_dir} is held by {holder.describe()}, which is still live")
 
 
 def slurm_available() -> bool:
@@ -263,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(
                     f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}"
                 )
+        refuse_misplaced(run_dir)
         cfg, fresh = resolve_config(args, run_dir)
+        if not (fresh or args.create_only or args.dry_run):
+            second_job(run_dir, args)
         cluster = args.cluster
         if cluster == "auto":
             cluster = "slurm" if slurm_available() else "local"
@@ -305,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"rftpipe: error: {exc}", file=sys.stderr)
         return 2
+    except NoSpace as exc:  # the run's config or fingerprints found no space: the machine's
+        print(f"rftpipe: error: {exc}", file=sys.stderr)
+        return EXIT_NO_SPACE
     print(f"run directory: {run_dir}", flush=True)
     if job is None:
         return run_local(run_dir, args)

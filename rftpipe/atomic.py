@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from rftpipe.faults import fault
+from rftpipe.space import writing
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -59,20 +62,31 @@ def atomic_write_bytes(path: Path, data: bytes, *, fault_mid: str | None = None)
     """Write `data` to `path` so that readers see either nothing or all of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        if fault_mid:
-            # Half the bytes reach the disk before an armed fault kills us.
-            f.write(data[: len(data) // 2])
+    with writing(path), _removed_on_error(tmp):
+        with open(tmp, "wb") as f:
+            if fault_mid:
+                # Half the bytes reach the disk before an armed fault kills us.
+                f.write(data[: len(data) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+                fault(fault_mid)
+                f.write(data[len(data) // 2 :])
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
-            fault(fault_mid)
-            f.write(data[len(data) // 2 :])
-        else:
-            f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+        os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+@contextmanager
+def _removed_on_error(tmp: Path) -> Iterator[None]:
+    """A write that fails (a full disk) deletes its own temporary file, and only that."""
+    try:
+        yield
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def atomic_write_json(path: Path, obj: Any, *, fault_mid: str | None = None) -> None:
@@ -112,9 +126,10 @@ def write_parquet_atomic(path: Path, table: pa.Table, metadata: dict[str, str]) 
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
     meta = dict(table.schema.metadata or {})
     meta.update({k.encode(): v.encode() for k, v in metadata.items()})
-    pq.write_table(table.replace_schema_metadata(meta), tmp, compression="zstd")
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    with writing(path), _removed_on_error(tmp):
+        pq.write_table(table.replace_schema_metadata(meta), tmp, compression="zstd")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
     info = ShardInfo(
         file=path.name, rows=table.num_rows, bytes=tmp.stat().st_size, xxh3_128=checksum_file(tmp)
     )

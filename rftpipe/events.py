@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rftpipe.space import writing
+
 
 class EventLog:
     """Append-only JSONL diagnostics (not part of the committed state)."""
@@ -28,7 +30,7 @@ class EventLog:
         rec = {"t": round(time.time(), 3), "pid": os.getpid(), "rank": self.rank, "event": event}
         rec.update(fields)
         # O_APPEND writes of one short line are atomic enough for concurrent ranks.
-        with open(self.path, "a", encoding="utf-8") as f:
+        with writing(self.path), open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
             f.flush()
             os.fsync(f.fileno())

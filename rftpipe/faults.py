@@ -5,10 +5,11 @@ reaches one of the named points (``RFTPIPE_FAULT_SKIP=k`` lets k hits pass first
 hit is appended to ``events.jsonl`` (`rftpipe.events`) *before* the kill so tests
 can prove every fault point was exercised. ``RFTPIPE_SLOW=stage=seconds[,...]`` stretches
 a stage's compute (and ``STAGE_replay`` a restart's replay of a committed one, e.g.
-``train_replay``; ``stage@step`` that step's only), so a test can aim a preemption at a
-known stage. ``RFTPIPE_SLOW_ALLOCATIONS=n`` stretches only the first n allocations of a
-Slurm job (``SLURM_RESTART_COUNT`` below n): its requeued runs go at full speed. Outside
-tests each check is one dict lookup.
+``train_replay``; ``stage@step`` that step's only; ``checkpoint`` each file a background
+checkpoint writes), so a test can aim a preemption at a known stage.
+``RFTPIPE_SLOW_ALLOCATIONS=n`` stretches only the first n allocations of a Slurm job
+(``SLURM_RESTART_COUNT`` below n): its requeued runs go at full speed. Outside tests each
+check is one dict lookup.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 
 from rftpipe.events import events
 
@@ -67,9 +69,12 @@ def fault(point: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def slow(stage: str, step: int | None = None) -> None:
+def slow(
+    stage: str, step: int | None = None, sleep: Callable[[float], object] | None = None
+) -> None:
     """Sleep inside `stage` (of `step`) if ``RFTPIPE_SLOW`` names it (a test aid, like the
-    fault points): ``stage@step`` first, then ``stage``."""
+    fault points): ``stage@step`` first, then ``stage``. `sleep` may end it early (the
+    checkpoint writer passes its abandonment's ``Event.wait``)."""
     spec = os.environ.get("RFTPIPE_SLOW")
     if not spec:
         return
@@ -79,4 +84,4 @@ def slow(stage: str, step: int | None = None) -> None:
     delays = dict(item.split("=", 1) for item in spec.split(","))
     seconds = delays.get(f"{stage}@{step}", delays.get(stage))
     if seconds is not None:
-        time.sleep(float(seconds))
+        (sleep or time.sleep)(float(seconds))

@@ -122,10 +122,11 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def committed_hash(run_dir: Path) -> str:
     """Hash of every committed file (stage dirs, trajectories, checkpoints, config); a
-    resume's pending config.next.yaml is not committed until its checks pass."""
+    resume's pending config.next.yaml is not committed until its checks pass, and the
+    holder record is the lease of whichever job started last, refused or not."""
     h = hashlib.sha256()
     for p in sorted(run_dir.rglob("*")):
-        skipped = {"events.jsonl", "config.next.yaml"}
+        skipped = {"events.jsonl", "config.next.yaml", ".holder.json", ".holder.lock"}
         if p.is_file() and not p.name.startswith(".tmp-") and p.name not in skipped:
             h.update(str(p.relative_to(run_dir)).encode())
             h.update(p.read_bytes())

@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "rftpipe.seeding",
         "rftpipe.events",
         "rftpipe.faults",
+        "rftpipe.space",
         "rftpipe.atomic",
         "rftpipe.dist",
         "rftpipe.workers",
@@ -41,7 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 a module's layer is its folder's, as a newcomer reads the tree. A module may import modules
 of its own layer or lower ones."""
 
-TOP_LEVEL_MODULES = {"errors", "seeding", "events", "faults", "atomic", "dist"}
+TOP_LEVEL_MODULES = {"errors", "seeding", "events", "faults", "space", "atomic", "dist"}
 """The only plain modules at rftpipe's top level; everything else is a subpackage."""
 
 MAX_FILE_LINES = 1000

@@ -160,6 +160,7 @@ def test_cli_flags_are_frozen_and_documented() -> None:
         "repair",
         "allow_fingerprint_mismatch",
         "create_only",
+        "submit_anyway",
         "nodes",
         "gpus_per_node",
         "cpus_per_task",

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from rftpipe.atomic import checksum_file
+from rftpipe.space import NoSpace
+from rftpipe.storage import direct_io
 from rftpipe.storage.direct_io import CHUNK, DirectFile, VerifyingReader, storage_writer
 
 
@@ -32,6 +37,52 @@ def test_direct_file_writes_exact_bytes_and_digest(tmp_path: Path, direct: bool)
     assert f.digest() == checksum_file(path)
 
 
+def test_pieces_follow_the_device_and_only_the_last_partial_block_is_buffered(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Each O_DIRECT write should take about PIECE_S: pieces grow on a fast device and
+    shrink on a slow one; a file's tail goes O_DIRECT but for its last partial block."""
+    real_write = os.write
+    sizes: list[tuple[int, bool]] = []
+    delay = {"s": 0.0}
+
+    def watched(fd, data):  # noqa: ANN001 (os.write's signature)
+        sizes.append((len(data), bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
+        time.sleep(delay["s"])
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", watched)
+    data = os.urandom(3 * CHUNK + 3 * 4096 + 5)
+    f = DirectFile(tmp_path / "p.bin")
+    if not f.direct:
+        pytest.skip("this file system refuses O_DIRECT")  # tmpfs: no pieces to size
+    f.write(data[:CHUNK])
+    f._wait()
+    assert sizes[0][0] == direct_io.FIRST_PIECE and max(n for n, _ in sizes) > sizes[0][0]
+    # Now each write takes 1.5 x PIECE_S: every piece is half the one before, to the least.
+    monkeypatch.setattr(direct_io, "PIECE_S", 0.01)
+    delay["s"] = 0.015
+    sizes.clear()
+    f.write(data[CHUNK:])
+    f.close()
+    assert (tmp_path / "p.bin").read_bytes() == data
+    assert sizes[-1] == (5, False) and all(d for _, d in sizes[:-1]), sizes
+    pieces = [n for n, _ in sizes[:-1]]
+    assert pieces == sorted(pieces, reverse=True) and direct_io.MIN_PIECE in pieces, pieces
+
+
+def test_an_abandoned_file_stops_at_its_next_piece(tmp_path: Path) -> None:
+    abandon = threading.Event()
+    f = DirectFile(tmp_path / "a.bin", abandon=abandon)
+    f.write(b"a" * (CHUNK + 4096))
+    f._wait()  # the first chunk is on disk
+    abandon.set()
+    f.write(b"b" * CHUNK)
+    with pytest.raises(direct_io.Abandoned):
+        f.close()
+    assert (tmp_path / "a.bin").stat().st_size == CHUNK  # nothing after the abandonment
+
+
 def test_refused_o_direct_falls_back_to_buffered(tmp_path: Path, monkeypatch) -> None:
     real_open = os.open
 
@@ -52,7 +103,7 @@ def test_failed_background_chunk_write_is_raised_to_the_writer(tmp_path: Path, m
     real_write = os.write
 
     def disk_full(fd, data):  # noqa: ANN001 (os.write's signature)
-        if len(data) == CHUNK:
+        if len(data) > 4096:  # a piece of a chunk, on the helper thread
             raise OSError(28, "No space left on device")
         return real_write(fd, data)
 
@@ -86,7 +137,9 @@ def test_disk_full_inside_torch_save_is_reported_as_such(tmp_path: Path, monkeyp
     writer, fs = storage_writer(tmp_path / "ck")
     with pytest.raises(CheckpointException, match="unexpected pos"):
         dcp.save({f"t{i}": torch.randn(3_000_000) for i in range(4)}, storage_writer=writer)
-    assert isinstance(fs.write_error, OSError) and fs.write_error.errno == 28
+    # Named after its file (DCP pickles each rank's failure, and an OSError's name with it).
+    assert isinstance(fs.write_error, NoSpace) and fs.write_error.code == 28
+    assert fs.write_error.path.parent == tmp_path / "ck"
 
 
 def test_dcp_through_direct_writer_round_trips_and_records_digests(tmp_path: Path) -> None:

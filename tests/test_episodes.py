@@ -44,6 +44,7 @@ from rftpipe.envs.base import Environment, Task
 from rftpipe.envs.pool import EnvPool
 from rftpipe.errors import UserError
 from rftpipe.inspect.episodes import episode_turns
+from rftpipe.space import EXIT_NO_SPACE
 from rftpipe.stages import episodes, rollout
 from rftpipe.storage.episode_stats import EpisodeCounts
 
@@ -673,3 +674,23 @@ def test_remax_baseline_episodes_are_greedy_and_resume_with_the_samples(tiny) ->
         for a, b in zip(full, again, strict=True):
             assert (a.response, a.logprobs, a.loss_mask) == (b.response, b.logprobs, b.loss_mask)
             assert (a.turn_rewards, a.status, a.greedy) == (b.turn_rewards, b.status, b.greedy)
+
+
+@pytest.mark.slow
+def test_a_spent_quota_at_a_turn_shard_stops_with_one_line_and_resumes(
+    reference: Path, tmp_path: Path
+) -> None:
+    """`EDQUOT` at step 3's first turn shard (issue 51): one line naming it, exit 75, no
+    temporary file left; the resumed run equals the uninterrupted one."""
+    run = tmp_path / "quota"
+    env = {**ENV_PATH, "RFTPIPE_FAULT_QUOTA": "step=3/rollout.t1"}
+    out = submit(run, *RUN, env=env)
+    assert out.returncode == EXIT_NO_SPACE, out.stderr[-3000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert f"disk quota exceeded writing {run}/stages/step=3/rollout.t1" in line, line
+    assert not [p for p in run.rglob(".tmp-*") if "checkpoints" not in p.parts]
+    out = submit(run, *RUN, env=ENV_PATH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert trajectories(run).equals(trajectories(reference))
+    a, b = final_weights(run), final_weights(reference)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TINY, events, submit, trajectories
+from helpers import ROOT, TINY, committed_hash, events, submit, trajectories
 
 pytestmark = pytest.mark.slow
 
@@ -163,3 +163,19 @@ def test_a_live_run_is_not_started_afresh_under_it(tmp_path: Path) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(live.pid, signal.SIGKILL)
         live.wait()
+
+
+def test_a_run_directory_inside_another_run_or_on_a_file_is_refused(tmp_path: Path) -> None:
+    """Inside a run, the run's next start would sweep the new one away; a file is no
+    directory. Each is one line, exit 2, and the run around it is untouched."""
+    run = tmp_path / "run"
+    assert submit(run, "total_steps=1").returncode == 0
+    before = committed_hash(run)
+    for bad, said in (
+        (run / "stages" / "nested", f"is inside the run directory {run}"),
+        (run / "config.yaml", "is a file, not a directory"),
+    ):
+        line = _one_line(submit(bad, "total_steps=1"), f"--run-dir: {bad} {said}")
+        assert line.startswith("rftpipe: error: "), line
+    assert committed_hash(run) == before
+    assert not (run / "stages" / "nested").exists()

@@ -17,14 +17,35 @@ while every committed file and every stage begin stay exact.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from rftpipe.engines.models import model_fingerprint
 from tests.helpers import ROOT, events, submit
 
 FIXTURE = ROOT / "tests" / "fixtures" / "run_v2_sapo"
+MODEL = ROOT / "tests" / "fixtures" / "model_tiny_v2"
+"""The `builtin:tiny` the fixture ran with, shipped: `prepare_tiny` initialises it with
+torch's normal sampler, whose values depend on the CPU kernels (`ATEN_CPU_CAPABILITY`), so a
+model cache built on another machine holds another tiny model and the resume is refused
+("the model differs from the one this run started with")."""
+
+
+@pytest.fixture
+def shipped(tmp_path: Path) -> dict[str, str]:
+    """An environment whose model cache holds the fixture's own tiny model."""
+    cache = tmp_path / "cache"
+    shutil.copytree(MODEL, cache / "models" / "tiny-v2")
+    return {"RFTPIPE_CACHE": str(cache)}
+
+
+def test_the_shipped_model_is_the_fixtures() -> None:
+    recorded = json.loads((FIXTURE / "run.json").read_text())["model_fingerprint"]
+    assert model_fingerprint(MODEL) == recorded
+
 
 #: The largest relative difference of the replayed step's update metrics (loss, KL,
 #: entropy, gradient norm, ratio: float32 sums over 128 tokens and 2 updates) from the
@@ -37,14 +58,16 @@ REPLAY_RTOL = 1e-5
 
 
 @pytest.mark.kernels
-def test_old_run_directory_resumes_without_recomputing(tmp_path: Path) -> None:
+def test_old_run_directory_resumes_without_recomputing(
+    tmp_path: Path, shipped: dict[str, str]
+) -> None:
     run = tmp_path / "run"
     shutil.copytree(FIXTURE, run)
     before = {
         p.relative_to(run): p.read_bytes() for p in (run / "stages").rglob("*") if p.is_file()
     }
     old_events = len(events(run))
-    r = submit(run, config=None)
+    r = submit(run, config=None, env=shipped)
     assert r.returncode == 0, r.stderr[-2000:]
     # Every file committed before the resume is byte for byte as it was.
     for rel, data in before.items():
@@ -60,7 +83,9 @@ def test_old_run_directory_resumes_without_recomputing(tmp_path: Path) -> None:
     assert (run / "stages" / "step=2" / "sync" / "MANIFEST.json").exists()
 
 
-def test_a_wrong_migrated_setting_replays_beyond_the_tolerance(tmp_path: Path) -> None:
+def test_a_wrong_migrated_setting_replays_beyond_the_tolerance(
+    tmp_path: Path, shipped: dict[str, str]
+) -> None:
     """What `REPLAY_RTOL` must still catch: a loss setting that migrated to another value
     (here the saved config edited, as a wrong migration would) replays far outside it."""
     run = tmp_path / "run"
@@ -69,7 +94,7 @@ def test_a_wrong_migrated_setting_replays_beyond_the_tolerance(tmp_path: Path) -
     assert saved.count("sapo_tau_pos: 1.2\n") == 1
     (run / "config.yaml").write_text(saved.replace("sapo_tau_pos: 1.2\n", "sapo_tau_pos: 1.1\n"))
     old_events = len(events(run))
-    r = submit(run, config=None)
+    r = submit(run, config=None, env=shipped)
     assert r.returncode == 0, r.stderr[-2000:]
     replays = [e for e in events(run)[old_events:] if e["event"] == "replay"]
     assert [e["step"] for e in replays] == [1], replays

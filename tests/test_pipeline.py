@@ -126,6 +126,8 @@ SINGLE_TURN_METRICS = {
     *(f"advantage/{k}" for k in ("mean", "std")),
     *(f"perf/{s}_{k}" for s in ORDER for k in ("s", "mem_peak_gib", "mem_increment_gib")),
     *(f"perf/{k}" for k in ("checkpoint_interval", "checkpoint_s", "checkpoint_wait_s")),
+    # 2026-12-02: 1 where checkpoint.on_no_space=skip skipped the step's checkpoint
+    "checkpoint/skipped_no_space",
     *("perf/commit_s", "perf/train_tflops", "perf/train_tokens_per_s"),
     "perf/run_mem_peak_gib",  # 2026-11-27: the process tree's peak so far
     *(f"rollout/{k}" for k in ("response_length", "stop_frac", "reward_mean", "reward_std")),

@@ -34,8 +34,9 @@ from helpers import (
     trajectories,
 )
 
+from rftpipe.space import EXIT_NO_SPACE
 from rftpipe.stages import ORDER
-from rftpipe.storage.images import ImageRef, stored_images
+from rftpipe.storage.images import IMAGES_DIR, ImageRef, stored_images
 from tools.studies.vision_learning import FRESH, FRESH_IN_CI, parse_spec
 
 pytestmark = pytest.mark.slow
@@ -521,3 +522,23 @@ def test_a_saved_hf_dataset_with_image_features_loads(tiny_vl: Path, tmp_path: P
     assert [im.data for im in got[0].images] == [p.read_bytes() for p in pictures]
     assert got[0].token_ids.count(IMAGE_PAD) == 8 and IMAGE_PAD not in got[1].token_ids
     assert "images" not in got[0].metadata  # the pictures travel once, not in every row
+
+
+def test_a_spent_quota_at_the_image_store_stops_with_one_line_and_resumes(
+    reference: Path, mixed: Path, tmp_path: Path
+) -> None:
+    """`EDQUOT` at the first image the rollout stores (issue 51): one line naming it, exit
+    75, nothing committed and no temporary file; the resumed run equals the uninterrupted one."""
+    overrides = vl_run(mixed, *RUN)
+    run = tmp_path / "quota"
+    env = {**TESTS_ON_PATH, "RFTPIPE_FAULT_QUOTA": f"/{IMAGES_DIR}/"}
+    out = submit(run, *overrides, env=env)
+    assert out.returncode == EXIT_NO_SPACE, out.stderr[-3000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert f"disk quota exceeded writing {run}/{IMAGES_DIR}/" in line, line
+    assert not list(run.rglob(".tmp-*")) and not list(run.glob("stages/*/*/MANIFEST.json"))
+    out = submit(run, *overrides, env=TESTS_ON_PATH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert trajectories(reference).equals(trajectories(run))
+    wa, wb = final_weights(reference), final_weights(run)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -91,6 +91,76 @@ def write_dataset(
     return paths
 
 
+USER_ROWS = 80
+"""Rows of a `write_user_dataset` task: the new user's 64 training rows and 16 held out."""
+
+
+def solid_picture(
+    colour: str | tuple[str, ...], seed: int, size: int = 56, noise: float = 48.0
+) -> bytes:
+    """The second generator's picture: a solid `colour` under per-pixel Gaussian noise
+    (standard deviation `noise` per channel), as PNG bytes. A tuple of names: their mean
+    colour."""
+    from PIL import Image
+
+    names = (colour,) if isinstance(colour, str) else colour
+    solid = np.mean([PALETTE[c] for c in names], axis=0)
+    rng = np.random.default_rng(seed)
+    pixels = np.rint(solid + rng.normal(0.0, noise, (size, size, 3)))
+    buf = io.BytesIO()
+    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_user_dataset(
+    folder: Path,
+    seed: int,
+    *,
+    colours: tuple[str, str] = COLOURS,
+    informative: bool = True,
+    rows: int = USER_ROWS,
+    noise: float = 48.0,
+) -> tuple[Path]:
+    """The second generator, a task as a new user builds it (issue 51): one verl Parquet
+    file (`format: verl`) of `rows` rows in random colour order, the chat prompt
+    `VERL_PROMPT`, relative image paths, `reward_model.ground_truth` the colour word and
+    `extra_info.parity` what `colour_parity` rewards; each picture a `solid_picture`, and
+    per colour one row whose picture is a byte-identical copy (another file) of an earlier
+    one. `informative=False`: the control, each picture the pair's mean colour under the
+    same noise."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    arm = "data" if informative else "control"
+    rng = np.random.default_rng(seed)
+    order = rng.permutation([i % 2 for i in range(rows)]).tolist()
+    table: dict[str, list[Any]] = {k: [] for k in ("data_source", "prompt", "images")}
+    table |= {"ability": [], "reward_model": [], "extra_info": []}
+    pictures: tuple[list[bytes], list[bytes]] = ([], [])
+    for i, side in enumerate(order):
+        colour = colours[side]
+        done = pictures[side]
+        # The second row of each colour repeats the first's picture byte for byte.
+        image = (
+            done[0]
+            if len(done) == 1
+            else solid_picture(colour if informative else colours, seed * 100_000 + i)
+        )
+        done.append(image)
+        name = f"{arm}{seed}_{i}.png"
+        (folder / name).write_bytes(image)
+        table["data_source"].append("colours")
+        table["prompt"].append([{"role": "user", "content": VERL_PROMPT}])
+        table["images"].append([name])
+        table["ability"].append("vision")
+        table["reward_model"].append({"style": "rule", "ground_truth": colour})
+        table["extra_info"].append({"index": i, "parity": side})
+    path = folder / f"{arm}.parquet"
+    pq.write_table(pa.table(table), path)
+    return (path,)
+
+
 def write_mixed_dataset(folder: Path, rows: int, seed: int) -> Path:
     """Prompts with one image, with two images, and without any, in turn (a JSON-lines
     file, images beside it): what a mixed image/text micro-batch is made of."""
@@ -112,10 +182,17 @@ def write_mixed_dataset(folder: Path, rows: int, seed: int) -> Path:
     return path
 
 
+def parity_of(metadata: dict[str, Any]) -> int | None:
+    """The parity a row's colour names: its `parity` column, or verl's `extra_info.parity`."""
+    if "parity" in metadata:
+        return metadata["parity"]
+    return (metadata.get("extra_info") or {}).get("parity")
+
+
 def colour_parity(sample) -> float:
     """The share of response tokens whose id parity is the row's `parity` (that of the
     picture's colour; a prompt without a picture: even ids)."""
-    want = sample.metadata.get("parity") or 0
+    want = parity_of(sample.metadata) or 0
     ids = sample.response_token_ids
     return sum(1 for t in ids if t % 2 == want) / max(1, len(ids))
 
@@ -143,6 +220,11 @@ ROWS = 72
 """Rows of a learning dataset (half of them held out: about 18 problems of each colour)."""
 
 
+def _source(path: Path) -> str:
+    """One `data.datasets` entry: a Parquet file is `write_user_dataset`'s, in verl's layout."""
+    return f"{{path: {path}, format: verl}}" if path.suffix == ".parquet" else f"{{path: {path}}}"
+
+
 def vision_run(data: Path | tuple[Path, ...], *extra: str) -> tuple[str, ...]:
     """Overrides of configs/tiny_dense.yaml that make it a vision-language run on `data`
     rewarded by `colour_parity` (this module must be importable in the run: PYTHONPATH).
@@ -151,7 +233,7 @@ def vision_run(data: Path | tuple[Path, ...], *extra: str) -> tuple[str, ...]:
     return (
         "model.path=builtin:tiny-vl",
         "data.source=datasets",
-        "data.datasets=[" + ", ".join(f"{{path: {p}}}" for p in paths) + "]",
+        "data.datasets=[" + ", ".join(_source(p) for p in paths) + "]",
         "data.max_prompt_tokens=96",
         "reward.functions=[{path: vision_task:colour_parity}]",
         *extra,
@@ -181,7 +263,7 @@ def held_out_reward(run: Path, step: int) -> dict[str, Any]:
     parity: dict[int, int] = {}
     for r in rows:
         per_problem.setdefault(r["prompt_id"], []).append(r["reward"])
-        parity[r["prompt_id"]] = json.loads(r["metadata"])["parity"]
+        parity[r["prompt_id"]] = parity_of(json.loads(r["metadata"]))
     means: tuple[list[float], list[float]] = ([], [])
     for pid, rewards in per_problem.items():
         means[parity[pid]].append(statistics.mean(rewards))

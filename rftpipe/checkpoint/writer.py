@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as tdist
@@ -45,10 +45,12 @@ from rftpipe.checkpoint.folder import checkpoint_corruption, committed_checkpoin
 from rftpipe.dist import Dist
 from rftpipe.events import events
 from rftpipe.faults import fault
+from rftpipe.space import writing
 from rftpipe.storage import direct_io
 from rftpipe.storage.layout import step_name
 
 log = logging.getLogger(__name__)
+E = TypeVar("E", bound=BaseException)
 
 
 class Stateful(Protocol):
@@ -114,6 +116,8 @@ class Writer:
         self.given_group: Any = group
         """The process group the caller gave (None: none given)."""
         self._thread: threading.Thread | None = None
+        self._abandon = threading.Event()
+        self._step = 0
         self._error: BaseException | None = None
         self._then: Callable[[], None] | None = None
         self._what = "checkpoint write"
@@ -137,10 +141,13 @@ class Writer:
             t, plain = _split(part.state_dict())
             tensors.update({f"{name}.{k}": v for k, v in t.items()})
             extras[name] = plain
-        torch.save(extras, tmp / f"extra-r{dist.rank}.pt")
+        with writing(tmp / f"extra-r{dist.rank}.pt"):
+            torch.save(extras, tmp / f"extra-r{dist.rank}.pt")
         if tdist.is_initialized() and self._group is None:
             self._group = tdist.new_group(backend="gloo")
         dist.barrier()  # every rank's extras exist before rank 0 can commit
+        self._abandon.clear()
+        self._step = step
         self._thread = threading.Thread(
             target=self._write,
             args=(root, step, tmp, tensors, keep_last),
@@ -168,13 +175,24 @@ class Writer:
         self._thread = threading.Thread(target=run, name="rftpipe-deferred-load", daemon=True)
         self._thread.start()
 
-    def wait(self) -> float:
+    def wait(self, until: float | None = None) -> float:
         """Block until the pending background work (if any) has finished; re-raise its
-        failure (a `CorruptionError` as itself, anything else as a RuntimeError)."""
+        failure (a `CorruptionError` as itself, anything else as a RuntimeError).
+
+        With `until` (a Unix time: when Slurm will kill this job), a checkpoint still
+        writing then is abandoned instead: its writes stop at their next piece, it never
+        commits, its temporary directory is removed by the next start, and the previous
+        checkpoint stays the newest. A rank inside a write when SIGKILL comes would outlive
+        the kill until the write returned (`rftpipe.storage.direct_io`)."""
         self.last_wait_s = 0.0
         if self._thread is None:
             return 0.0
         t0 = time.perf_counter()
+        if until is not None:
+            self._thread.join(max(0.0, until - time.time()))
+            if self._thread.is_alive():
+                self._abandon_write(t0)
+                return self.last_wait_s
         self._thread.join()
         self._thread = None
         then, what = self._then, self._what
@@ -189,6 +207,25 @@ class Writer:
             then()
         return self.last_wait_s
 
+    def _abandon_write(self, t0: float) -> None:
+        """Stop the running write at its next piece and wait (briefly) for its thread."""
+        assert self._thread is not None
+        self._abandon.set()
+        self._thread.join(ABANDON_JOIN_S)
+        self.last_wait_s = time.perf_counter() - t0
+        alive, error = self._thread.is_alive(), self._error
+        self._thread, self._error, self._then = None, None, None
+        if not alive and error is None:  # it finished within the last piece
+            return
+        failed = error is not None and _behind(error, direct_io.Abandoned) is None
+        log.warning(
+            "checkpoint %d abandoned: the job ends before it could be written%s",
+            self._step,
+            f" (it had failed: {error})" if failed else "",
+        )
+        if self.dist.is_main:
+            events().write("checkpoint_abandoned", step=self._step, waited_s=self.last_wait_s)
+
     def _write(
         self, root: Path, step: int, tmp: Path, state: dict[str, Any], keep_last: int
     ) -> None:
@@ -200,21 +237,22 @@ class Writer:
             # speed while the next train stage waits for it.
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             _bind_device(self.dist)
-            writer, fs = direct_io.storage_writer(tmp, self.direct_io)
-            try:
-                # Returns on rank 0 only after every rank's files are written and synced.
-                dcp.save(state, storage_writer=writer, process_group=self._group)
-            except BaseException as exc:  # DCP's CheckpointException is a BaseException
-                if fs.write_error is None:
-                    raise
-                raise fs.write_error from exc  # "No space left on device", not a zip offset
+            writer, fs = direct_io.storage_writer(tmp, self.direct_io, self._abandon)
+            with writing(tmp):  # a full disk names the checkpoint, or its file
+                try:
+                    # Returns on rank 0 only after every rank's files are written and synced.
+                    dcp.save(state, storage_writer=writer, process_group=self._group)
+                except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                    if fs.write_error is None:
+                        raise
+                    raise fs.write_error from exc  # "No space left on device", not an offset
             # Each rank's digests of the files it wrote, so rank 0 never reads them back.
             digests = {Path(k).name: v.as_dict() for k, v in fs.written.items()}
             atomic_write_json(tmp / f"digests-r{self.dist.rank}.json", digests)
             if self._group is not None:
                 tdist.barrier(group=self._group)
             fault("ckpt_mid_write")
-            if self.dist.is_main:
+            if self.dist.is_main and not self._abandon.is_set():
                 _commit(root, step, tmp, self.dist.world, keep_last)
         except BaseException as exc:  # surfaced by wait() in the main thread
             self._error = exc
@@ -255,6 +293,11 @@ def _retain(root: Path, keep_last: int) -> None:
         os.replace(old.path, trash)
         fault("retention_mid_delete")
         shutil.rmtree(trash)
+
+
+ABANDON_JOIN_S = 1.0
+"""Seconds an abandoned write gets to reach the end of its piece (one takes about
+`direct_io.PIECE_S`); a thread still in the kernel after that is left to the process exit."""
 
 
 LATE_KEYS = frozenset({"optim"})
@@ -315,21 +358,21 @@ def _dcp_load(
             process_group=group,
         )
     except BaseException as exc:  # DCP wraps every rank's failure in a CheckpointException
-        corrupt = _find_corruption(exc)
+        corrupt = _behind(exc, CorruptionError)
         if corrupt is None:
             raise
         raise corrupt from exc
 
 
-def _find_corruption(exc: BaseException) -> CorruptionError | None:
-    """The CorruptionError behind a DCP failure (on this rank or, collectively, another)."""
-    if isinstance(exc, CorruptionError):
+def _behind(exc: BaseException, kind: type[E]) -> E | None:
+    """The `kind` error behind a DCP failure (on this rank or, collectively, another)."""
+    if isinstance(exc, kind):
         return exc
     # CheckpointException.failures: rank -> (exception, traceback summary).
     for failure, _tb in getattr(exc, "failures", {}).values():
-        found = _find_corruption(failure)
+        found = _behind(failure, kind)
         if found is not None:
             return found
     if exc.__cause__ is not None:
-        return _find_corruption(exc.__cause__)
+        return _behind(exc.__cause__, kind)
     return None

@@ -46,6 +46,15 @@ class CheckpointConfig:
     barely slows the rollout it overlaps (buffered, the kernel's copy and writeback took
     ~6 s of CPU per 1.6 GB on 2 cores). Filesystems that refuse O_DIRECT get buffered writes."""
 
+    on_no_space: Literal["stop", "skip"] = "stop"
+    """Before each checkpoint, its file system's free space is compared with the last
+    checkpoint's size (the state's, for the first). stop: when it will not fit, the run
+    stops at the stage boundary with one line naming the path, the free and needed bytes
+    (exit status 75, docs/launching.md), instead of failing midway. skip: that checkpoint is
+    skipped with a warning, a `checkpoint_skipped` event and `checkpoint/skipped_no_space`
+    1 in the step's metrics; the next one checks again (a resume meanwhile replays more
+    train steps)."""
+
     def __post_init__(self) -> None:
         if self.interval < 1:
             raise ValueError(f"interval must be >= 1, got {self.interval}")

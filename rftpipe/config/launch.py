@@ -30,6 +30,13 @@ class LaunchConfig:
     """Slurm: how many times the job may requeue itself after a stop signal (time limit,
     preemption); Slurm's own requeues count too (SLURM_RESTART_COUNT)."""
 
+    max_idle_requeues: int = 2
+    """Slurm: how many starts of one job may end (time limit, preemption, node failure)
+    without committing anything (a stage, an episode's turn, a checkpoint) before the job
+    is no longer requeued and ends FAILED, naming the stage that did not finish, how long it
+    ran and the job's time limit (`jobs.status`, the `idle_requeues` event). Stops a job
+    whose stage outlasts its time limit from requeueing itself `max_requeues` times."""
+
     peak_tflops: float = 0.0
     """Dense peak TFLOP/s of one rank's device at the train compute dtype: the denominator
     of the train stage's perf/mfu. 0: the GPU's entry in rftpipe/observe/perf.py's table (H100 SXM
@@ -60,8 +67,11 @@ class LaunchConfig:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if not (math.isfinite(self.peak_tflops) and self.peak_tflops >= 0):
             raise ValueError(f"peak_tflops must be a finite number >= 0, got {self.peak_tflops}")
-        if self.max_requeues < 0:
-            raise ValueError(f"max_requeues must be >= 0, got {self.max_requeues}")
+        if self.max_requeues < 0 or self.max_idle_requeues < 0:
+            raise ValueError(
+                f"max_requeues and max_idle_requeues must be >= 0, got {self.max_requeues} "
+                f"and {self.max_idle_requeues}"
+            )
 
     def rollout_rank_count(self, world: int, ranks_per_node: int) -> int:
         """How many of the job's `world` ranks only generate (0: colocated); a count that

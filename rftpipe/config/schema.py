@@ -107,6 +107,9 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "checkpoint.mtbf_hours",
     "checkpoint.min_interval",
     "checkpoint.max_interval",
+    # Whether a checkpoint that will not fit stops the run or is skipped: when checkpoints
+    # are taken, never what a step computes (tests/test_full_disk.py).
+    "checkpoint.on_no_space",
     "launch",
     "eval",
     # Where the optimizer state waits between train stages, never what an update computes

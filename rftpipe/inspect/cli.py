@@ -74,6 +74,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from rftpipe.atomic import atomic_write_bytes
 from rftpipe.inspect import images, page, routes
 from rftpipe.inspect.episodes import (
     EPISODE_FIELDS,
@@ -84,6 +85,7 @@ from rftpipe.inspect.episodes import (
 )
 from rftpipe.inspect.summary import InspectError, Run, open_run, summarize
 from rftpipe.inspect.verify import verify_run
+from rftpipe.space import EXIT_NO_SPACE, NoSpace
 from rftpipe.stages import ORDER as STAGES
 from rftpipe.stages.generation import ahead_line, generated_ahead
 from rftpipe.storage import branch_rows
@@ -324,8 +326,8 @@ def cmd_html(args: argparse.Namespace) -> int:
         subtitle=subtitle,
         routes=route,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(doc, encoding="utf-8")
+    # Whole or not at all: a full disk leaves no half page (and says so in one line).
+    atomic_write_bytes(out, doc.encode("utf-8"))
     print(out)
     print(f"{table.num_rows} sample(s)", file=sys.stderr)
     return 0
@@ -717,6 +719,9 @@ def main(argv: list[str] | None = None) -> int:
     except InspectError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    except NoSpace as e:  # the page or export it writes found no space: the machine's fault
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_NO_SPACE
     except (OSError, pa.ArrowException) as e:
         # An unreadable or concurrently removed file: still one line, not a traceback.
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from rftpipe.atomic import atomic_write_bytes
+from rftpipe.space import writing
 from rftpipe.storage.layout import RunDir
 
 
@@ -69,7 +70,7 @@ class JsonlTracker:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if step in self.records:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
+        with writing(self.path), open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(metrics, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -97,7 +98,8 @@ class WandbTracker:
         if not id_file.exists():
             atomic_write_bytes(id_file, secrets.token_hex(4).encode())
         run_id = id_file.read_text().strip()
-        self.have = set(logged_steps(run.root / "wandb", run_id))
+        self.dir = run.root / "wandb"
+        self.have = set(logged_steps(self.dir, run_id))
         self.wandb = wandb
         self.run = wandb.init(
             project=project,
@@ -116,7 +118,8 @@ class WandbTracker:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if step in self.have:
             return
-        self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+        with writing(self.dir):
+            self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
         self.have.add(step)
 
     def close(self) -> None:
@@ -131,7 +134,9 @@ class TensorBoardTracker:
         from torch.utils.tensorboard import SummaryWriter
 
         self.have = set(have)
-        self.writer = SummaryWriter(str(run.root / "tensorboard"), purge_step=first_missing)
+        self.dir = run.root / "tensorboard"
+        with writing(self.dir):  # its writer thread's failure surfaces at the next flush
+            self.writer = SummaryWriter(str(self.dir), purge_step=first_missing)
 
     def has(self, step: int) -> bool:
         return step in self.have
@@ -139,10 +144,11 @@ class TensorBoardTracker:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if step in self.have:
             return
-        for k, v in metrics.items():
-            if k != "step" and isinstance(v, int | float):
-                self.writer.add_scalar(k, v, global_step=step)
-        self.writer.flush()
+        with writing(self.dir):
+            for k, v in metrics.items():
+                if k != "step" and isinstance(v, int | float):
+                    self.writer.add_scalar(k, v, global_step=step)
+            self.writer.flush()
         self.have.add(step)
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from rftpipe.checkpoint import writer
+from rftpipe.checkpoint.room import room_for
 from rftpipe.run import handoff, overlap, staleness
 from rftpipe.run.executor import execute
 from rftpipe.stages import generation, round_stage, rounds
@@ -117,7 +118,13 @@ def maybe_checkpoint(rt: Runtime, step: int, timings: dict[str, float]) -> None:
     done = writer.list_committed(rt.run.checkpoints)
     if done and done[-1].step >= step:
         return
+    waited = rt.ckpt_writer.wait()  # a pending write's files count against the room
+    parts = stateful_parts(rt)
+    skip = rt.cfg.checkpoint.on_no_space == "skip"
+    if not room_for(rt.run.checkpoints, step, done, parts, rt.dist, skip):
+        timings["checkpoint_skipped"] = 1.0
+        return
     rt.ckpt_schedule.mark_checkpoint(step)
-    timings["checkpoint"] = rt.ckpt_writer.submit(
-        rt.run.checkpoints, step, stateful_parts(rt), rt.cfg.checkpoint.keep_last
+    timings["checkpoint"] = waited + rt.ckpt_writer.submit(
+        rt.run.checkpoints, step, parts, rt.cfg.checkpoint.keep_last
     )

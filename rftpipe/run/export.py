@@ -14,6 +14,7 @@ from rftpipe.atomic import atomic_write_json, read_json
 from rftpipe.config.schema import LoraConfig
 from rftpipe.engines import lora, models
 from rftpipe.engines.train.ema import ParameterEMA
+from rftpipe.space import writing
 from rftpipe.stages.base import Runtime
 
 EXPORT_MARKER = "rftpipe_export.json"
@@ -99,16 +100,9 @@ def _ema_weights(rt: Runtime, ema: ParameterEMA) -> torch.nn.Module | Mapping[st
     return model
 
 
-def export_final(
-    rt: Runtime,
-    final: Path,
-    weights: WeightsLike,
-    write: Callable[[Path, WeightsLike], None] | None = None,
+def _write_export(
+    rt: Runtime, tmp: Path, weights: WeightsLike, write: Callable[[Path, WeightsLike], None] | None
 ) -> None:
-    """HF-format export of a policy (RUN/export, RUN/export_ema), or what `write` puts in
-    the directory instead (LoRA adapters), published by a dir rename."""
-    tmp = rt.run.root / f".tmp-{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
     if write is not None:
         write(tmp, weights)
     else:
@@ -124,6 +118,24 @@ def export_final(
         # the export sees images as the policy was trained to.
         rt.vision.image_processor.save_pretrained(tmp)
     atomic_write_json(tmp / EXPORT_MARKER, {"step": rt.cfg.total_steps})
+
+
+def export_final(
+    rt: Runtime,
+    final: Path,
+    weights: WeightsLike,
+    write: Callable[[Path, WeightsLike], None] | None = None,
+) -> None:
+    """HF-format export of a policy (RUN/export, RUN/export_ema), or what `write` puts in
+    the directory instead (LoRA adapters), published by a dir rename."""
+    tmp = rt.run.root / f".tmp-{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with writing(tmp):
+            _write_export(rt, tmp, weights, write)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed export deletes its own files
+        raise
     old = rt.run.root / f".tmp-old-{final.name}"
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():

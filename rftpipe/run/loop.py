@@ -28,7 +28,7 @@ from rftpipe.run import export, handoff, resume, roles, runtime
 from rftpipe.run.driver import evaluate_initial, maybe_checkpoint, run_step
 from rftpipe.run.metrics import step_metrics, write_summary
 from rftpipe.run.placement import Placement
-from rftpipe.run.preemption import NoStop, StopFlag
+from rftpipe.run.preemption import NoStop, StopFlag, StopRequested
 from rftpipe.stages import FINAL
 from rftpipe.stages.base import ReplayCheck, Runtime
 from rftpipe.storage.layout import RunDir
@@ -66,10 +66,15 @@ def train_run(
     bar = progress(cfg, dist, last_done)
     try:
         _run_steps(rt, ckpt_step, last_done, trackers, busy, bar)
-    finally:
-        # A stop or an error between stages still lets a pending checkpoint commit.
+    except BaseException as exc:
+        # A stop or an error between stages still lets a pending checkpoint commit; a stop
+        # only until Slurm's kill nears (then the write is abandoned, see Writer.wait).
+        until = exc.deadline() if isinstance(exc, StopRequested) else None
         with memory.measured(cfg.total_steps, "checkpoint_wait"):
-            rt.ckpt_writer.wait()
+            rt.ckpt_writer.wait(until)
+        raise
+    with memory.measured(cfg.total_steps, "checkpoint_wait"):
+        rt.ckpt_writer.wait()
     finish(rt)
     trackers.close()
     if bar is not None:
@@ -159,6 +164,7 @@ def _log_step(
             "perf/checkpoint_s": timings.get("checkpoint", 0.0),
             "perf/checkpoint_wait_s": timings.get("checkpoint_wait", 0.0),
             "perf/checkpoint_interval": rt.ckpt_schedule.interval(),
+            "checkpoint/skipped_no_space": timings.get("checkpoint_skipped", 0.0),
             **memory.run_figures(),
             **resume_metrics(rt.replays),
             **busy.step_figures(),

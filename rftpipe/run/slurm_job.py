@@ -17,6 +17,7 @@ Requeue policy (rank 0 only, at most once per job run, after all ranks have stop
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -65,6 +66,23 @@ def job_info(job_id: str) -> dict[str, str]:
         if sep and key not in info:
             info[key] = value
     return info
+
+
+@functools.cache
+def kill_wait_s() -> float:
+    """The cluster's KillWait: seconds between a job's SIGTERM at its end and its SIGKILL
+    (`scontrol show config`; Slurm's default, 30, when it does not answer)."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "config"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "KillWait" and value.split() and value.split()[0].isdigit():
+            return float(value.split()[0])
+    return 30.0
 
 
 def decide_requeue(signum: int, info: dict[str, str], restarts: int, max_requeues: int) -> str:

@@ -9,6 +9,17 @@ of a file takes the buffered path, and every file is fsynced at close.
 Where the filesystem refuses O_DIRECT (tmpfs, some FUSE mounts) the file is written
 buffered instead, with the same checksums and fsync.
 
+A rank stopped by Slurm must not be inside a long write when SIGKILL comes: a thread in a
+write or fsync sleeps uninterruptibly (D state) until the I/O completes, and the process
+lives on with it; Slurm drains a node whose job outlives its kill ("Kill task failed").
+On a slow or throttled file system a buffered file's fsync waits for all of the file's
+writeback (a 0.85 MB file took 20 s on a disk giving 64 KB/s, a rank outliving its
+SIGKILL by as long). So each file goes to disk in O_DIRECT pieces sized to take about
+`PIECE_S` at the speed the device gives, all but its last partial block (under 4 KiB)
+which alone goes through the page cache; between pieces the writer checks whether its
+checkpoint was abandoned (`Abandoned`), so a stop that cannot wait ends the write within
+a piece.
+
 The xxh3-128 digest of each file, and an xxh3-64 digest of each CHUNK-sized block of it, are
 taken from the bytes on their way to disk, so the commit manifest needs no second read of a
 file the page cache no longer holds. The block digests let a restart verify exactly the bytes
@@ -27,6 +38,7 @@ import io
 import mmap
 import os
 import threading
+import time
 from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -43,10 +55,27 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from rftpipe.atomic import CorruptionError
+from rftpipe.faults import slow
+from rftpipe.space import named_no_space, writing
 
 CHUNK = 8 << 20
-"""Bytes per O_DIRECT write: a multiple of any device's logical block size; also the size of
-the blocks whose digests the commit manifest records."""
+"""Bytes of the buffers that go to disk in turn; also the size of the blocks whose digests
+the commit manifest records."""
+
+ALIGN = 4096
+"""O_DIRECT's alignment of lengths and offsets: a multiple of any device's logical block."""
+
+PIECE_S = 0.25
+"""Seconds one O_DIRECT write call should take: pieces double while faster than a fifth of
+it and halve while slower, between `MIN_PIECE` and `CHUNK` bytes (64 KiB to 8 MiB is seven
+doublings, a few milliseconds on a disk at 500 MB/s)."""
+
+MIN_PIECE = 16 << 10
+FIRST_PIECE = 64 << 10
+
+
+class Abandoned(Exception):
+    """The write was abandoned (a stop that could not wait for it) between two pieces."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,7 +97,11 @@ class FileDigest:
 class DirectFile(io.RawIOBase):
     """A sequential, write-only file (what DCP and torch.save need: write, tell, fileno)."""
 
-    def __init__(self, path: Path, direct: bool = True) -> None:
+    def __init__(
+        self, path: Path, direct: bool = True, abandon: threading.Event | None = None
+    ) -> None:
+        self._abandon = abandon or threading.Event()
+        self._piece = FIRST_PIECE
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self.direct = direct and hasattr(os, "O_DIRECT")
         try:
@@ -84,6 +117,7 @@ class DirectFile(io.RawIOBase):
         self._view = self._views[0]
         self._fill = 0
         self._pos = 0
+        self._pos_written = 0
         self._hash = xxhash.xxh3_128()
         self.block_digests: list[str] = []
         """xxh3-64 of each CHUNK-sized block of the file, the short last one included."""
@@ -137,9 +171,23 @@ class DirectFile(io.RawIOBase):
                 raise exc
 
     def _write_all(self, view: memoryview) -> None:
+        """Write `view` in pieces of about `PIECE_S` each (whole, for a buffered file)."""
         done = 0
         while done < len(view):
-            done += os.write(self._fd, view[done:])
+            if self._abandon.is_set():
+                raise Abandoned(f"abandoned after {self._pos_written + done} bytes")
+            if not self.direct:
+                done += os.write(self._fd, view[done:])
+                continue
+            piece = min(self._piece, len(view) - done)
+            t0 = time.perf_counter()
+            done += os.write(self._fd, view[done : done + piece])
+            took = time.perf_counter() - t0
+            if took > PIECE_S and self._piece > MIN_PIECE:
+                self._piece //= 2
+            elif took < PIECE_S / 5 and piece == self._piece and self._piece < CHUNK:
+                self._piece *= 2
+        self._pos_written += done
 
     def digest(self) -> str:
         return self._hash.hexdigest()
@@ -151,12 +199,18 @@ class DirectFile(io.RawIOBase):
             self._wait()
             if self._fill and self.error is None:
                 self.block_digests.append(xxhash.xxh3_64_hexdigest(self._view[: self._fill]))
-                if self.direct:  # the tail is not block-sized: finish it through the cache
+                aligned = self._fill - self._fill % ALIGN
+                self._write_all(self._view[:aligned])
+                if self.direct and aligned < self._fill:
+                    # The last partial block cannot go O_DIRECT: finish it through the cache.
                     mode = fcntl.fcntl(self._fd, fcntl.F_GETFL)
                     fcntl.fcntl(self._fd, fcntl.F_SETFL, mode & ~os.O_DIRECT)
-                self._write_all(self._view[: self._fill])
+                    self.direct = False
+                self._write_all(self._view[aligned : self._fill])
                 self._fill = 0
             if self.error is None:
+                if self._abandon.is_set():
+                    raise Abandoned("abandoned before its fsync")
                 os.fsync(self._fd)
         except OSError as exc:
             self.error = self.error or exc
@@ -176,9 +230,10 @@ class DirectFile(io.RawIOBase):
 class DirectFileSystem(FileSystem):
     """DCP's local file system with O_DIRECT writes; remembers each file's size and digest."""
 
-    def __init__(self, direct: bool = True) -> None:
+    def __init__(self, direct: bool = True, abandon: threading.Event | None = None) -> None:
         super().__init__()
         self.direct = direct
+        self.abandon = abandon
         self._lock = threading.Lock()  # DCP may write files from several threads
         self.written: dict[str, FileDigest] = {}
         self.write_error: BaseException | None = None
@@ -191,7 +246,9 @@ class DirectFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        f = DirectFile(Path(path), self.direct)
+        slow("checkpoint", sleep=self.abandon.wait if self.abandon else None)
+        with writing(Path(path)):  # a file system full (or a quota spent) at its creation
+            f = DirectFile(Path(path), self.direct, self.abandon)
         try:
             yield f
         finally:
@@ -200,7 +257,10 @@ class DirectFileSystem(FileSystem):
             finally:
                 if f.error is not None:
                     with self._lock:
-                        self.write_error = self.write_error or f.error
+                        # DCP passes every rank's failure on pickled, where an OSError's
+                        # file name would not survive: a NoSpace keeps it.
+                        named = named_no_space(f.error, Path(path))
+                        self.write_error = self.write_error or named or f.error
         with self._lock:
             self.written[str(Path(path).resolve())] = FileDigest(
                 bytes=f.tell(), xxh3_128=f.digest(), blocks_xxh3_64=tuple(f.block_digests)
@@ -214,10 +274,13 @@ class DirectFileSystem(FileSystem):
                 self.written[str(Path(new_path).resolve())] = info
 
 
-def storage_writer(path: Path, direct: bool = True) -> tuple[FileSystemWriter, DirectFileSystem]:
-    """A DCP writer for `path` that writes through `DirectFileSystem`, and that file system."""
+def storage_writer(
+    path: Path, direct: bool = True, abandon: threading.Event | None = None
+) -> tuple[FileSystemWriter, DirectFileSystem]:
+    """A DCP writer for `path` that writes through `DirectFileSystem`, and that file system;
+    setting `abandon` makes its writes raise `Abandoned` at their next piece."""
     writer = FileSystemWriter(str(path), sync_files=False)  # DirectFile fsyncs at close
-    fs = DirectFileSystem(direct)
+    fs = DirectFileSystem(direct, abandon)
     writer.fs = fs
     return writer, fs
 

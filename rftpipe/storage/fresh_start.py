@@ -139,3 +139,19 @@ def set_aside(run: RunDir) -> Path | None:
     fsync_dir(dest)
     fsync_dir(run.root)
     return dest
+
+
+def refuse_misplaced(path: Path) -> None:
+    """Refuse (`UserError`, one line) a run directory that is a file, or that lies inside
+    another run's directory (one whose `config.yaml` sits beside its `run.json` or event
+    log), where that run's cleanup at its next start would remove it."""
+    path = Path(path).absolute()
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--run-dir: {path} is a file, not a directory")
+    for parent in path.parents:
+        if (parent / "config.yaml").is_file() and any(
+            (parent / name).is_file() for name in ("run.json", "events.jsonl")
+        ):
+            raise UserError(
+                f"--run-dir: {path} is inside the run directory {parent}; give a path outside it"
+            )

@@ -14,6 +14,7 @@ and DuckDB all read the hive key as an integer; ``K`` = rank)::
     RUN/events.jsonl, RUN/metrics.jsonl    diagnostics and per-step metrics
     RUN/superseded/TIME/                   files of an earlier start that committed nothing
     RUN/.live.lock                         flocked (shared) by every live worker
+    RUN/.holder.json, RUN/.holder.lock     the job that runs the directory (rftpipe.run.holder)
 
 Every file is written under a temporary name, fsynced and renamed (`rftpipe.atomic`);
 a stage exists only once its MANIFEST.json exists, and nothing reads a shard that no manifest
@@ -142,6 +143,17 @@ class RunDir:
     def live_lock_path(self) -> Path:
         """Every live worker holds a shared flock on it (`rftpipe.storage.fresh_start`)."""
         return self.root / ".live.lock"
+
+    @property
+    def holder_path(self) -> Path:
+        """The job that runs the directory: its Slurm job id or host and pid
+        (`rftpipe.run.holder`)."""
+        return self.root / ".holder.json"
+
+    @property
+    def holder_lock_path(self) -> Path:
+        """Flocked (exclusive) by the holding job's first rank for its whole life."""
+        return self.root / ".holder.lock"
 
     def step_dir(self, step: int) -> Path:
         return self.stages / step_name(step)

@@ -24,6 +24,7 @@ from rftpipe.atomic import (
 )
 from rftpipe.events import events
 from rftpipe.faults import fault
+from rftpipe.space import writing
 from rftpipe.storage.branch_rows import BRANCH
 from rftpipe.storage.layout import MANIFEST, RunDir, list_steps, step_name
 
@@ -123,9 +124,12 @@ class StageStore:
             return
         staging = self.run.staging / step_name(step)
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        for info in self.manifest(step, stage)["shards"]:
-            _link_or_copy(self.run.stage_dir(step, stage) / info["file"], staging / info["file"])
+        with writing(staging):  # links need directory blocks, a copy needs the bytes
+            staging.mkdir(parents=True)
+            for info in self.manifest(step, stage)["shards"]:
+                _link_or_copy(
+                    self.run.stage_dir(step, stage) / info["file"], staging / info["file"]
+                )
         fsync_dir(staging)
         self.run.trajectories.mkdir(parents=True, exist_ok=True)
         fault("publish_before_rename")

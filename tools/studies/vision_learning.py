@@ -80,7 +80,8 @@ def parse_spec(spec: str) -> dict[str, Any]:
     for c in (a, b):
         if c not in vision_task.PALETTE:
             raise SystemExit(f"--datasets: unknown colour {c!r} in {spec!r}")
-    return {"seed": int(seed), "colours": [a, b], "layout": rest[0] if rest else "plain"}
+    noise = {"noise": float(rest[1])} if rest[1:] else {}
+    return {"seed": int(seed), "colours": [a, b], "layout": rest[0] if rest else "plain", **noise}
 
 
 def run_one(run_dir: Path, data: tuple[Path, ...], overrides: tuple[str, ...]) -> dict[str, float]:
@@ -100,6 +101,19 @@ def run_one(run_dir: Path, data: tuple[Path, ...], overrides: tuple[str, ...]) -
     return {"seconds": round(time.perf_counter() - t0, 1)}
 
 
+def write(folder: Path, d: dict[str, Any], rows: int, informative: bool) -> tuple[Path, ...]:
+    """One arm's dataset files: the second generator's for layout `user` (its own row
+    count), else `write_dataset`'s with `rows`."""
+    colours = (d["colours"][0], d["colours"][1])
+    if d["layout"] == "user":
+        return vision_task.write_user_dataset(
+            folder, d["seed"], colours=colours, informative=informative, noise=d.get("noise", 48.0)
+        )
+    return vision_task.write_dataset(
+        folder, rows, d["seed"], colours=colours, informative=informative, layout=d["layout"]
+    )
+
+
 def measure(
     work: Path,
     spec: str,
@@ -114,14 +128,7 @@ def measure(
     step = vision_task.final_step(overrides)
     arms = {}
     for arm, informative in (("vlm", True), ("control", False))[: 2 if control else 1]:
-        data = vision_task.write_dataset(
-            folder,
-            rows,
-            d["seed"],
-            colours=(d["colours"][0], d["colours"][1]),
-            informative=informative,
-            layout=d["layout"],
-        )
+        data = write(folder, d, rows, informative)
         arms[arm] = pool.submit(run_one, folder / arm, data, overrides)
     row: dict[str, Any] = {"spec": spec, **d}
     for arm, fut in arms.items():
