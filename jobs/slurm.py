@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rftpipe.errors import UserError
 from rftpipe.run.holder import LIVE_STATES
-from rftpipe.run.slurm_job import job_info
+from rftpipe.run.slurm_job import ask_job, job_info
 
 #: Seconds between Slurm's USR2 and the time limit (it must fit one stage plus a commit).
 DEFAULT_SIGNAL_DELAY_S = 90
@@ -204,7 +204,15 @@ def live_jobs(run_dir: Path) -> list[tuple[str, str]]:
     listed = run_dir / "slurm" / "jobs.txt"
     if not listed.exists() or shutil.which("squeue") is None:
         return []
-    states = [(job, job_state(job)) for job in dict.fromkeys(listed.read_text().split())]
+    states = []
+    for job in dict.fromkeys(listed.read_text().split()):
+        info = ask_job(job)
+        if info is None:  # never taken for ended: a second job would run beside it
+            raise UserError(
+                f"run_dir: Slurm did not answer about job {job} of {run_dir} (scontrol show "
+                "job); try again when it does"
+            )
+        states.append((job, info.get("JobState") or "GONE"))
     # The states in which a job holds its run directory, as the workers judge a holder.
     return [(job, state) for job, state in states if state in LIVE_STATES]
 

@@ -147,8 +147,16 @@ def second_job(run_dir: Path, args: argparse.Namespace) -> None:
             "--submit-anyway to submit another that starts once it has ended"
         )
     holder = recorded(RunDir(run_dir))
-    if holder is not None and not args.submit_anyway and alive(holder, DYING_GRACE_S):
+    if holder is None or args.submit_anyway:
+        return
+    holding = alive(holder, DYING_GRACE_S)
+    if holding:
         raise UserError(f"run_dir: {run_dir} is held by {holder.describe()}, which is still live")
+    if holding is None and holder.job and shutil.which("scontrol"):  # never taken for ended
+        raise UserError(
+            f"run_dir: {run_dir} is held by {holder.describe()} and Slurm did not answer "
+            "about it; try again when it does, or pass --submit-anyway"
+        )
 
 
 def slurm_available() -> bool:

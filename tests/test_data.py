@@ -351,3 +351,102 @@ def test_values_json_would_change_are_not_cached(value: object) -> None:
     kept = {"m": [(1, (2, "x")), {"a": [1.5, None, True]}]}
     text = _json_exactly(kept)
     assert text is not None and repr(_from_json(text)) == repr(kept)
+
+
+def _labelled(path: Path, labels: list[str]) -> DatasetSourceConfig:
+    """A JSON-lines dataset whose rows carry `label` (and a distinct answer each)."""
+    rows = [{"prompt": f"q{i}", "answer": str(i), "label": lab} for i, lab in enumerate(labels)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return DatasetSourceConfig(path=str(path))
+
+
+def test_balance_by_gives_every_step_as_many_prompts_of_each_value(tmp_path: Path) -> None:
+    """`data.balance_by`: a single file of 3 labels in a lopsided, clustered order; every
+    window of 3 x k prompts holds k of each label, each label's prompts once per epoch of
+    its own, and the windows depend on `consumed` alone (a resume draws the same)."""
+    import random
+
+    labels = ["a"] * 9 + ["b"] * 4 + ["c"] * 2
+    random.Random(0).shuffle(labels)
+    source = _labelled(tmp_path / "d.jsonl", labels)
+    tok = build_tiny_tokenizer()
+    ps = load_prompts(datasets_cfg(source, balance_by="label"), tok)
+    assert sorted(ps.sizes) == [2, 4, 9] and len(ps) == len(labels)
+    label = [p.metadata["label"] for p in ps.prompts]
+    taken: list[int] = []
+    state = SamplerState()
+    for _ in range(12):
+        w = ps.window(7, True, state, 6)
+        assert sorted(label[i] for i in w) == ["a", "a", "b", "b", "c", "c"]
+        taken += w
+        state = SamplerState(consumed=state.consumed + len(w))
+    for value, size in (("a", 9), ("b", 4), ("c", 2)):
+        mine = [i for i in taken if label[i] == value]
+        for e in range(len(mine) // size):
+            assert len(set(mine[e * size : (e + 1) * size])) == size, value
+    assert ps.window(7, True, SamplerState(consumed=30), 12) == taken[30:42]
+    # Unbalanced, the same stream is not: some window of 6 is lopsided.
+    plain = load_prompts(datasets_cfg(source), tok)
+    windows = [plain.window(7, True, SamplerState(consumed=6 * s), 6) for s in range(12)]
+    plain_label = [p.metadata["label"] for p in plain.prompts]
+    assert any(len({plain_label[i] for i in w}) < 3 for w in windows)
+    assert plain.fingerprint() != ps.fingerprint()
+
+
+def test_balance_by_answer_and_a_struct_field_within_each_dataset(tmp_path: Path) -> None:
+    """`answer` names each dataset's answer column, `a.b` a struct field; two datasets of
+    weights 1 and 2 keep their shares, each split equally among its values."""
+    a = tmp_path / "a.parquet"
+    rows = verl_rows(6)
+    for i, r in enumerate(rows):
+        r["reward_model"]["ground_truth"] = "yes" if i % 3 else "no"
+    pq.write_table(pa.Table.from_pylist(rows), a)
+    b = _labelled(tmp_path / "b.jsonl", ["x", "y"] * 3).path
+    cfg = datasets_cfg(
+        DatasetSourceConfig(path=str(a), format="verl", weight=1.0),
+        DatasetSourceConfig(path=b, weight=2.0, answer_column="label"),
+        balance_by="answer",
+    )
+    ps = load_prompts(cfg, build_tiny_tokenizer())
+    assert ps.sizes == [2, 4, 3, 3] and ps.weights == (0.5, 0.5, 1.0, 1.0)
+    w = ps.window(0, True, SamplerState(), 6)
+    answers = sorted(ps.prompts[i].answer for i in w)
+    assert answers == ["no", "x", "x", "y", "y", "yes"]
+    by_field = load_prompts(
+        datasets_cfg(
+            DatasetSourceConfig(path=str(a), format="verl"), balance_by="reward_model.ground_truth"
+        ),
+        build_tiny_tokenizer(),
+    )
+    assert by_field.sizes == [2, 4]
+
+
+def test_balance_by_refuses_an_id_a_missing_value_and_other_sources(tmp_path: Path) -> None:
+    tok = build_tiny_tokenizer()
+    many = _labelled(tmp_path / "many.jsonl", [f"l{i}" for i in range(70)])
+    with pytest.raises(
+        UserError, match=r"data.datasets\[0\] has 70 distinct values of 'label' > 64"
+    ):
+        load_prompts(datasets_cfg(many, balance_by="label"), tok)
+    with pytest.raises(
+        UserError, match=r"data.balance_by: data.datasets\[0\]: row 0 of '.*many.jsonl' has no value of 'colour'"
+    ):
+        load_prompts(datasets_cfg(many, balance_by="colour"), tok)
+    with pytest.raises(ValueError, match="balance_by needs source 'datasets', not 'reasoning_gym'"):
+        DataConfig(balance_by="answer")
+
+
+def test_a_holdout_that_takes_a_whole_value_is_refused(tmp_path: Path) -> None:
+    """A value whose every prompt is held out would leave its part of the stream empty."""
+    from rftpipe.config.schema import EvalConfig
+    from rftpipe.data.prompts import _held_out, content_key, split_held_out
+
+    cfg = datasets_cfg(_labelled(tmp_path / "d.jsonl", ["a"] * 8 + ["b"]), balance_by="label")
+    tok = build_tiny_tokenizer()
+    train = load_prompts(cfg, tok)
+    b = next(p for p in train.prompts if p.metadata["label"] == "b")
+    seed = next(s for s in range(100) if _held_out(content_key(b), s, 0.5))
+    with pytest.raises(
+        UserError, match=r'holds out every prompt of data.datasets\[0\] rows whose label is "b"'
+    ):
+        split_held_out(cfg, EvalConfig(size=4, holdout_fraction=0.5, seed=seed), train, tok)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, TINY, events, submit
 
-from rftpipe.run.holder import HeldElsewhere, alive, claim, recorded
+from rftpipe.run.holder import HeldElsewhere, Holder, alive, claim, recorded
 from rftpipe.storage.layout import RunDir
 
 CLAIM = """
@@ -148,3 +148,38 @@ def test_an_exited_process_not_yet_reaped_is_not_the_holder(tmp_path: Path) -> N
     fd = claim(RunDir(tmp_path))
     os.close(fd)
     child.wait()
+
+
+@pytest.mark.parametrize(
+    ("stderr", "ended"),
+    [
+        ("slurm_load_jobs error: Invalid job id specified", True),
+        ("slurm_load_jobs error: Unable to contact slurm controller (connect failure)", False),
+    ],
+)
+def test_a_silent_slurm_is_never_taken_for_an_ended_job(
+    tmp_path: Path, monkeypatch, stderr: str, ended: bool
+) -> None:
+    """`scontrol show job` failing because the controller is unreachable says nothing about
+    the job: jobs.submit refuses (it would otherwise start a second job beside a live one);
+    "Invalid job id" is a job Slurm has forgotten, which has ended. A stand-in `scontrol`
+    prints Slurm 22.05's own messages: a down controller is not made in the fast tier."""
+    import jobs.slurm
+    from rftpipe.errors import UserError
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("scontrol", "squeue"):
+        (bin_dir / tool).write_text(f"#!/bin/sh\necho '{stderr}' >&2\nexit 1\n")
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    run = tmp_path / "run"
+    (run / "slurm").mkdir(parents=True)
+    (run / "slurm" / "jobs.txt").write_text("4242\n")
+    if ended:
+        assert jobs.slurm.live_jobs(run) == []
+    else:
+        with pytest.raises(UserError, match="Slurm did not answer about job 4242 of"):
+            jobs.slurm.live_jobs(run)
+    holder = Holder(job="4242", host="h", pid=1, pid_start=None, since=0.0)
+    assert alive(holder) is (False if ended else None)

@@ -281,9 +281,14 @@ def test_cpu_train_step_reuses_its_large_blocks(tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     faults = [int(x) for x in out.stdout.split()[-4:]]
     # Mapped per use, every step faults its ~1.7 GB of large blocks in again (418k pages a
-    # step at 11c761f, 2026-11-27). Retained, the steps after the first reuse them: a few
-    # pages, and 50 MB blocks (12k pages each) where the heap grows (up to 62k in 3 steps).
-    assert sum(faults[1:]) < 125_000, f"train steps faulted {faults} pages"
+    # step at 11c761f, 2026-11-27). Retained, the steps after the warm-up reuse them: a few
+    # pages, and 50 MB blocks (12k pages each) where the heap grows. The warm-up may take
+    # two steps: on CI (2026-12-02, under the whole suite's load) the second faulted
+    # nearly as much as the first (116k, 111k, 1, 25k; here up to 62k in steps 2 to 4).
+    # Why is not established (glibc's per-thread arenas are a candidate: torch's threads
+    # may free a block into one arena and ask another for it). Steps 3 and 4 are the
+    # steady state, and a regression to per-use mappings faults ~800k pages in them.
+    assert sum(faults[2:]) < 100_000, f"train steps faulted {faults} pages"
 
 
 def test_status_names_the_replays_a_resume_did_not_reproduce(tmp_path, capsys) -> None:

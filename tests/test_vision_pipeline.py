@@ -37,7 +37,7 @@ from helpers import (
 from rftpipe.space import EXIT_NO_SPACE
 from rftpipe.stages import ORDER
 from rftpipe.storage.images import IMAGES_DIR, ImageRef, stored_images
-from tools.studies.vision_learning import FRESH, FRESH_IN_CI, parse_spec
+from tools.studies.vision_learning import FRESH, FRESH_IN_CI, parse_spec, write
 
 pytestmark = pytest.mark.slow
 IMAGE_PAD = 261  # builtin:tiny-vl's <|image_pad|> id (asserted in tests/test_vision.py)
@@ -344,22 +344,16 @@ def test_the_images_enter_the_data_fingerprint_and_the_held_out_key(
     assert first.fingerprint() != second.fingerprint()
 
 
-def test_the_policy_learns_to_use_the_image(tmp_path: Path) -> None:
-    """The recipe (`vision_task.LEARN`) on one of the fresh datasets of
+@pytest.mark.parametrize("fresh", FRESH_IN_CI, ids=[FRESH[i] for i in FRESH_IN_CI])
+def test_the_policy_learns_to_use_the_image(tmp_path: Path, fresh: int) -> None:
+    """The recipe (`vision_task.LEARN`) on a fresh dataset of each generator of
     tools/studies/vision_learning.py (seed and colour pair never used in choosing it) and on its
     control, whose pictures carry no colour (docs/vision.md, "The learning test")."""
-    spec = parse_spec(FRESH[FRESH_IN_CI])
+    spec = parse_spec(FRESH[fresh])
     step = vision_task.final_step(vision_task.LEARN)
     result = {}
     for arm, informative in (("vlm", True), ("control", False)):
-        data = vision_task.write_dataset(
-            tmp_path / "data",
-            vision_task.ROWS,
-            spec["seed"],
-            colours=tuple(spec["colours"]),
-            informative=informative,
-            layout=spec["layout"],
-        )
+        data = write(tmp_path / "data", spec, vision_task.ROWS, informative)
         out = submit(tmp_path / arm, *vl_run(data, *vision_task.LEARN), env=TESTS_ON_PATH)
         assert out.returncode == 0, out.stderr[-3000:]
         result[arm] = vision_task.held_out_reward(tmp_path / arm, step)
@@ -372,10 +366,12 @@ def test_the_policy_learns_to_use_the_image(tmp_path: Path) -> None:
     for arm in ("vlm", "control"):
         images = trajectories(tmp_path / arm).column("images")
         assert all(len(refs) == 1 for refs in images.to_pylist()), arm
-    # Every step drew 2 prompts of each colour: the two files in turn.
+    # Every step drew 2 prompts of each colour (`data.balance_by=answer`).
     rows = trajectories(tmp_path / "vlm").to_pylist()
     drawn = Counter(
-        (r["step"], json.loads(r["metadata"])["parity"]) for r in rows if r["sample_idx"] == 0
+        (r["step"], vision_task.parity_of(json.loads(r["metadata"])))
+        for r in rows
+        if r["sample_idx"] == 0
     )
     assert sorted(drawn.values()) == [2] * 2 * step, drawn
 

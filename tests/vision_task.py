@@ -81,9 +81,9 @@ def write_dataset(
         colour = colours[i % 2]
         name = f"{arm}{seed}_{i}.png"
         (folder / name).write_bytes(picture(colour if informative else colours, seed * 100_000 + i))
-        # A distinct answer per row (never shown to the model; the reward reads `parity`)
-        # makes every row its own problem for the held-out split.
-        row = {"prompt": prompt, "answer": f"{colour} {i}", "colour": colour, "parity": i % 2}
+        # The answer is the colour (never shown to the model; the reward reads `parity`;
+        # the recipe balances steps by it); each picture makes its row a problem of its own.
+        row = {"prompt": prompt, "answer": colour, "colour": colour, "parity": i % 2}
         lines[i % 2].append(json.dumps({**row, "images": [name]}))
     paths = (folder / f"{arm}_{colours[0]}.jsonl", folder / f"{arm}_{colours[1]}.jsonl")
     for path, part in zip(paths, lines, strict=True):
@@ -201,6 +201,7 @@ def colour_parity(sample) -> float:
 # tests/test_vision_pipeline.py's learning test and tools/studies/vision_learning.py both
 # run it.
 LEARN = (
+    "data.balance_by=answer",
     "total_steps=12",
     "data.prompts_per_step=4",
     "rollout.n=8",

@@ -143,6 +143,10 @@ class ImagesConfig:
             raise ValueError(f"max_per_prompt must be >= 1, got {self.max_per_prompt}")
 
 
+MAX_BALANCE_VALUES = 64
+"""Most distinct values of `data.balance_by` in one dataset (a label, not an id)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     source: Literal["reasoning_gym", "file", "datasets"] = "reasoning_gym"
@@ -180,7 +184,23 @@ class DataConfig:
     images: ImagesConfig = field(default_factory=ImagesConfig)
     """Image prompts (`data.datasets` rows with images, for a vision-language model)."""
 
+    balance_by: str | None = None
+    """Balance the prompt stream over the values of a row field (`source=datasets` only):
+    `answer` (each dataset's answer column) or a column (`a.b`: field b of struct column
+    a). Each dataset's share of the stream is split equally among its values, taken in
+    turn by the same smooth round-robin as the datasets' weights, and each value's prompts
+    run through their own shuffled epochs (every prompt once per epoch of its value). For a
+    task whose reward hinges on a label with few values (a class, an image's colour): a
+    step of k x (number of values) prompts holds k of each, so the group advantages of a
+    policy that cannot yet tell the labels apart cancel over the step instead of pushing
+    every prompt towards the step's majority label (docs/vision.md, "The learning test").
+    At most 64 values per dataset (`MAX_BALANCE_VALUES`). None: not balanced."""
+
     def __post_init__(self) -> None:
+        if self.balance_by is not None and self.source != "datasets":
+            raise ValueError(f"balance_by needs source 'datasets', not '{self.source}'")
+        if self.balance_by == "":
+            raise ValueError("balance_by is empty: name a row field, or leave it unset")
         if self.prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
         if self.max_prompt_tokens < 1:

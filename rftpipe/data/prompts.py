@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rftpipe.config.schema import DataConfig, EvalConfig
+from rftpipe.data.balance import balance
 from rftpipe.data.images import LoadedImage, VisionPrompt
 from rftpipe.data.sampler import SamplerState, global_window, mixed_window, schedule
 from rftpipe.data.sources import (
@@ -71,11 +72,15 @@ class PromptSet:
         scorer: Any,
         weights: Sequence[float] = (1.0,),
         vision: ImageTemplater | None = None,
+        names: Sequence[str] = (),
     ) -> None:
         self.scorer = scorer
         self._hash_rows = cfg.source == "datasets"
         self.weights = tuple(weights)
-        """Mixing weight of each dataset (one entry: a single source)."""
+        """Mixing weight of each dataset (one entry: a single source), or of each part of
+        a balanced stream (`rftpipe.data.balance`)."""
+        self.names = tuple(names) or tuple(f"data.datasets[{k}]" for k in range(len(weights)))
+        """Each part as error messages name it."""
         self.prompts: list[Prompt] = []
         self.sizes = [0] * len(self.weights)
         """Prompts kept per dataset; the prompt list holds them dataset after dataset."""
@@ -116,10 +121,8 @@ class PromptSet:
         if not self.prompts:
             raise UserError("data: no prompts left after applying data.max_prompt_tokens")
         if len(self.sizes) > 1 and not all(self.sizes):
-            empty = self.sizes.index(0)
-            raise UserError(
-                f"data.datasets[{empty}]: no prompts left after applying data.max_prompt_tokens"
-            )
+            empty = self.names[self.sizes.index(0)]
+            raise UserError(f"{empty}: no prompts left after applying data.max_prompt_tokens")
         self._period = schedule(self.weights)
 
     def __len__(self) -> int:
@@ -238,7 +241,11 @@ def load_prompts(
         return PromptSet(rows, tokenizer, cfg, ds)
     if cfg.source == "datasets":
         rows = [r for k, d in enumerate(cfg.datasets) for r in load_source_rows(d, k)]
-        return PromptSet(rows, tokenizer, cfg, None, [d.weight for d in cfg.datasets], vision)
+        weights = [d.weight for d in cfg.datasets]
+        if cfg.balance_by is None:
+            return PromptSet(rows, tokenizer, cfg, None, weights, vision)
+        parts = balance(rows, weights, cfg.balance_by)
+        return PromptSet(parts.rows, tokenizer, cfg, None, parts.weights, vision, parts.names)
     return PromptSet(file_rows(cfg), tokenizer, cfg, None)
 
 
@@ -288,7 +295,14 @@ def split_held_out(
                 f"eval.holdout_fraction={ecfg.holdout_fraction} leaves {len(kept)} training "
                 f"and {len(held)} held-out prompts of {len(train)}; both must be non-empty"
             )
-        return train.subset(kept), train.subset(_distinct(held)[: ecfg.size])
+        out = train.subset(kept)
+        if len(out.sizes) > 1 and not all(out.sizes):
+            empty = out.names[out.sizes.index(0)]
+            raise UserError(
+                f"eval.holdout_fraction={ecfg.holdout_fraction} holds out every prompt of "
+                f"{empty}; lower it or add rows"
+            )
+        return out, train.subset(_distinct(held)[: ecfg.size])
     generated = load_eval_prompts(cfg, ecfg, tokenizer)
     seen = {content_key(p) for p in train.prompts}
     held = [p for p in _distinct(generated.prompts) if content_key(p) not in seen]

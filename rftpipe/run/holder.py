@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from rftpipe.atomic import atomic_write_json, read_json
 from rftpipe.errors import UserError
-from rftpipe.run.slurm_job import SlurmJob, job_info
+from rftpipe.run.slurm_job import SlurmJob, ask_job
 from rftpipe.storage.layout import RunDir
 
 if TYPE_CHECKING:
@@ -115,8 +115,10 @@ def alive(holder: Holder, grace: float = 0.0) -> bool | None:
     if holder.job:
         if shutil.which("scontrol") is None:
             return None
-        # {} once Slurm has forgotten the job (MinJobAge after its end): it has ended.
-        return job_info(holder.job).get("JobState") in LIVE_STATES
+        # {} once Slurm has forgotten the job (MinJobAge after its end): it has ended;
+        # None when Slurm did not answer: not known, never taken for ended.
+        info = ask_job(holder.job)
+        return None if info is None else info.get("JobState") in LIVE_STATES
     if holder.host != socket.gethostname():
         return None
     deadline = time.monotonic() + grace

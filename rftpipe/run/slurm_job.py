@@ -49,7 +49,15 @@ class SlurmJob:
 
 
 def job_info(job_id: str) -> dict[str, str]:
-    """`scontrol show job -o` as a dict ({} when Slurm does not answer)."""
+    """`scontrol show job -o` as a dict ({} when Slurm does not answer or no longer knows
+    the job)."""
+    return ask_job(job_id) or {}
+
+
+def ask_job(job_id: str) -> dict[str, str] | None:
+    """`scontrol show job -o` as a dict: {} for a job Slurm no longer knows (`MinJobAge`
+    after its end), None when Slurm did not answer (a timeout, the controller down), which
+    says nothing about the job."""
     try:
         out = subprocess.run(
             ["scontrol", "show", "job", "-o", job_id],
@@ -59,7 +67,9 @@ def job_info(job_id: str) -> dict[str, str]:
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
-        return {}
+        return None
+    if out.returncode:
+        return {} if "Invalid job id" in out.stderr else None
     info: dict[str, str] = {}
     for token in out.stdout.split():
         key, sep, value = token.partition("=")

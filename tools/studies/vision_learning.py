@@ -14,11 +14,13 @@ value 1/2, and whether the two claims of docs/vision.md hold:
 - the control (the same rows, each picture tinted with the pair's mean colour, so it
   says nothing about the row's colour): |held-out reward - 1/2| <= 2 standard errors.
 
-A SPEC is `SEED:COLOUR/COLOUR` or `SEED:COLOUR/COLOUR:verl` (verl's chat layout with the
-question "What colour is the image? Answer with one word."), colours from
-`vision_task.PALETTE`. `fresh`, `tuning` and `seen` name the frozen lists below: the recipe was
-chosen on `tuning` alone, and `fresh` (seeds and colour pairs never used in choosing it)
-is what docs/vision.md reports. Exits 1 when a claim fails on some dataset.
+A SPEC is `SEED:COLOUR/COLOUR` or `SEED:COLOUR/COLOUR:verl` (`vision_task.write_dataset`;
+verl's chat layout with the question "What colour is the image? Answer with one word."), or
+`SEED:COLOUR/COLOUR:user[:NOISE]` (`vision_task.write_user_dataset`, the second generator),
+colours from `vision_task.PALETTE`. `fresh`, `fresh1`, `tuning`, `tuning2` and `seen` name
+the frozen lists below: the recipe was chosen on `tuning` and `tuning2` alone, and `fresh`
+(seeds and colour pairs never used in choosing it) is what docs/vision.md reports. Exits 1
+when a claim fails on some dataset.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ SEEN = (
 """Datasets that measured an earlier recipe, not fresh either: 26 to 29 the one before
 this; 41 to 46 this one with 48 rows, a quarter held out; 51 to 56 this one with the
 colours in one file, shuffled together (51 failed; see docs/vision.md)."""
-FRESH = (
+FRESH_1 = (
     "61:yellow/magenta",
     "62:white/blue",
     "63:cyan/purple",
@@ -68,9 +70,37 @@ FRESH = (
     "65:teal/yellow",
     "66:blue/green:verl",
 )
-"""Seeds and colour pairs that no recipe was tried on before it was frozen."""
-FRESH_IN_CI = 1
-"""The fresh dataset that tests/test_vision_pipeline.py's learning test runs."""
+"""Seeds and colour pairs that no recipe was tried on before the recipe of 2026-11-27 was
+frozen (the steps balanced by two files, one per colour)."""
+TUNING_2 = (
+    "71:red/blue:user",
+    "72:green/purple:user",
+    "73:red/green:user:96",
+    "74:blue/yellow:user:96",
+    "62:white/blue",
+)
+"""What the balancing by `data.balance_by` was tried on (2026-12-03): the second
+generator's task failed on 74 with the steps unbalanced (one file, colours shuffled)."""
+FRESH = (
+    "81:orange/blue",
+    "82:purple/green",
+    "83:red/cyan",
+    "84:yellow/teal:verl",
+    "85:magenta/white",
+    "91:red/blue:user",
+    "92:green/magenta:user",
+    "93:orange/teal:user",
+    "94:white/purple:user:96",
+    "95:cyan/yellow:user:96",
+    "96:blue/orange:user",
+)
+"""Seeds and colour pairs that no recipe was tried on before `LEARN` of 2026-12-03 was
+frozen: five of `write_dataset` (two files, one per colour) and six of
+`write_user_dataset` (one verl Parquet file, colours shuffled, the noise's standard
+deviation 48 or 96)."""
+FRESH_IN_CI = (0, 5)
+"""The fresh datasets, one per generator, that tests/test_vision_pipeline.py's learning
+test runs."""
 
 
 def parse_spec(spec: str) -> dict[str, Any]:
@@ -156,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("overrides", nargs="*", help="key=value on top of the recipe")
     args = p.parse_args(argv)
-    named = {"fresh": FRESH, "tuning": TUNING, "seen": SEEN}
+    named = {"fresh": FRESH, "fresh1": FRESH_1, "tuning": TUNING, "tuning2": TUNING_2, "seen": SEEN}
     specs = named.get(args.datasets) or tuple(args.datasets.split(","))
     overrides = (*vision_task.LEARN, *args.overrides)
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
