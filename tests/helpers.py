@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import io
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,84 @@ def submit(
         timeout=timeout,
         env=full,
     )
+
+
+FAULT_MODES = ("quota", "full")
+"""How a write point is made to fail (issue 51): `EDQUOT` by the fault point
+`RFTPIPE_FAULT_QUOTA`, or a real full file system (a `SmallFS` filled right before the
+write by `RFTPIPE_FAULT_FULL`, which then meets the kernel's ENOSPC)."""
+
+
+@contextlib.contextmanager
+def fault_at(
+    mode: str, part: str, where: Path, size: int = 64 << 20
+) -> Iterator[tuple[dict[str, str], Any]]:
+    """(the environment that makes the first write of `part` fail in `mode`, the `SmallFS`
+    of `size` bytes at `where` that a full run must live on, None for a quota). Where no
+    small file system can be made the test skips, and fails under CI, which must run it."""
+    if mode == "quota":
+        yield {"RFTPIPE_FAULT_QUOTA": part}, None
+        return
+    from tools.testing.small_fs import BALLAST, SmallFS, Unavailable
+
+    try:
+        fs = SmallFS(where, size).__enter__()
+    except Unavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set and no small file system can be made here: {exc}")
+        pytest.skip(str(exc))
+    try:
+        yield (
+            {
+                "RFTPIPE_FAULT_FULL": part,
+                "RFTPIPE_FAULT_FULL_BALLAST": str(fs.mountpoint / BALLAST),
+                "RFTPIPE_WORKER_VIA": "",  # no warm forks from outside the namespace
+            },
+            fs,
+        )
+    finally:
+        fs.__exit__()
+
+
+def submit_on(
+    fs: Any, run_dir: Path, *overrides: str, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`submit`, inside `fs`'s namespace when it is a `SmallFS` (new interpreters)."""
+    if fs is None:
+        return submit(run_dir, *overrides, env=env)
+    cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--run-dir", str(run_dir)]
+    cmd += ["--config", str(TINY), *overrides]
+    full = {**os.environ, **(env or {}), "RFTPIPE_WORKER_VIA": ""}
+    return fs.run(cmd, cwd=ROOT, env=full, timeout=300)
+
+
+def stops_for_space_then_resumes(
+    fs: Any, run: Path, overrides: tuple[str, ...], env: dict, named: str, copy: Path
+) -> Path:
+    """A run given `env` (of `fault_at`) stops with one line naming `named` under `run`,
+    exit 75, and no temporary file outside its checkpoints; with the space back (the
+    ballast emptied) the same command ends. The finished run, copied to `copy` when it
+    lived on `fs`."""
+    from rftpipe.space import EXIT_NO_SPACE
+
+    out = submit_on(fs, run, *overrides, env=env)
+    assert out.returncode == EXIT_NO_SPACE, out.stderr[-3000:]
+    (line,) = out.stderr.strip().splitlines()
+    said = "disk quota exceeded" if fs is None else "no space left on device"
+    assert f"{said} writing {run}/{named}" in line, line
+    clean = {k: v for k, v in env.items() if not k.startswith("RFTPIPE_FAULT_")}
+    if fs is None:
+        assert not [p for p in run.rglob(".tmp-*") if "checkpoints" not in p.parts]
+    else:
+        left = fs.run(["find", str(run), "-name", ".tmp-*", "-not", "-path", "*/checkpoints/*"])
+        assert left.stdout.strip() == "", left.stdout
+        fs.empty_ballast()
+    out = submit_on(fs, run, *overrides, env=clean)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if fs is None:
+        return run
+    fs.copy_out(run, copy)
+    return copy
 
 
 def trajectories(run_dir: Path) -> pa.Table:

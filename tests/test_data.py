@@ -429,7 +429,8 @@ def test_balance_by_refuses_an_id_a_missing_value_and_other_sources(tmp_path: Pa
     ):
         load_prompts(datasets_cfg(many, balance_by="label"), tok)
     with pytest.raises(
-        UserError, match=r"data.balance_by: data.datasets\[0\]: row 0 of '.*many.jsonl' has no value of 'colour'"
+        UserError,
+        match=r"data.balance_by: data.datasets\[0\]: row 0 of '.*many.jsonl' has no value of 'colour'",
     ):
         load_prompts(datasets_cfg(many, balance_by="colour"), tok)
     with pytest.raises(ValueError, match="balance_by needs source 'datasets', not 'reasoning_gym'"):

@@ -24,13 +24,16 @@ from envs_toy import (
     WrongTypes,
 )
 from helpers import (
+    FAULT_MODES,
     ROOT,
     TESTS_ON_PATH,
     OneRankLog,
     episode_prompts,
     events,
+    fault_at,
     final_weights,
     kill_mid_turn_and_resume,
+    stops_for_space_then_resumes,
     submit,
     trajectories,
 )
@@ -44,7 +47,6 @@ from rftpipe.envs.base import Environment, Task
 from rftpipe.envs.pool import EnvPool
 from rftpipe.errors import UserError
 from rftpipe.inspect.episodes import episode_turns
-from rftpipe.space import EXIT_NO_SPACE
 from rftpipe.stages import episodes, rollout
 from rftpipe.storage.episode_stats import EpisodeCounts
 
@@ -677,20 +679,19 @@ def test_remax_baseline_episodes_are_greedy_and_resume_with_the_samples(tiny) ->
 
 
 @pytest.mark.slow
-def test_a_spent_quota_at_a_turn_shard_stops_with_one_line_and_resumes(
-    reference: Path, tmp_path: Path
+@pytest.mark.parametrize("mode", FAULT_MODES)
+def test_a_full_disk_at_a_turn_shard_stops_with_one_line_and_resumes(
+    reference: Path, tmp_path: Path, mode: str
 ) -> None:
-    """`EDQUOT` at step 3's first turn shard (issue 51): one line naming it, exit 75, no
-    temporary file left; the resumed run equals the uninterrupted one."""
-    run = tmp_path / "quota"
-    env = {**ENV_PATH, "RFTPIPE_FAULT_QUOTA": "step=3/rollout.t1"}
-    out = submit(run, *RUN, env=env)
-    assert out.returncode == EXIT_NO_SPACE, out.stderr[-3000:]
-    (line,) = out.stderr.strip().splitlines()
-    assert f"disk quota exceeded writing {run}/stages/step=3/rollout.t1" in line, line
-    assert not [p for p in run.rglob(".tmp-*") if "checkpoints" not in p.parts]
-    out = submit(run, *RUN, env=ENV_PATH)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert trajectories(run).equals(trajectories(reference))
-    a, b = final_weights(run), final_weights(reference)
+    """`EDQUOT`, or a real full file system, at step 3's first turn shard (issue 51): one
+    line naming it, exit 75, no temporary file left; the resumed run equals the
+    uninterrupted one."""
+    with fault_at(mode, "step=3/rollout.t1", tmp_path / "fs") as (fault, fs):
+        run = (tmp_path if fs is None else fs.mountpoint) / "run"
+        env = {**ENV_PATH, **fault}
+        done = stops_for_space_then_resumes(
+            fs, run, RUN, env, "stages/step=3/rollout.t1", tmp_path / "copy"
+        )
+    assert trajectories(done).equals(trajectories(reference))
+    a, b = final_weights(done), final_weights(reference)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
