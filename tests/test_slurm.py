@@ -251,14 +251,16 @@ def test_a_stage_longer_than_the_time_limit_ends_the_job_failed(cluster, tmp_pat
     assert verdicts == ["requeue", "2 starts without a commit"], verdicts
     (idle,) = _events(run, "idle_requeues")
     assert (idle["job"], idle["starts"], idle["time_limit"]) == (job, 2, "00:01:00")
-    # Each start began the rollout (the watchdog, not a boundary, ended it) and ran it until
-    # 10 s before its end.
-    begun = [e for e in _events(run, "stage_begin") if e["rank"] == 0]
-    assert [(e["step"], e["stage"]) for e in begun] == [(1, "rollout")] * 2
+    # The first start began the rollout (the watchdog, not a boundary, ended it) and ran it
+    # until 10 s before its end. The second did the same, unless it came up after its own
+    # USR2 (under the whole suite's load its ranks took 33 s to start, 2026-12-03): then it
+    # stopped at the boundary before the rollout, which commits nothing either.
+    begun = [(e["step"], e["stage"]) for e in _events(run, "stage_begin") if e["rank"] == 0]
+    assert begun in ([(1, "rollout")], [(1, "rollout")] * 2), begun
     assert idle["stage"] == "step 1 rollout" and 0 < idle["seconds"] < 60
-    assert [e["at"] for e in _events(run, "stop") if e["rank"] == 0] == [
-        "the job's end, mid-stage"
-    ] * 2
+    stops = [e["at"] for e in _events(run, "stop") if e["rank"] == 0]
+    mid = "the job's end, mid-stage"
+    assert stops == [mid, mid if len(begun) == 2 else "step 1 rollout"], stops
     assert not list((run / "stages").rglob("MANIFEST.json"))
     shown = subprocess.run(
         [sys.executable, "-m", "jobs.status", str(run)], capture_output=True, text=True, check=True

@@ -255,6 +255,10 @@ def finish(rt: Runtime) -> None:
     signal must not requeue it.
     """
     slow("finish")
+    # A run found complete at start may still be loading its optimizer's moments in the
+    # background (`resume.restore`): a daemon thread inside a collective at interpreter
+    # exit aborts the process ("terminate called without an active exception", a FAILED job).
+    rt.ckpt_writer.wait()
     if rt.dist.is_main:
         write_summary(rt.store, rt.run.root / "eval.json")
     with memory.measured(rt.cfg.total_steps, "export"):
