@@ -105,16 +105,10 @@ write by `RFTPIPE_FAULT_FULL`, which then meets the kernel's ENOSPC)."""
 
 
 @contextlib.contextmanager
-def fault_at(
-    mode: str, part: str, where: Path, size: int = 64 << 20
-) -> Iterator[tuple[dict[str, str], Any]]:
-    """(the environment that makes the first write of `part` fail in `mode`, the `SmallFS`
-    of `size` bytes at `where` that a full run must live on, None for a quota). Where no
-    small file system can be made the test skips, and fails under CI, which must run it."""
-    if mode == "quota":
-        yield {"RFTPIPE_FAULT_QUOTA": part}, None
-        return
-    from tools.testing.small_fs import BALLAST, SmallFS, Unavailable
+def small_fs(where: Path, size: int = 64 << 20) -> Iterator[Any]:
+    """A `SmallFS` of `size` bytes at `where`. Where none can be made the test skips, and
+    fails under CI, which must run it."""
+    from tools.testing.small_fs import SmallFS, Unavailable
 
     try:
         fs = SmallFS(where, size).__enter__()
@@ -123,6 +117,23 @@ def fault_at(
             pytest.fail(f"CI is set and no small file system can be made here: {exc}")
         pytest.skip(str(exc))
     try:
+        yield fs
+    finally:
+        fs.__exit__()
+
+
+@contextlib.contextmanager
+def fault_at(
+    mode: str, part: str, where: Path, size: int = 64 << 20
+) -> Iterator[tuple[dict[str, str], Any]]:
+    """(the environment that makes the first write of `part` fail in `mode`, the
+    `small_fs` of `size` bytes at `where` that a full run must live on, None for a quota)."""
+    if mode == "quota":
+        yield {"RFTPIPE_FAULT_QUOTA": part}, None
+        return
+    from tools.testing.small_fs import BALLAST
+
+    with small_fs(where, size) as fs:
         yield (
             {
                 "RFTPIPE_FAULT_FULL": part,
@@ -131,8 +142,6 @@ def fault_at(
             },
             fs,
         )
-    finally:
-        fs.__exit__()
 
 
 def submit_on(

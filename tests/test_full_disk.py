@@ -22,13 +22,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 from helpers import ROOT, TINY, final_weights, submit, trajectories
 from safetensors.torch import load_file
 
 from rftpipe.space import EXIT_NO_SPACE
-from tools.testing.small_fs import BALLAST, SmallFS, Unavailable
+from tools.testing.small_fs import BALLAST, SmallFS
 
 pytestmark = [pytest.mark.slow]
 STEPS = ("total_steps=4",)
@@ -45,13 +46,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[SmallFS]:
-    try:
-        with SmallFS(tmp_path / "fs", SIZE) as fs:
-            yield fs
-    except Unavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI is set and no small file system can be made here: {exc}")
-        pytest.skip(str(exc))
+    with helpers.small_fs(tmp_path / "fs", SIZE) as fs:
+        yield fs
 
 
 def _submit(fs: SmallFS, run: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
@@ -281,6 +277,25 @@ def test_a_spent_quota_at_each_start_and_checkpoint_file_in_turn(
     _resumes_bitwise(small_fs, run, reference, tmp_path)
 
 
+def _each_stops_then_ends(
+    fs: SmallFS, overrides: tuple[str, ...], parts: list[tuple[str, str]], copy: Path
+) -> Path:
+    """A run on `fs` meets each (part, mode) of `parts` in turn, one start each: one line
+    naming the part, exit 75, verify clean, space back; then a last start ends the run,
+    which is copied out to `copy`."""
+    run = fs.mountpoint / "run"
+    for part, mode in parts:
+        env, said = _fault(fs, mode, part)
+        line = _stopped_for_space(_submit(fs, run, *overrides, env=env), said, part)
+        assert str(run) in line
+        _freed(fs, mode)
+        _verify_clean(fs, run)
+    proc = _submit(fs, run, *overrides)
+    assert proc.communicate(timeout=300) and proc.returncode == 0
+    fs.copy_out(run, copy)
+    return copy
+
+
 EVAL_EMA = ("eval.size=10", "eval.holdout_fraction=0.3", "eval.every=2", "eval.samples=2")
 EVAL_EMA += ("eval.metric=dense_even_tokens", "eval.threshold=0.5", "train.ema_decay=0.9")
 
@@ -295,17 +310,8 @@ def test_a_spent_quota_at_the_trackers_the_evaluations_and_the_average_export(
     verify clean; the last start ends bitwise equal to an uninterrupted run."""
     reference = tmp_path / "ref"
     assert submit(reference, *STEPS, *EVAL_EMA).returncode == 0
-    run = small_fs.mountpoint / "run"
-    for part in ("tensorboard", "eval.json", "export_ema"):
-        env, said = _fault(small_fs, mode, part)
-        line = _stopped_for_space(_submit(small_fs, run, *EVAL_EMA, env=env), said, part)
-        assert str(run) in line
-        _freed(small_fs, mode)
-        _verify_clean(small_fs, run)
-    proc = _submit(small_fs, run, *EVAL_EMA)
-    assert proc.communicate(timeout=300) and proc.returncode == 0
-    fs_copy = tmp_path / "copy"
-    small_fs.copy_out(run, fs_copy)
+    parts = [(part, mode) for part in ("tensorboard", "eval.json", "export_ema")]
+    fs_copy = _each_stops_then_ends(small_fs, EVAL_EMA, parts, tmp_path / "copy")
     assert trajectories(fs_copy).equals(trajectories(reference))
     for export in ("export", "export_ema"):
         a, b = (load_file(r / export / "model.safetensors") for r in (reference, fs_copy))
@@ -329,17 +335,8 @@ def test_a_full_disk_at_wandb_and_the_merged_export(
     reference = tmp_path / "ref"
     out = submit(reference, *STEPS, *LORA)
     assert out.returncode == 0, out.stderr[-3000:]
-    run = small_fs.mountpoint / "run"
-    for part, how in (("wandb", "quota"), ("export_merged", mode)):
-        env, said = _fault(small_fs, how, part)
-        line = _stopped_for_space(_submit(small_fs, run, *LORA, env=env), said, part)
-        assert str(run) in line
-        _freed(small_fs, how)
-        _verify_clean(small_fs, run)
-    proc = _submit(small_fs, run, *LORA)
-    assert proc.communicate(timeout=300) and proc.returncode == 0
-    fs_copy = tmp_path / "copy"
-    small_fs.copy_out(run, fs_copy)
+    parts = [("wandb", "quota"), ("export_merged", mode)]
+    fs_copy = _each_stops_then_ends(small_fs, LORA, parts, tmp_path / "copy")
     assert trajectories(fs_copy).equals(trajectories(reference))
     for export in ("export", "export_merged"):
         names = {p.name for p in (reference / export).iterdir()}

@@ -42,13 +42,19 @@ def picture(colour: str | tuple[str, ...], seed: int, size: int = 56) -> bytes:
     """A noisy picture dominated by `colour` (a `PALETTE` name), as PNG bytes (each seed
     another picture). A tuple of names tints it with their mean: given a pair, a picture
     that says nothing about which of the two a row names."""
-    from PIL import Image
 
     names = (colour,) if isinstance(colour, str) else colour
     tint = np.mean([PALETTE[c] for c in names], axis=0) / 255
     rng = np.random.default_rng(seed)
     pixels = rng.integers(0, 90, (size, size, 3), dtype=np.int64)
     pixels += np.rint(tint * (150 + rng.integers(0, 16))).astype(np.int64)
+    return _png(pixels)
+
+
+def _png(pixels: np.ndarray) -> bytes:
+    """An RGB picture's pixels (any integer or float values, clipped to 0-255) as PNG bytes."""
+    from PIL import Image
+
     buf = io.BytesIO()
     Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buf, format="PNG")
     return buf.getvalue()
@@ -101,15 +107,11 @@ def solid_picture(
     """The second generator's picture: a solid `colour` under per-pixel Gaussian noise
     (standard deviation `noise` per channel), as PNG bytes. A tuple of names: their mean
     colour."""
-    from PIL import Image
 
     names = (colour,) if isinstance(colour, str) else colour
     solid = np.mean([PALETTE[c] for c in names], axis=0)
     rng = np.random.default_rng(seed)
-    pixels = np.rint(solid + rng.normal(0.0, noise, (size, size, 3)))
-    buf = io.BytesIO()
-    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
+    return _png(np.rint(solid + rng.normal(0.0, noise, (size, size, 3))))
 
 
 def write_user_dataset(
