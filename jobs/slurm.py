@@ -202,7 +202,7 @@ def live_jobs(run_dir: Path) -> list[tuple[str, str]]:
     """(job id, state) of the jobs submitted for `run_dir` that Slurm still holds: queued,
     running or requeued (RUN/slurm/jobs.txt, where `submit` lists them)."""
     listed = run_dir / "slurm" / "jobs.txt"
-    if not listed.exists() or shutil.which("squeue") is None:
+    if not listed.exists() or shutil.which("scontrol") is None:
         return []
     states = []
     for job in dict.fromkeys(listed.read_text().split()):

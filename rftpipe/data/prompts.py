@@ -120,10 +120,15 @@ class PromptSet:
             self.sizes[row.source] += 1
         if not self.prompts:
             raise UserError("data: no prompts left after applying data.max_prompt_tokens")
-        if len(self.sizes) > 1 and not all(self.sizes):
-            empty = self.names[self.sizes.index(0)]
+        if (empty := self.empty_part()) is not None:
             raise UserError(f"{empty}: no prompts left after applying data.max_prompt_tokens")
         self._period = schedule(self.weights)
+
+    def empty_part(self) -> str | None:
+        """The first dataset (or balanced part) of a mix left without prompts, by name."""
+        if len(self.sizes) > 1 and not all(self.sizes):
+            return self.names[self.sizes.index(0)]
+        return None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -296,8 +301,7 @@ def split_held_out(
                 f"and {len(held)} held-out prompts of {len(train)}; both must be non-empty"
             )
         out = train.subset(kept)
-        if len(out.sizes) > 1 and not all(out.sizes):
-            empty = out.names[out.sizes.index(0)]
+        if (empty := out.empty_part()) is not None:
             raise UserError(
                 f"eval.holdout_fraction={ecfg.holdout_fraction} holds out every prompt of "
                 f"{empty}; lower it or add rows"
