@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rftpipe.errors import UserError
 from rftpipe.run.holder import LIVE_STATES
-from rftpipe.run.slurm_job import ask_job, job_info
+from rftpipe.run.slurm_job import ask_job
 
 #: Seconds between Slurm's USR2 and the time limit (it must fit one stage plus a commit).
 DEFAULT_SIGNAL_DELAY_S = 90
@@ -186,13 +186,18 @@ def squeue_state(job_id: str) -> str | None:
     return states[0] if out.returncode == 0 and states else None
 
 
-def scontrol_state(job_id: str) -> str | None:
-    """The job's state from slurmctld's memory (kept `MinJobAge` seconds after it ends)."""
-    return job_info(job_id).get("JobState")
-
-
 def job_state(job_id: str) -> str:
-    return squeue_state(job_id) or scontrol_state(job_id) or "GONE"
+    """The job's state: squeue's while it is listed, else slurmctld's memory (kept
+    `MinJobAge` seconds after the job ends); GONE once Slurm says it no longer knows the
+    job, UNKNOWN while Slurm does not answer (a loaded or restarting controller, or no
+    Slurm client here). UNKNOWN is not an end: `wait` keeps polling through it."""
+    listed = squeue_state(job_id)
+    if listed:
+        return listed
+    info = ask_job(job_id)
+    if info is None:
+        return "UNKNOWN"
+    return info.get("JobState", "UNKNOWN") if info else "GONE"
 
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "GONE"}

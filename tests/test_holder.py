@@ -161,7 +161,8 @@ def test_a_silent_slurm_is_never_taken_for_an_ended_job(
     tmp_path: Path, monkeypatch, stderr: str, ended: bool
 ) -> None:
     """`scontrol show job` failing because the controller is unreachable says nothing about
-    the job: jobs.submit refuses (it would otherwise start a second job beside a live one);
+    the job: jobs.submit refuses (it would otherwise start a second job beside a live one),
+    and the job's state is UNKNOWN, which `--wait` polls through;
     "Invalid job id" is a job Slurm has forgotten, which has ended. A stand-in `scontrol`
     prints Slurm 22.05's own messages: a down controller is not made in the fast tier."""
     import jobs.slurm
@@ -183,3 +184,6 @@ def test_a_silent_slurm_is_never_taken_for_an_ended_job(
             jobs.slurm.live_jobs(run)
     holder = Holder(job="4242", host="h", pid=1, pid_start=None, since=0.0)
     assert alive(holder) is (False if ended else None)
+    # `jobs.status` and `jobs.submit --wait` (which stops at an ended state) alike.
+    assert jobs.slurm.job_state("4242") == ("GONE" if ended else "UNKNOWN")
+    assert (jobs.slurm.job_state("4242") in jobs.slurm.TERMINAL) is ended

@@ -1,7 +1,7 @@
 """The Slurm job a process belongs to: who it is, what Slurm says about it, whether to requeue.
 
 No torch here (only the standard library): the launch layer (`jobs.slurm`, and through it
-`jobs.submit --wait` and `jobs.status`) reads job states with `job_info` on a login node,
+`jobs.submit --wait` and `jobs.status`) reads job states with `ask_job` on a login node,
 where importing torch would cost seconds. The stop signals and the collective stop decision
 that use these pieces inside a running job are in `rftpipe.run.preemption`.
 
