@@ -76,12 +76,13 @@ class Dist:
             return flag
         return bool(self.all_reduce_sum(torch.tensor([float(flag)])).item() > 0)
 
-    def broadcast_object(self, obj: object) -> object:
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's `obj`, in rank order, on every rank."""
         if self.world == 1:
-            return obj
-        box = [obj]
-        tdist.broadcast_object_list(box, group=self.group, group_src=0)
-        return box[0]
+            return [obj]
+        out: list[object] = [None] * self.world
+        tdist.all_gather_object(out, obj, group=self.group)
+        return out
 
 
 def init_from_env(require_group: bool = False) -> Dist:

@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -103,6 +104,21 @@ FAULT_MODES = ("quota", "full")
 `RFTPIPE_FAULT_QUOTA`, or a real full file system (a `SmallFS` filled right before the
 write by `RFTPIPE_FAULT_FULL`, which then meets the kernel's ENOSPC)."""
 
+FAULT_SAYS = {"quota": "disk quota exceeded writing", "full": "no space left on device writing"}
+"""What a run's one line says when a write fails in each of `FAULT_MODES`."""
+
+LIBRARY_NOISE = re.compile(
+    r"^(wandb: |\[rank\d+\]:\[?W\d{4} |Loading safetensors checkpoint shards: )"
+)
+"""Lines other libraries print on a run's stderr as it starts, whatever then happens:
+wandb's banner, torch's C++ and Python warnings under a rank prefix (vLLM's CPU start-up:
+"Triton not available", "NUMA binding"), vLLM's weight-loading progress."""
+
+
+def run_lines(stderr: str) -> list[str]:
+    """The run's own lines on `stderr` (`LIBRARY_NOISE` left out)."""
+    return [x for x in stderr.strip().splitlines() if x.strip() and not LIBRARY_NOISE.match(x)]
+
 
 @contextlib.contextmanager
 def small_fs(where: Path, size: int = 64 << 20) -> Iterator[Any]:
@@ -122,66 +138,51 @@ def small_fs(where: Path, size: int = 64 << 20) -> Iterator[Any]:
         fs.__exit__()
 
 
-@contextlib.contextmanager
-def fault_at(
-    mode: str, part: str, where: Path, size: int = 64 << 20
-) -> Iterator[tuple[dict[str, str], Any]]:
-    """(the environment that makes the first write of `part` fail in `mode`, the
-    `small_fs` of `size` bytes at `where` that a full run must live on, None for a quota)."""
+def fault_env(fs: Any, mode: str, part: str) -> dict[str, str]:
+    """The environment that makes the first write of `part` fail in `mode` for a run on
+    `fs` (a `SmallFS`: a full one fills its ballast right before that write)."""
     if mode == "quota":
-        yield {"RFTPIPE_FAULT_QUOTA": part}, None
-        return
+        return {"RFTPIPE_FAULT_QUOTA": part}
     from tools.testing.small_fs import BALLAST
 
-    with small_fs(where, size) as fs:
-        yield (
-            {
-                "RFTPIPE_FAULT_FULL": part,
-                "RFTPIPE_FAULT_FULL_BALLAST": str(fs.mountpoint / BALLAST),
-                "RFTPIPE_WORKER_VIA": "",  # no warm forks from outside the namespace
-            },
-            fs,
-        )
+    return {"RFTPIPE_FAULT_FULL": part, "RFTPIPE_FAULT_FULL_BALLAST": str(fs.mountpoint / BALLAST)}
 
 
 def submit_on(
     fs: Any, run_dir: Path, *overrides: str, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """`submit`, inside `fs`'s namespace when it is a `SmallFS` (new interpreters)."""
-    if fs is None:
-        return submit(run_dir, *overrides, env=env)
+    """`submit` inside `fs`'s namespace (new interpreters: no warm forks from outside it).
+    `overrides` may begin with `jobs.submit`'s own flags."""
     cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--run-dir", str(run_dir)]
     cmd += ["--config", str(TINY), *overrides]
     full = {**os.environ, **(env or {}), "RFTPIPE_WORKER_VIA": ""}
-    return fs.run(cmd, cwd=ROOT, env=full, timeout=300)
+    return fs.run(cmd, cwd=ROOT, env=full, timeout=600)
 
 
-def stops_for_space_then_resumes(
-    fs: Any, run: Path, overrides: tuple[str, ...], env: dict, named: str, copy: Path
+def each_fault_stops_then_resumes(
+    where: Path, size: int, part: str, overrides: tuple[str, ...], env: dict, copy: Path
 ) -> Path:
-    """A run given `env` (of `fault_at`) stops with one line naming `named` under `run`,
-    exit 75, and no temporary file outside its checkpoints; with the space back (the
-    ballast emptied) the same command ends. The finished run, copied to `copy` when it
-    lived on `fs`."""
+    """A run on a `SmallFS` of `size` bytes at `where` meets the first write of a path
+    containing `part` failing in each of `FAULT_MODES` in turn, one start each: one line
+    naming the run's `part` (a leading "/" dropped), exit 75, and no temporary file outside its checkpoints. With the space back
+    (the ballast emptied) the same command ends; the finished run is copied to `copy`."""
     from rftpipe.space import EXIT_NO_SPACE
 
-    out = submit_on(fs, run, *overrides, env=env)
-    assert out.returncode == EXIT_NO_SPACE, out.stderr[-3000:]
-    (line,) = out.stderr.strip().splitlines()
-    said = "disk quota exceeded" if fs is None else "no space left on device"
-    assert f"{said} writing {run}/{named}" in line, line
-    clean = {k: v for k, v in env.items() if not k.startswith("RFTPIPE_FAULT_")}
-    if fs is None:
-        assert not [p for p in run.rglob(".tmp-*") if "checkpoints" not in p.parts]
-    else:
-        left = fs.run(["find", str(run), "-name", ".tmp-*", "-not", "-path", "*/checkpoints/*"])
-        assert left.stdout.strip() == "", left.stdout
-        fs.empty_ballast()
-    out = submit_on(fs, run, *overrides, env=clean)
-    assert out.returncode == 0, out.stderr[-3000:]
-    if fs is None:
-        return run
-    fs.copy_out(run, copy)
+    with small_fs(where, size) as fs:
+        run = fs.mountpoint / "run"
+        for mode in FAULT_MODES:
+            out = submit_on(fs, run, *overrides, env={**env, **fault_env(fs, mode, part)})
+            assert out.returncode == EXIT_NO_SPACE, (mode, out.stderr[-3000:])
+            lines = run_lines(out.stderr)
+            assert len(lines) == 1, (mode, lines[-30:])
+            assert f"{FAULT_SAYS[mode]} {run}/{part.lstrip('/')}" in lines[0], lines
+            left = fs.run(["find", str(run), "-name", ".tmp-*", "-not", "-path", "*/checkpoints/*"])
+            assert left.stdout.strip() == "", (mode, left.stdout)
+            if mode == "full":
+                fs.empty_ballast()
+        out = submit_on(fs, run, *overrides, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        fs.copy_out(run, copy)
     return copy
 
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 from helpers import ROOT, events, final_weights, submit, trajectories
 
+from rftpipe.space import EXIT_NO_SPACE
+
 pytestmark = pytest.mark.slow
 STEPS = ("total_steps=4",)
 
@@ -67,6 +69,14 @@ def test_corrupt_older_stage_repair_rolls_back_and_recomputes(
     shard.write_bytes(shard.read_bytes()[:100])
     refused = submit(run, config=None)
     assert refused.returncode == 2 and str(shard) in refused.stderr
+    # A spent quota (issue 51) stops the repair with one line naming the quarantine,
+    # before it has moved anything (a full file system cannot stop it: renames and a
+    # tmpfs's directories take no space).
+    spent = submit(run, config=None, extra=("--repair",), env={"RFTPIPE_FAULT_QUOTA": "quarantine"})
+    assert spent.returncode == EXIT_NO_SPACE, spent.stderr[-3000:]
+    (line,) = spent.stderr.strip().splitlines()
+    assert f"disk quota exceeded writing {run}/quarantine/" in line, line
+    assert shard.exists() and not list((run / "quarantine").glob("*/*"))
     repaired = submit(run, config=None, extra=("--repair",))
     assert repaired.returncode == 0, repaired.stderr
     assert any(e["event"] == "repair" and e["from_step"] == 3 for e in events(run))

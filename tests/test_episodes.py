@@ -24,16 +24,14 @@ from envs_toy import (
     WrongTypes,
 )
 from helpers import (
-    FAULT_MODES,
     ROOT,
     TESTS_ON_PATH,
     OneRankLog,
+    each_fault_stops_then_resumes,
     episode_prompts,
     events,
-    fault_at,
     final_weights,
     kill_mid_turn_and_resume,
-    stops_for_space_then_resumes,
     submit,
     trajectories,
 )
@@ -679,19 +677,16 @@ def test_remax_baseline_episodes_are_greedy_and_resume_with_the_samples(tiny) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", FAULT_MODES)
 def test_a_full_disk_at_a_turn_shard_stops_with_one_line_and_resumes(
-    reference: Path, tmp_path: Path, mode: str
+    reference: Path, tmp_path: Path
 ) -> None:
-    """`EDQUOT`, or a real full file system, at step 3's first turn shard (issue 51): one
-    line naming it, exit 75, no temporary file left; the resumed run equals the
-    uninterrupted one."""
-    with fault_at(mode, "step=3/rollout.t1", tmp_path / "fs") as (fault, fs):
-        run = (tmp_path if fs is None else fs.mountpoint) / "run"
-        env = {**ENV_PATH, **fault}
-        done = stops_for_space_then_resumes(
-            fs, run, RUN, env, "stages/step=3/rollout.t1", tmp_path / "copy"
-        )
+    """`EDQUOT`, then a real full file system, at step 3's first turn shard (issue 51):
+    each start stops with one line naming it, exit 75, no temporary file left; the resumed
+    run equals the uninterrupted one."""
+    part = "stages/step=3/rollout.t1"
+    done = each_fault_stops_then_resumes(
+        tmp_path / "fs", 64 << 20, part, RUN, ENV_PATH, tmp_path / "copy"
+    )
     assert trajectories(done).equals(trajectories(reference))
     a, b = final_weights(done), final_weights(reference)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -29,7 +29,7 @@ from helpers import ROOT, TINY, final_weights, submit, trajectories
 from safetensors.torch import load_file
 
 from rftpipe.space import EXIT_NO_SPACE
-from tools.testing.small_fs import BALLAST, SmallFS
+from tools.testing.small_fs import BALLAST, SmallFS, Unavailable, as_plain_user
 
 pytestmark = [pytest.mark.slow]
 STEPS = ("total_steps=4",)
@@ -61,8 +61,24 @@ def _submit(fs: SmallFS, run: Path, *extra: str, env: dict | None = None) -> sub
 
 
 def _events(fs: SmallFS, run: Path) -> list[dict]:
-    out = fs.run(["cat", str(run / "events.jsonl")])
-    return [json.loads(x) for x in out.stdout.splitlines() if x.endswith("}")]
+    return _records(fs.run(["cat", str(run / "events.jsonl")]).stdout)
+
+
+def _records(text: str) -> list[dict]:
+    """An event log's records (a line still being written left out)."""
+    return [json.loads(x) for x in text.splitlines() if x.endswith("}")]
+
+
+def _wait_begun(read: Callable[[], list[dict]], step: int, stage: str) -> None:
+    """Return once `step`'s `stage` has begun, by the events `read` gives."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if any(
+            e["event"] == "stage_begin" and (e["step"], e["stage"]) == (step, stage) for e in read()
+        ):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step}'s {stage} did not begin within 240 s")
 
 
 def _when_begun(
@@ -71,15 +87,8 @@ def _when_begun(
     """Call `then()` once `step`'s `stage` has begun (in a thread)."""
 
     def watch() -> None:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if any(
-                e["event"] == "stage_begin" and (e["step"], e["stage"]) == (step, stage)
-                for e in _events(fs, run)
-            ):
-                then()
-                return
-            time.sleep(0.2)
+        _wait_begun(lambda: _events(fs, run), step, stage)
+        then()
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()
@@ -95,7 +104,7 @@ def _stopped_for_space(proc: subprocess.Popen, *named: str) -> str:
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_NO_SPACE, (proc.returncode, out[-2000:], err[-3000:])
     # wandb prints its own banner on stderr (`wandb: ...`); the run's own is one line.
-    (line,) = [x for x in err.strip().splitlines() if not x.startswith("wandb: ")]
+    (line,) = helpers.run_lines(err)
     assert line.startswith("rftpipe: error: ") and " bytes" in line and "free on its" in line
     for part in named:
         assert part in line, line
@@ -124,6 +133,9 @@ def _resumes_bitwise(fs: SmallFS, run: Path, reference: Path, tmp_path: Path) ->
 def test_a_full_disk_at_a_stage_shard_stops_with_one_line_and_resumes(
     small_fs: SmallFS, reference: Path, tmp_path: Path
 ) -> None:
+    """The file system filled for real while step 2 scores: the score shard's write meets
+    ENOSPC; one line names it, exit 75, verify clean, the stage not committed; the file
+    system grown in place (`mount -o remount,size=`), the same command resumes bitwise."""
     run = small_fs.mountpoint / "run"
     proc = _submit(small_fs, run, env={"RFTPIPE_SLOW": "score@2=4"})
     _fill_when(small_fs, run, 2, "score", leave=0)
@@ -133,31 +145,52 @@ def test_a_full_disk_at_a_stage_shard_stops_with_one_line_and_resumes(
     _verify_clean(small_fs, run)
     manifest = run / "stages/step=2/score/MANIFEST.json"
     assert small_fs.run(["test", "-e", str(manifest)]).returncode == 1
-    small_fs.empty_ballast()
+    # Space back as an admin gives it: the file system grown in place, the ballast kept.
+    small_fs.grow(2 * SIZE)
+    assert small_fs.free() > SIZE // 2
     _resumes_bitwise(small_fs, run, reference, tmp_path)
 
 
-@pytest.mark.parametrize(
-    ("part", "named"),
-    [
-        ("step=3/rollout/MANIFEST.json", "stages/step=3/rollout/MANIFEST.json"),
+def test_a_spent_quota_at_the_event_log_metrics_checkpoint_manifest_and_export_in_turn(
+    small_fs: SmallFS, reference: Path, tmp_path: Path
+) -> None:
+    """One run meets `EDQUOT` at one more write each start: the event log (at the start),
+    the metrics (after step 1), the first checkpoint's extras (step 2), step 3's rollout
+    manifest, the export. Each start stops with one line naming the file, exit 75, verify
+    clean; the last start, with the quota back, ends bitwise equal."""
+    parts = [
         ("events.jsonl", "events.jsonl"),
         ("metrics.jsonl", "metrics.jsonl"),
         (".tmp-step=2", "checkpoints/.tmp-step=2/extra-r0.pt"),
+        ("step=3/rollout/MANIFEST.json", "stages/step=3/rollout/MANIFEST.json"),
         ("/.tmp-export", ".tmp-export"),
-    ],
-)
-def test_a_spent_quota_stops_with_one_line_and_resumes(
-    small_fs: SmallFS, reference: Path, tmp_path: Path, part: str, named: str
-) -> None:
-    """`EDQUOT` at the first write of `part`: a manifest, the event log (at the start),
-    the metrics (after step 1), the first checkpoint (its extras), the export."""
+    ]
     run = small_fs.mountpoint / "run"
-    proc = _submit(small_fs, run, env={"RFTPIPE_FAULT_QUOTA": part})
-    line = _stopped_for_space(proc, "disk quota exceeded writing", named)
-    assert str(run) in line
-    _verify_clean(small_fs, run)
+    for part, named in parts:
+        proc = _submit(small_fs, run, env={"RFTPIPE_FAULT_QUOTA": part})
+        _stopped_for_space(proc, f"disk quota exceeded writing {run}/{named}")
+        _verify_clean(small_fs, run)
     _resumes_bitwise(small_fs, run, reference, tmp_path)
+
+
+def test_a_spent_quota_on_one_rank_of_two_stops_both_with_one_line(tmp_path: Path) -> None:
+    """Two ranks; only rank 1's score shard meets `EDQUOT`. Both ranks stop, exit 75, and the
+    run says one line, naming rank 1's shard (rank 0 alone would otherwise have died in the
+    next collective with a lost peer's traceback); verify clean."""
+    run = tmp_path / "run"
+    out = submit(
+        run,
+        "train.backend=fsdp2",
+        "total_steps=2",
+        env={"RFTPIPE_FAULT_QUOTA": "step=1/score/part-r1"},
+        extra=("--tasks-per-node", "2"),
+    )
+    assert out.returncode == EXIT_NO_SPACE, out.stderr[-3000:]
+    (line,) = helpers.run_lines(out.stderr)
+    assert f"disk quota exceeded writing {run}/stages/step=1/score/part-r1.parquet" in line, line
+    cmd = [sys.executable, "-m", "rftpipe.inspect", str(run), "verify"]
+    verify = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert verify.returncode == 0, verify.stdout[-2000:] + verify.stderr[-2000:]
 
 
 def test_a_checkpoint_that_will_not_fit_stops_before_it_or_is_skipped(
@@ -209,6 +242,44 @@ def test_a_run_directory_turned_read_only_stops_with_one_line_and_resumes(
     _resumes_bitwise(small_fs, run, reference, tmp_path)
 
 
+def test_a_file_that_loses_its_write_permission_stops_with_one_line_and_resumes(
+    reference: Path, tmp_path: Path
+) -> None:
+    """`metrics.jsonl` loses its write bit (chmod 444) while step 2 scores: the next append
+    fails with EACCES; one line names the file, exit 75; given it back, the run resumes
+    bitwise. The run goes as a user without root's power over permissions
+    (`as_plain_user`: the tests may run as root, which no mode bit stops)."""
+    try:
+        plain = as_plain_user([sys.executable, "-m", "jobs.submit", "--cluster", "local"])
+    except Unavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set and no user namespace can be made here: {exc}")
+        pytest.skip(str(exc))
+    run = tmp_path / "run"
+    cmd = [*plain, "--run-dir", str(run), "--config", str(TINY), *STEPS]
+    env = {**os.environ, "RFTPIPE_WORKER_VIA": ""}
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**env, "RFTPIPE_SLOW": "score@2=4"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = run / "metrics.jsonl"
+    log = run / "events.jsonl"
+    _wait_begun(lambda: _records(log.read_text() if log.exists() else ""), 2, "score")
+    metrics.chmod(0o444)
+    line = _stopped_for_space(proc)
+    assert f"permission denied at {metrics}: " in line and "make it writable" in line, line
+    metrics.chmod(0o644)
+    resumed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert trajectories(run).equals(trajectories(reference))
+    wa, wb = final_weights(reference), final_weights(run)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_inspect_html_onto_a_full_disk_fails_with_one_line_and_leaves_nothing(
     small_fs: SmallFS, reference: Path
 ) -> None:
@@ -229,19 +300,10 @@ def test_inspect_html_onto_a_full_disk_fails_with_one_line_and_leaves_nothing(
 BACKGROUND = ("__0_0.distcp", "COMMITTED.json", ".metadata")
 """Files the background checkpoint writes while the main thread goes on."""
 
-MODES = ("quota", "full")
-"""`EDQUOT` by its fault point, or the file system filled for real right before the write
-(`RFTPIPE_FAULT_FULL`, rftpipe/space.py), which then meets the kernel's ENOSPC."""
-
 
 def _fault(fs: SmallFS, mode: str, part: str) -> tuple[dict[str, str], str]:
     """The environment that makes the first write of `part` fail, and what the line says."""
-    if mode == "quota":
-        return {"RFTPIPE_FAULT_QUOTA": part}, "disk quota exceeded writing"
-    ballast = str(fs.mountpoint / BALLAST)
-    return {"RFTPIPE_FAULT_FULL": part, "RFTPIPE_FAULT_FULL_BALLAST": ballast}, (
-        "no space left on device writing"
-    )
+    return helpers.fault_env(fs, mode, part), helpers.FAULT_SAYS[mode]
 
 
 def _freed(fs: SmallFS, mode: str) -> None:
@@ -250,7 +312,7 @@ def _freed(fs: SmallFS, mode: str) -> None:
         fs.empty_ballast()
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", helpers.FAULT_MODES)
 def test_a_spent_quota_at_each_start_and_checkpoint_file_in_turn(
     small_fs: SmallFS, reference: Path, tmp_path: Path, mode: str
 ) -> None:
@@ -300,17 +362,21 @@ EVAL_EMA = ("eval.size=10", "eval.holdout_fraction=0.3", "eval.every=2", "eval.s
 EVAL_EMA += ("eval.metric=dense_even_tokens", "eval.threshold=0.5", "train.ema_decay=0.9")
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_spent_quota_at_the_trackers_the_evaluations_and_the_average_export(
-    small_fs: SmallFS, tmp_path: Path, mode: str
+def test_a_full_disk_at_the_trackers_the_evaluations_and_the_average_export(
+    small_fs: SmallFS, tmp_path: Path
 ) -> None:
-    """With evaluations and a parameter average: `EDQUOT` at TensorBoard's directory
-    (step 1's metrics), then at eval.json and export_ema (the finished run's summary and
-    its second export, each redone by the next start), each one line naming it, exit 75,
-    verify clean; the last start ends bitwise equal to an uninterrupted run."""
+    """With evaluations and a parameter average: `EDQUOT`, then a full file system, at
+    TensorBoard's directory (step 1's metrics), at eval.json and at export_ema (the
+    finished run's summary and its second export, each redone by the next start), each one
+    line naming it, exit 75, verify clean; the last start ends bitwise equal to an
+    uninterrupted run."""
     reference = tmp_path / "ref"
     assert submit(reference, *STEPS, *EVAL_EMA).returncode == 0
-    parts = [(part, mode) for part in ("tensorboard", "eval.json", "export_ema")]
+    parts = [
+        (part, mode)
+        for part in ("tensorboard", "eval.json", "export_ema")
+        for mode in helpers.FAULT_MODES
+    ]
     fs_copy = _each_stops_then_ends(small_fs, EVAL_EMA, parts, tmp_path / "copy")
     assert trajectories(fs_copy).equals(trajectories(reference))
     for export in ("export", "export_ema"):
@@ -322,12 +388,9 @@ def test_a_spent_quota_at_the_trackers_the_evaluations_and_the_average_export(
 LORA = ("model.lora={r: 4, alpha: 8, export_merged: true}", "logging.wandb=offline")
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_full_disk_at_wandb_and_the_merged_export(
-    small_fs: SmallFS, tmp_path: Path, mode: str
-) -> None:
+def test_a_full_disk_at_wandb_and_the_merged_export(small_fs: SmallFS, tmp_path: Path) -> None:
     """A LoRA run with its merged export and wandb offline: `EDQUOT` at wandb's directory
-    (step 1's metrics; by the fault point only, see below), then `EDQUOT` or a full file
+    (step 1's metrics; by the fault point only, see below), then `EDQUOT` and a full file
     system at `export_merged`, each one line naming it, exit 75, verify clean; the last
     start ends bitwise equal to an uninterrupted run. A real full file system under wandb
     is not caught here: wandb-core writes its files from a process of its own, after
@@ -335,7 +398,7 @@ def test_a_full_disk_at_wandb_and_the_merged_export(
     reference = tmp_path / "ref"
     out = submit(reference, *STEPS, *LORA)
     assert out.returncode == 0, out.stderr[-3000:]
-    parts = [("wandb", "quota"), ("export_merged", mode)]
+    parts = [("wandb", "quota"), *(("export_merged", mode) for mode in helpers.FAULT_MODES)]
     fs_copy = _each_stops_then_ends(small_fs, LORA, parts, tmp_path / "copy")
     assert trajectories(fs_copy).equals(trajectories(reference))
     for export in ("export", "export_merged"):

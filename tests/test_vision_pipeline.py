@@ -21,18 +21,16 @@ import pytest
 import torch
 import vision_task
 from helpers import (
-    FAULT_MODES,
     ROOT,
     TESTS_ON_PATH,
     committed_hash,
+    each_fault_stops_then_resumes,
     eval_rows,
     events,
-    fault_at,
     final_weights,
     kill_mid_turn_and_resume,
     stage_history,
     starts_vllm,
-    stops_for_space_then_resumes,
     submit,
     trajectories,
 )
@@ -522,21 +520,17 @@ def test_a_saved_hf_dataset_with_image_features_loads(tiny_vl: Path, tmp_path: P
     assert "images" not in got[0].metadata  # the pictures travel once, not in every row
 
 
-@pytest.mark.parametrize("mode", FAULT_MODES)
 def test_a_full_disk_at_the_image_store_stops_with_one_line_and_resumes(
-    reference: Path, mixed: Path, tmp_path: Path, mode: str
+    reference: Path, mixed: Path, tmp_path: Path
 ) -> None:
-    """`EDQUOT`, or a real full file system, at the first image the rollout stores (issue
-    51): one line naming it, exit 75, no temporary file; the resumed run equals the
-    uninterrupted one."""
+    """`EDQUOT`, then a real full file system, at the first image the rollout stores (issue
+    51): each start stops with one line naming it, exit 75, no temporary file; the resumed
+    run equals the uninterrupted one."""
     overrides = vl_run(mixed, *RUN)
     # A tiny-vl checkpoint needs ~313 MiB (the pre-checkpoint check counts it).
-    with fault_at(mode, f"/{IMAGES_DIR}/", tmp_path / "fs", size=1 << 30) as (fault, fs):
-        run = (tmp_path if fs is None else fs.mountpoint) / "run"
-        env = {**TESTS_ON_PATH, **fault}
-        done = stops_for_space_then_resumes(
-            fs, run, overrides, env, f"{IMAGES_DIR}/", tmp_path / "copy"
-        )
+    done = each_fault_stops_then_resumes(
+        tmp_path / "fs", 1 << 30, f"/{IMAGES_DIR}/", overrides, TESTS_ON_PATH, tmp_path / "copy"
+    )
     assert trajectories(reference).equals(trajectories(done))
     wa, wb = final_weights(reference), final_weights(done)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

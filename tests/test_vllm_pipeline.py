@@ -12,7 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import STARTS_VLLM, final_weights, submit, trajectories
+from helpers import (
+    STARTS_VLLM,
+    each_fault_stops_then_resumes,
+    final_weights,
+    submit,
+    trajectories,
+)
 
 from rftpipe.engines.models import load_causal_lm, prepare_tiny
 
@@ -95,8 +101,16 @@ def test_vllm_two_ranks_match_one(two_ranks: Path, tmp_path: Path) -> None:
 def test_disk_weight_sync_matches_memory(two_ranks: Path, tmp_path: Path) -> None:
     """`rollout.inference.weight_sync=disk`: rank 0 writes the trained weights as a
     safetensors directory and both ranks' engines reload it; the samples are bitwise those
-    of the in-memory hand-over (`two_ranks`), and only the newest version stays on disk."""
-    disk = _fsdp2_run(tmp_path, 2, "rollout.inference.weight_sync=disk")
+    of the in-memory hand-over (`two_ranks`), and only the newest version stays on disk.
+    The run lives on a small file system (issue 51): `EDQUOT`, then a full file system, at
+    step 1's `RUN/sync/v1` each stop a start with one line naming it (rank 0 writes it, the
+    other rank says nothing), exit 75; with the space back the run resumes to the same
+    samples."""
+    overrides = ("--tasks-per-node", "2", *VLLM, "train.backend=fsdp2", "total_steps=3")
+    overrides += ("rollout.inference.weight_sync=disk",)
+    disk = each_fault_stops_then_resumes(
+        tmp_path / "fs", 64 << 20, "/sync/v1", overrides, {}, tmp_path / "disk"
+    )
     runs = {"memory": trajectories(two_ranks), "disk": trajectories(disk)}
     for col in ("prompt_id", "response_token_ids", "logprobs", "reward", "advantages"):
         assert runs["memory"].column(col).equals(runs["disk"].column(col)), col

@@ -2,8 +2,8 @@
 
 Every stage of a step goes through `execute`:
 - not committed: check for a stop, run it, write this rank's shard (if it returns rows),
-  and commit the manifest on rank 0 between two barriers (publishing the shards as the
-  step's dataset if the stage says so);
+  and commit the manifest on rank 0, every rank waiting for each (publishing the shards as
+  the step's dataset if the stage says so; a full disk on any rank stops them all alike);
 - committed: never run again. Its rows are read back (and verified) only if a later stage
   asks for them, and a stage with side effects outside the run directory (training the
   weights, handing them to the rollout engine) re-applies them with `replay`.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from functools import partial
 
 import pyarrow as pa
 
@@ -24,6 +25,7 @@ from rftpipe.faults import slow
 from rftpipe.observe import memory
 from rftpipe.run import roles
 from rftpipe.stages.base import Rows, Runtime, Stage, StepPlan, StepState
+from rftpipe.storage.agreed import write_then_agree
 from rftpipe.storage.layout import schema_version
 from rftpipe.storage.routes import ACTOR_ROUTES, ROUTES
 
@@ -53,6 +55,7 @@ def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None
     # This rank's peak during the stage (the manifest keeps rank 0's; events every rank's).
     mem = memory.stage_figures(stage.name)
     events().write("stage_memory", step=step, stage=stage.name, **mem)
+    shard = None
     if out.rows is not None:
         meta = {
             "rftpipe.schema_version": schema_version(out.rows.column_names),
@@ -62,12 +65,12 @@ def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None
         if rt.route_shape is not None and {ROUTES, ACTOR_ROUTES} & set(out.rows.column_names):
             # An MoE run's routes columns: their shape and dtype, for offline readers.
             meta["rftpipe.routes"] = json.dumps(rt.route_shape.to_meta(), sort_keys=True)
-        store.write_shard(step, stage.name, dist.rank, out.rows, meta)
-    dist.barrier()
+        shard = partial(store.write_shard, step, stage.name, dist.rank, out.rows, meta)
+    # A full disk on any rank stops every rank alike, said once (`write_then_agree`).
+    write_then_agree(dist, shard)
     manifest = {**out.extra, "seconds": t1 - t0, "memory": mem}
-    if dist.is_main:
-        store.commit(step, stage.name, dist.world, manifest, publish=stage.publish)
-    dist.barrier()
+    commit = partial(store.commit, step, stage.name, dist.world, manifest, publish=stage.publish)
+    write_then_agree(dist, commit if dist.is_main else None)
     state.manifests[stage.name] = manifest
     if out.rows is not None:
         table = out.rows

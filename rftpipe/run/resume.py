@@ -25,6 +25,7 @@ from rftpipe.errors import UserError
 from rftpipe.events import events
 from rftpipe.run.driver import stateful_parts
 from rftpipe.run.runtime import rebuild_actor
+from rftpipe.space import writing
 from rftpipe.stages import FINAL, chain_position
 from rftpipe.stages.base import Runtime
 from rftpipe.stages.chain import PIPELINE
@@ -134,14 +135,16 @@ def check_images(rt: Runtime, ckpt_step: int, repair: bool) -> None:
 def quarantine_from(run: RunDir, step: int) -> None:
     """Move step `step` and everything after it (stages, trajectories, checkpoints) aside."""
     dest = run.quarantine / time.strftime("%Y%m%d-%H%M%S")
-    dest.mkdir(parents=True, exist_ok=True)
     moves = [run.step_dir(s) for s in list_steps(run.stages) if s >= step]
     moves += [run.trajectory_dir(s) for s in list_steps(run.trajectories) if s >= step]
     moves += [c.path for c in writer.list_committed(run.checkpoints) if c.step >= step]
+    # The directories are all the space a quarantine takes (renames take none): made first,
+    # so a full file system or a spent quota stops the repair before it has moved anything.
+    with writing(dest):
+        for parent in {dest / p.parent.name for p in moves} | {dest}:
+            parent.mkdir(parents=True, exist_ok=True)
     for p in sorted(moves):
-        target = dest / p.parent.name / p.name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(p, target)
+        os.replace(p, dest / p.parent.name / p.name)
     for d in {p.parent for p in moves}:
         fsync_dir(d)
     events().write("repair", from_step=step, quarantine=str(dest))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import pyarrow as pa
 import torch
@@ -27,6 +28,7 @@ from rftpipe.stages.base import NoSideEffects, Rows, Runtime, StageOutput, StepP
 from rftpipe.stages.generation import DECODE_KEYS
 from rftpipe.stages.images import prompt_inputs, store_images, with_image_refs
 from rftpipe.stages.routes import with_routes
+from rftpipe.storage.agreed import write_then_agree
 from rftpipe.storage.branch_rows import BRANCH, BRANCHES
 from rftpipe.storage.layout import schema_version
 from rftpipe.storage.routes import MANIFEST_KEY, META_KEY, ROUTES, RouteShape
@@ -396,14 +398,19 @@ class _StoreLog:
             # As a stage's shards and manifest say it (`rftpipe.run.executor`).
             meta[META_KEY] = json.dumps(shape.to_meta(), sort_keys=True)
             manifest[MANIFEST_KEY] = shape.to_meta()
-        t.store.write_shard(step, name, t.dist.rank, table, meta)
-        t.dist.barrier()
-        if t.dist.is_main:
-            t.store.commit(step, name, t.dist.world, manifest)
-            if k > 1:
-                # The newer turn holds every episode: the older one is not read again.
-                t.store.uncommit(step, t.name(k - 1))
-        t.dist.barrier()
+        # A full disk on any rank stops every rank alike, said once (`write_then_agree`).
+        write_then_agree(t.dist, partial(t.store.write_shard, step, name, t.dist.rank, table, meta))
+        write_then_agree(
+            t.dist, partial(self._commit, step, k, manifest) if t.dist.is_main else None
+        )
+
+    def _commit(self, step: int, k: int, manifest: dict[str, object]) -> None:
+        """Commit turn `k`'s stage and drop turn `k - 1`'s (rank 0)."""
+        t = self.turns
+        t.store.commit(step, t.name(k), t.dist.world, manifest)
+        if k > 1:
+            # The newer turn holds every episode: the older one is not read again.
+            t.store.uncommit(step, t.name(k - 1))
 
     def any(self, flag: bool) -> bool:
         return self.turns.dist.any(flag)

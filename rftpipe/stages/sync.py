@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections.abc import Callable, Mapping
@@ -18,8 +19,10 @@ from rftpipe.engines import lora
 from rftpipe.engines.rollout.base import RolloutEngine
 from rftpipe.engines.rollout.vllm import VLLMEngine
 from rftpipe.engines.train.base import TrainEngine
+from rftpipe.space import writing
 from rftpipe.stages import StageName
 from rftpipe.stages.base import Rows, Runtime, StageOutput, StepPlan
+from rftpipe.storage.agreed import write_then_agree
 
 
 def run(
@@ -50,11 +53,9 @@ def run(
         parent = via or lora_dir
         assert parent is not None, "vLLM takes LoRA adapters from a directory"
         target = parent / f"lora-v{version}"
-        if dist.is_main:
-            _publish(
-                target, lambda tmp: lora.save_adapter(weights, lora_cfg, "", tmp, vision=vision)
-            )
-        dist.barrier()
+        _publish(
+            dist, target, lambda tmp: lora.save_adapter(weights, lora_cfg, "", tmp, vision=vision)
+        )
         engine.update_adapter(target, version)
         return
     if lora_cfg is not None and weights is not getattr(engine, "model", None):
@@ -63,25 +64,38 @@ def run(
         engine.update_weights(weights, version)
         return
     target = via / f"v{version}"
-    if dist.is_main:
-        _publish(target, lambda tmp: write_weights(weights, tmp))
-    dist.barrier()
+    _publish(dist, target, lambda tmp: write_weights(weights, tmp))
     engine.update_weights(target, version)
 
 
-def _publish(target: Path, write: Callable[[Path], None]) -> None:
+def _publish(dist: Dist, target: Path, write: Callable[[Path], None]) -> None:
+    """On rank 0, `_replace_with(target, write)`; every rank waits for it, and a full file
+    system or a spent quota there is raised on every rank alike (`write_then_agree`)."""
+    here = functools.partial(_replace_with, target, write) if dist.is_main else None
+    write_then_agree(dist, here)
+
+
+def _replace_with(target: Path, write: Callable[[Path], None]) -> None:
     """Replace every older version under `target.parent` with `target`, written whole (by
     `write`, into a temporary directory) before it appears under its name (a reader never
-    sees half a directory)."""
+    sees half a directory). A full file system or a spent quota stops the run naming
+    `target` (`rftpipe.space.writing`)."""
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
     # The engines loaded every older version before this step's collective began.
     for old in parent.iterdir():
         shutil.rmtree(old)
-    tmp = parent / f".{target.name}.tmp"
-    tmp.mkdir()
-    write(tmp)
-    tmp.rename(target)
+    with writing(target):
+        tmp = parent / f".{target.name}.tmp"
+        tmp.mkdir()
+        try:
+            write(tmp)
+        except BaseException:
+            # A full disk or a stop: the half-written version goes (a reader never sees it;
+            # the next start writes it again).
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        tmp.rename(target)
 
 
 def write_weights(weights: torch.nn.Module | Mapping[str, torch.Tensor], tmp: Path) -> None:

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rftpipe.atomic import TMP_PREFIX, CorruptionError, atomic_write_bytes, fsync_dir
+from rftpipe.space import writing
 from rftpipe.storage.layout import IMAGES_COLUMN
 
 IMAGES_DIR = "images"
@@ -155,7 +156,8 @@ def quarantine_corrupt_images(run_root: Path, quarantine: Path) -> list[Path]:
         os.unlink(tmp)
     moved = [e.path for e in verify_images(run_root)]
     if moved:
-        quarantine.mkdir(parents=True, exist_ok=True)
+        with writing(quarantine):  # its directory is all the space it takes
+            quarantine.mkdir(parents=True, exist_ok=True)
     for path in moved:
         os.replace(path, quarantine / path.name)
         fsync_dir(path.parent)

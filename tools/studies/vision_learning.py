@@ -98,9 +98,10 @@ FRESH = (
 frozen: five of `write_dataset` (two files, one per colour) and six of
 `write_user_dataset` (one verl Parquet file, colours shuffled, the noise's standard
 deviation 48 or 96)."""
-FRESH_IN_CI = (0, 5)
-"""The fresh datasets, one per generator, that tests/test_vision_pipeline.py's learning
-test runs."""
+FRESH_IN_CI = (5,)
+"""The fresh dataset that tests/test_vision_pipeline.py's learning test runs: one of
+`write_user_dataset`, built as a new user built the task that the recipe first failed on
+(the other generator's datasets run in this study only, to keep CI's time)."""
 
 
 def parse_spec(spec: str) -> dict[str, Any]:

@@ -138,3 +138,24 @@ class SmallFS:
             raise RuntimeError(f"cp {inside} {outside}: {out.stderr.strip()}")
         # Files made in the namespace belong to this user outside already; nothing to chown.
         assert os.path.exists(outside)
+
+
+PLAIN_UID = 1000
+"""The user id that `as_plain_user` runs a command as, inside its namespace."""
+
+
+def as_plain_user(cmd: list[str]) -> list[str]:
+    """`cmd` run by a user without root's power over file permissions, even where the tests
+    run as root: this user becomes `PLAIN_UID` of a user namespace of its own, where it
+    still owns its files but holds no capability (dropped at exec, as for any uid but 0),
+    so a file whose write bit is off refuses it with EACCES. Where user namespaces are not
+    allowed, raises `Unavailable`."""
+    probe = subprocess.run(
+        ["unshare", "--user", f"--map-user={PLAIN_UID}", f"--map-group={PLAIN_UID}", "true"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if probe.returncode:
+        raise Unavailable(f"unshare --user --map-user failed: {probe.stderr.strip()}")
+    return ["unshare", "--user", f"--map-user={PLAIN_UID}", f"--map-group={PLAIN_UID}", *cmd]
