@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import signal
+import time
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,14 @@ from helpers import submit
 from jobs import status
 from rftpipe.events import EventLog, set_event_log
 from rftpipe.run.idle_starts import idle_starts
-from rftpipe.run.preemption import RequeuePolicy, job_end, requeue_job, start_job
+from rftpipe.run.preemption import (
+    DEADLINE_MARGIN_S,
+    RequeuePolicy,
+    StopFlag,
+    job_end,
+    requeue_job,
+    start_job,
+)
 from rftpipe.storage.layout import RunDir
 
 
@@ -130,3 +139,28 @@ def test_status_says_why_the_job_was_not_requeued(tmp_path: Path, slurm_task, ca
     out = capsys.readouterr().out
     assert "not requeued: slurm job 42: 1 start committed nothing" in out
     assert "no stage began" in out
+
+
+def test_the_watchdog_requeues_before_the_end_without_a_usr2(
+    slurm_task: RequeuePolicy, tmp_path: Path
+) -> None:
+    """Armed at the start, not by USR2: a job whose USR2 never comes (slurmctld sends it
+    from a periodic loop, and a loaded one sent a requeued job's only with its time limit)
+    is still requeued `DEADLINE_MARGIN_S` before its end, not killed TIMEOUT. A stand-in
+    `scontrol` gives the job an end 1.5 s past the margin (no Slurm in the fast tier)."""
+    end = datetime.now() + timedelta(seconds=DEADLINE_MARGIN_S + 1.5)
+    bin_dir = tmp_path / "no-bin"  # the fixture's PATH
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho 'JobId=42 EndTime={end:%Y-%m-%dT%H:%M:%S}'\n")
+    scontrol.chmod(0o755)
+    called: list[int] = []
+    stop = StopFlag()
+    t0 = time.monotonic()
+    stop.arm_deadline(lambda signum: called.append(signum) or 0)
+    while not called and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert called == [signal.SIGUSR2] and stop.signum == 0  # no signal was ever received
+    assert time.monotonic() - t0 > 0.4  # it waited for the margin, not at once
+    (e,) = [json.loads(x) for x in slurm_task.events_path.read_text().splitlines()]
+    assert (e["event"], e["signal"], e["at"]) == ("stop", "none", "the job's end, mid-stage")

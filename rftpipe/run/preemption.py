@@ -9,9 +9,9 @@ the job when `rftpipe.run.slurm_job.decide_requeue` says so (the policy is descr
 and the requeued job resumes at the first uncommitted stage.
 
 A stage that cannot reach its boundary before the job's end (USR2 came `--signal-delay`
-seconds early, the stage needs longer) would otherwise be killed at the time limit and the
-job end TIMEOUT, never requeued: rank 0's watchdog requeues it `DEADLINE_MARGIN_S` before
-the end instead, abandoning the stage (its files are uncommitted; the next start removes
+seconds early, the stage needs longer; or USR2 came late, or not at all) would otherwise
+be killed at the time limit and the job end TIMEOUT, never requeued: rank 0's watchdog,
+armed at the start, requeues it `DEADLINE_MARGIN_S` before the end instead, abandoning the stage (its files are uncommitted; the next start removes
 them). Starts that commit nothing count against `launch.max_idle_requeues`
 (`rftpipe.run.idle_starts`): past it the job ends FAILED rather than loop.
 """
@@ -96,14 +96,16 @@ class StopFlag:
             signal.signal(sig, self._handle)
 
     def arm_deadline(self, requeue: Callable[[int], int]) -> None:
-        """On the job's first rank: if no boundary is reached between USR2 and
-        `DEADLINE_MARGIN_S` before the job's end, call `requeue(signum)` then, and exit with
-        its code when it is not 0 (the job then ends FAILED, not TIMEOUT)."""
+        """On the job's first rank: if the run has not stopped at a boundary by
+        `DEADLINE_MARGIN_S` before the job's end, call `requeue(SIGUSR2)` then, and exit
+        with its code when it is not 0 (the job then ends FAILED, not TIMEOUT). Armed from
+        the start, not from USR2: slurmctld sends `--signal` from a periodic loop, and on a
+        loaded controller a requeued job's USR2 came only with its time limit (the local
+        cluster under the whole test suite, 2026-12-03), too late to requeue it."""
         if os.environ.get("SLURM_PROCID", "0") != "0":
             return
         self._on_deadline = requeue
-        if self.signum == signal.SIGUSR2:  # the signal came while the run was loading
-            self._watch()
+        self._watch()
 
     def _handle(self, signum: int, _frame: object) -> None:
         self.received_at = self.received_at or time.time()
@@ -121,10 +123,19 @@ class StopFlag:
     def _deadline(self) -> None:
         job = SlurmJob.from_env()
         end = None if job is None else job_end(job_info(job.job_id))
-        if end is None or self._taken.wait(max(0.0, end - DEADLINE_MARGIN_S - time.time())):
+        while end is not None:
+            if self._taken.wait(max(0.0, end - DEADLINE_MARGIN_S - time.time())):
+                return
+            # The time limit may have been raised meanwhile (`scontrol update`).
+            later = job_end(job_info(job.job_id)) if job is not None else None
+            if later is None or later <= end + 1.0:
+                break
+            end = later
+        if end is None:
             return
         assert self._on_deadline is not None
-        events().write("stop", signal="SIGUSR2", at="the job's end, mid-stage", abandoned=True)
+        seen = signal.Signals(self.signum).name if self.signum else "none"
+        events().write("stop", signal=seen, at="the job's end, mid-stage", abandoned=True)
         log.warning("no stage boundary before the job's end: requeueing mid-stage")
         code = self._on_deadline(signal.SIGUSR2)
         if code:
