@@ -9,9 +9,11 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -121,9 +123,10 @@ def run_lines(stderr: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def small_fs(where: Path, size: int = 64 << 20) -> Iterator[Any]:
+def small_fs(where: Path, size: int = 64 << 20, *, warm: bool = False) -> Iterator[Any]:
     """A `SmallFS` of `size` bytes at `where`. Where none can be made the test skips, and
-    fails under CI, which must run it."""
+    fails under CI, which must run it. `warm`: with a warm interpreter inside its namespace
+    (`warm_forks`) that `submit_on` forks its runs from."""
     from tools.testing.small_fs import SmallFS, Unavailable
 
     try:
@@ -133,9 +136,41 @@ def small_fs(where: Path, size: int = 64 << 20) -> Iterator[Any]:
             pytest.fail(f"CI is set and no small file system can be made here: {exc}")
         pytest.skip(str(exc))
     try:
-        yield fs
+        with warm_forks(fs) if warm else contextlib.nullcontext():
+            yield fs
     finally:
         fs.__exit__()
+
+
+@contextlib.contextmanager
+def warm_forks(fs: Any) -> Iterator[None]:
+    """A warm interpreter (tools/testing/zygote.py) started inside `fs`'s namespace, whose
+    forks see its file system, set as `fs.warm`: the suite's own server, outside the
+    namespace, cannot serve runs on it. A run there would otherwise be two new interpreters
+    (the launcher and its rank) importing torch and transformers each start, and the
+    full-disk tests start a run a dozen times."""
+    from tools.testing import zygote
+
+    sock = Path(tempfile.mkdtemp(prefix="rftpipe-zg-")) / "sock"  # AF_UNIX: a short path
+    env = {**os.environ, zygote.ENV: str(sock)}
+    server = fs.popen(
+        [sys.executable, "-m", "tools.testing.zygote", "serve", str(sock)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not sock.exists() and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    fs.warm = {"RFTPIPE_WORKER_VIA": "tools.testing.zygote", zygote.ENV: str(sock)}
+    try:
+        yield
+    finally:
+        fs.warm = {}
+        server.terminate()
+        server.wait(timeout=60)
+        shutil.rmtree(sock.parent, ignore_errors=True)
 
 
 def fault_env(fs: Any, mode: str, part: str) -> dict[str, str]:
@@ -151,24 +186,40 @@ def fault_env(fs: Any, mode: str, part: str) -> dict[str, str]:
 def submit_on(
     fs: Any, run_dir: Path, *overrides: str, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """`submit` inside `fs`'s namespace (new interpreters: no warm forks from outside it).
-    `overrides` may begin with `jobs.submit`'s own flags."""
-    cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--run-dir", str(run_dir)]
-    cmd += ["--config", str(TINY), *overrides]
-    full = {**os.environ, **(env or {}), "RFTPIPE_WORKER_VIA": ""}
-    return fs.run(cmd, cwd=ROOT, env=full, timeout=600)
+    """`submit` inside `fs`'s namespace: forks of its warm interpreter (`fs.warm`), else new
+    interpreters (none from outside it). `overrides` may begin with `jobs.submit`'s flags."""
+    cmd, full = namespace_submit(fs, run_dir, *overrides, env=env)
+    return fs.run(cmd, env=full, cwd=ROOT, timeout=600)
+
+
+def namespace_submit(
+    fs: Any, run_dir: Path, *overrides: str, env: dict | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of `submit_on` (for a test that starts it itself)."""
+    via = ["tools.testing.zygote"] if fs.warm else []
+    cmd = [sys.executable, "-m", *via, "jobs.submit", "--cluster", "local"]
+    cmd += ["--run-dir", str(run_dir), "--config", str(TINY), *overrides]
+    return cmd, {**os.environ, **(env or {}), "RFTPIPE_WORKER_VIA": "", **fs.warm}
 
 
 def each_fault_stops_then_resumes(
-    where: Path, size: int, part: str, overrides: tuple[str, ...], env: dict, copy: Path
+    where: Path,
+    size: int,
+    part: str,
+    overrides: tuple[str, ...],
+    env: dict,
+    copy: Path,
+    *,
+    warm: bool = True,
 ) -> Path:
     """A run on a `SmallFS` of `size` bytes at `where` meets the first write of a path
     containing `part` failing in each of `FAULT_MODES` in turn, one start each: one line
     naming the run's `part` (a leading "/" dropped), exit 75, and no temporary file outside its checkpoints. With the space back
-    (the ballast emptied) the same command ends; the finished run is copied to `copy`."""
+    (the ballast emptied) the same command ends; the finished run is copied to `copy`.
+    `warm`: the runs forked from a warm interpreter in the namespace (`warm_forks`)."""
     from rftpipe.space import EXIT_NO_SPACE
 
-    with small_fs(where, size) as fs:
+    with small_fs(where, size, warm=warm) as fs:
         run = fs.mountpoint / "run"
         for mode in FAULT_MODES:
             out = submit_on(fs, run, *overrides, env={**env, **fault_env(fs, mode, part)})

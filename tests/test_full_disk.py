@@ -46,15 +46,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[SmallFS]:
-    with helpers.small_fs(tmp_path / "fs", SIZE) as fs:
+    with helpers.small_fs(tmp_path / "fs", SIZE, warm=True) as fs:
         yield fs
 
 
 def _submit(fs: SmallFS, run: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    """`jobs.submit` inside the namespace (its ranks too: no warm forks from outside it)."""
-    cmd = [sys.executable, "-m", "jobs.submit", "--cluster", "local", "--run-dir", str(run)]
-    cmd += ["--config", str(TINY), *STEPS, *extra]
-    full = {**os.environ, "RFTPIPE_WORKER_VIA": "", **(env or {})}
+    """`jobs.submit` inside the namespace, it and its ranks forks of the warm interpreter
+    there (`helpers.warm_forks`)."""
+    cmd, full = helpers.namespace_submit(fs, run, *STEPS, *extra, env=env)
     return fs.popen(
         cmd, cwd=ROOT, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

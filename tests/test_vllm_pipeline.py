@@ -109,7 +109,7 @@ def test_disk_weight_sync_matches_memory(two_ranks: Path, tmp_path: Path) -> Non
     overrides = ("--tasks-per-node", "2", *VLLM, "train.backend=fsdp2", "total_steps=3")
     overrides += ("rollout.inference.weight_sync=disk",)
     disk = each_fault_stops_then_resumes(
-        tmp_path / "fs", 64 << 20, "/sync/v1", overrides, {}, tmp_path / "disk"
+        tmp_path / "fs", 64 << 20, "/sync/v1", overrides, {}, tmp_path / "disk", warm=False
     )
     runs = {"memory": trajectories(two_ranks), "disk": trajectories(disk)}
     for col in ("prompt_id", "response_token_ids", "logprobs", "reward", "advantages"):

@@ -34,6 +34,10 @@ class SmallFS:
         self.mountpoint = Path(mountpoint)
         self.size = size
         self._holder: subprocess.Popen | None = None
+        self.warm: dict[str, str] = {}
+        """The environment that makes a run a fork of a warm interpreter inside the
+        namespace (tools/testing/zygote.py), where one was started (`tests/helpers.
+        small_fs(warm=True)`); empty: new interpreters."""
 
     def __enter__(self) -> SmallFS:
         for tool in ("unshare", "nsenter", "mount"):
