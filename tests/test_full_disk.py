@@ -280,8 +280,13 @@ def test_a_file_that_loses_its_write_permission_stops_with_one_line_and_resumes(
 
 
 def test_inspect_html_onto_a_full_disk_fails_with_one_line_and_leaves_nothing(
-    small_fs: SmallFS, reference: Path
+    reference: Path, tmp_path: Path
 ) -> None:
+    with helpers.small_fs(tmp_path / "fs", SIZE) as fs:  # no run here: no warm interpreter
+        _inspect_html_onto(fs, reference)
+
+
+def _inspect_html_onto(small_fs: SmallFS, reference: Path) -> None:
     small_fs.fill(leave=0)
     page = small_fs.mountpoint / "pages" / "samples.html"
     cmd = [sys.executable, "-m", "rftpipe.inspect", str(reference), "html", "--out", str(page)]
