@@ -70,7 +70,7 @@ def execute(rt: Runtime, plan: StepPlan, stage: Stage, state: StepState) -> None
     write_then_agree(dist, shard)
     manifest = {**out.extra, "seconds": t1 - t0, "memory": mem}
     commit = partial(store.commit, step, stage.name, dist.world, manifest, publish=stage.publish)
-    write_then_agree(dist, commit if dist.is_main else None)
+    write_then_agree(dist, commit, main_only=True)
     state.manifests[stage.name] = manifest
     if out.rows is not None:
         table = out.rows

@@ -11,8 +11,8 @@ and the requeued job resumes at the first uncommitted stage.
 A stage that cannot reach its boundary before the job's end (USR2 came `--signal-delay`
 seconds early, the stage needs longer; or USR2 came late, or not at all) would otherwise
 be killed at the time limit and the job end TIMEOUT, never requeued: rank 0's watchdog,
-armed at the start, requeues it `DEADLINE_MARGIN_S` before the end instead, abandoning the stage (its files are uncommitted; the next start removes
-them). Starts that commit nothing count against `launch.max_idle_requeues`
+armed at the start, requeues it `DEADLINE_MARGIN_S` before the end instead, abandoning
+the stage (its files are uncommitted; the next start removes them). Starts that commit nothing count against `launch.max_idle_requeues`
 (`rftpipe.run.idle_starts`): past it the job ends FAILED rather than loop.
 """
 
@@ -122,17 +122,16 @@ class StopFlag:
 
     def _deadline(self) -> None:
         job = SlurmJob.from_env()
-        end = None if job is None else job_end(job_info(job.job_id))
-        while end is not None:
-            if self._taken.wait(max(0.0, end - DEADLINE_MARGIN_S - time.time())):
-                return
+        if job is None or (end := job_end(job_info(job.job_id))) is None:
+            return
+        while not self._taken.wait(max(0.0, end - DEADLINE_MARGIN_S - time.time())):
             # The time limit may have been raised meanwhile (`scontrol update`).
-            later = job_end(job_info(job.job_id)) if job is not None else None
+            later = job_end(job_info(job.job_id))
             if later is None or later <= end + 1.0:
                 break
             end = later
-        if end is None:
-            return
+        else:
+            return  # the run stopped at a boundary
         assert self._on_deadline is not None
         seen = signal.Signals(self.signum).name if self.signum else "none"
         events().write("stop", signal=seen, at="the job's end, mid-stage", abandoned=True)

@@ -400,9 +400,7 @@ class _StoreLog:
             manifest[MANIFEST_KEY] = shape.to_meta()
         # A full disk on any rank stops every rank alike, said once (`write_then_agree`).
         write_then_agree(t.dist, partial(t.store.write_shard, step, name, t.dist.rank, table, meta))
-        write_then_agree(
-            t.dist, partial(self._commit, step, k, manifest) if t.dist.is_main else None
-        )
+        write_then_agree(t.dist, partial(self._commit, step, k, manifest), main_only=True)
 
     def _commit(self, step: int, k: int, manifest: dict[str, object]) -> None:
         """Commit turn `k`'s stage and drop turn `k - 1`'s (rank 0)."""

@@ -71,8 +71,7 @@ def run(
 def _publish(dist: Dist, target: Path, write: Callable[[Path], None]) -> None:
     """On rank 0, `_replace_with(target, write)`; every rank waits for it, and a full file
     system or a spent quota there is raised on every rank alike (`write_then_agree`)."""
-    here = functools.partial(_replace_with, target, write) if dist.is_main else None
-    write_then_agree(dist, here)
+    write_then_agree(dist, functools.partial(_replace_with, target, write), main_only=True)
 
 
 def _replace_with(target: Path, write: Callable[[Path], None]) -> None:

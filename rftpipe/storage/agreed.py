@@ -16,13 +16,15 @@ from rftpipe.dist import Dist
 from rftpipe.space import NoSpace
 
 
-def write_then_agree(dist: Dist, write: Callable[[], object] | None) -> None:
-    """Run `write` on this rank (None: this rank writes nothing), then wait for every rank's.
-    A write that found no space, no quota or no permission (`NoSpace`) on any rank is raised
-    on every rank alike, naming the lowest failing rank's path, as `NoSpace.collective`
-    (said once, by rank 0)."""
+def write_then_agree(
+    dist: Dist, write: Callable[[], object] | None, *, main_only: bool = False
+) -> None:
+    """Run `write` on this rank (None, or `main_only` on another rank than 0: this rank
+    writes nothing), then wait for every rank's. A write that found no space, no quota or
+    no permission (`NoSpace`) on any rank is raised on every rank alike, naming the lowest
+    failing rank's path, as `NoSpace.collective` (said once, by rank 0)."""
     failed: NoSpace | None = None
-    if write is not None:
+    if write is not None and (dist.is_main or not main_only):
         try:
             write()
         except NoSpace as exc:
