@@ -261,6 +261,16 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "export" / "model.safetensors")
 
 
+def weights_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """|a - b| / |a| over the whole model: the measure for two runs that sum gradients in
+    another order (another world size). Per element it would not do: AdamW divides by the
+    gradient's own scale, so a weight whose gradient is near zero takes summation-order
+    noise in as a change of its step's direction."""
+    assert a.keys() == b.keys()
+    num = sum(float((a[k].float() - b[k].float()).pow(2).sum()) for k in a) ** 0.5
+    return num / sum(float(a[k].float().pow(2).sum()) for k in a) ** 0.5
+
+
 def committed_hash(run_dir: Path) -> str:
     """Hash of every committed file (stage dirs, trajectories, checkpoints, config); a
     resume's pending config.next.yaml is not committed until its checks pass, and the

@@ -19,6 +19,7 @@ from helpers import (
     submit,
     trajectories,
     two_ranks_then_one,
+    weights_rel_diff,
 )
 from safetensors.torch import load_file
 
@@ -115,12 +116,6 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    num = sum(float((a[k].float() - b[k].float()).pow(2).sum()) for k in a) ** 0.5
-    return num / sum(float(a[k].float().pow(2).sum()) for k in a) ** 0.5
-
-
 @pytest.mark.slow
 def test_critic_learns_and_warmup_freezes_the_actor(tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -152,7 +147,7 @@ def test_critic_learns_and_warmup_freezes_the_actor(tmp_path: Path) -> None:
     init = load_value_model(prepare_tiny(), "float32", head_seed(0)).state_dict()
     init = {f"critic.model.{k}": v for k, v in init.items()}
     trained = checkpoint_tensors(ckpt / "step=6", "critic.model.")
-    assert _rel_diff(init, trained) > 1e-3
+    assert weights_rel_diff(init, trained) > 1e-3
     head = "critic.model.value_head.weight"
     assert not torch.equal(init[head], trained[head])
     # The actor did not move during the warm-up: step 2's checkpoint holds its initial weights.
@@ -192,7 +187,7 @@ def test_critic_one_and_two_ranks_agree(tmp_path: Path) -> None:
     for prefix in ("critic.model.", "engine.model."):
         wa = checkpoint_tensors(runs[1] / "checkpoints" / "step=3", prefix)
         wb = checkpoint_tensors(runs[2] / "checkpoints" / "step=3", prefix)
-        assert _rel_diff(wa, wb) < 1e-5, prefix
+        assert weights_rel_diff(wa, wb) < 1e-5, prefix
 
 
 @pytest.mark.slow
@@ -209,7 +204,7 @@ def test_critic_on_deepspeed_matches_single_device(tmp_path: Path) -> None:
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), key
     wa = checkpoint_tensors(runs["single"] / "checkpoints" / "step=3", "critic.model.")
     wb = checkpoint_tensors(runs["deepspeed"] / "checkpoints" / "step=3", "critic.model.")
-    assert _rel_diff(wa, wb) < 1e-5
+    assert weights_rel_diff(wa, wb) < 1e-5
 
 
 @pytest.mark.slow
