@@ -30,6 +30,7 @@ from helpers import (
     final_weights,
     submit,
     trajectories,
+    weights_rel_diff,
 )
 from safetensors.torch import load_file
 
@@ -72,13 +73,6 @@ ROW = [
 
 def _ok(out) -> None:  # out: subprocess.CompletedProcess
     assert out.returncode == 0, out.stderr[-3000:]
-
-
-def _rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """|a - b| / |a| over every tensor (tests/test_distributed.py's measure)."""
-    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in a) ** 0.5
-    den = sum(float(a[k].pow(2).sum()) for k in a) ** 0.5
-    return num / den
 
 
 def _initial_weights() -> dict[str, torch.Tensor]:
@@ -136,7 +130,7 @@ def test_routes_are_committed_and_the_policy_moves(reference: Callable[[str, str
         assert len(row["routes"]) == fed * 2 * 2
         assert max(row["routes"]) < 4
     assert any(a != 0 for adv in table.column("advantages").to_pylist() for a in adv)
-    assert _rel_diff(_initial_weights(), final_weights(run)) > 1e-3
+    assert weights_rel_diff(_initial_weights(), final_weights(run)) > 1e-3
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     for m in metrics:
         assert 0 < m["moe/agreement"] <= 1, m["moe/agreement"]
@@ -151,7 +145,7 @@ def test_two_ranks_end_like_one(backend: str, reference: Callable[[str, str], Pa
     one, two = reference("r3", "single"), reference("r3", backend)
     assert trajectories(two).select(ROW).equals(trajectories(one).select(ROW))
     assert set(trajectories(two).column("rank").to_pylist()) == {0, 1}
-    assert _rel_diff(final_weights(one), final_weights(two)) < 1e-5
+    assert weights_rel_diff(final_weights(one), final_weights(two)) < 1e-5
 
 
 @pytest.mark.parametrize("mode", ["r3", "r2"])
@@ -181,7 +175,7 @@ def test_sequence_parallel_slices_replay_their_rows_routes(
         ex, ey = (np.frombuffer(b"".join(r), np.uint8) for r in (x, y))
         assert ex.shape == ey.shape and (ex == ey).mean() > 0.99, (ex == ey).mean()
         bound = 1e-5 if x == y else 2e-2
-    assert _rel_diff(final_weights(one), final_weights(sp)) < bound
+    assert weights_rel_diff(final_weights(one), final_weights(sp)) < bound
     # The slices replayed (the agreement is logged only over replayed positions) the
     # routes of their own positions: at step 1 (from the same initial weights) the live
     # router agrees with them as often as on two ranks without SP (the same right-padded
